@@ -1,0 +1,214 @@
+"""The algorithm seam.
+
+An algorithm is a small class with server hooks and client hooks.  The engine owns the round loop
+and never names an algorithm; an algorithm never runs the loop.
+
+Server side (may read and return server state):
+    ``init_state`` → ``select_clients`` → ``configure_fit`` → [clients] → ``exchange`` →
+    ``aggregate_fit`` → ``global_model`` / ``configure_evaluate``.
+Client side (pure: a function of payload, the client's own persistent state, its data and a
+generator; never sees server state):
+    ``fit(payload, client_state, data, gen) -> (result, client_state)``
+    ``evaluate(payload, client_state, data, gen) -> metrics``
+
+A round may have several *stages* (FedMA matches one layer per stage); ``RoundInfo.stage`` says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedfuse.engine.client import EvalStats, TrainConfig, evaluate_model, train_flops_per_sample, train_local
+from fedfuse.types import ClientData, Message, TensorDict
+
+ClientState = dict[str, Any] | None
+ServerState = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """Where the loop is: 0-based round index, stage within the round, and the planned total."""
+
+    index: int
+    total: int
+    stage: int = 0
+
+
+@dataclass
+class RunContext:
+    """Static facts every hook may read: how to build the model, local training settings, client sizes.
+
+    Holds no data and no mutable server state.  ``model(meta)`` returns a module for the architecture a
+    payload describes (``meta["model_options"]`` may override widths, e.g. FedMA's grown layers); modules
+    are cached per architecture so loading a payload costs a ``load_state_dict``, not a rebuild.
+    """
+
+    model_name: str
+    model_options: dict[str, Any]
+    input_shape: tuple[int, ...]
+    num_classes: int
+    task: str
+    train: TrainConfig
+    num_clients: int
+    clients_per_round: int
+    client_sizes: np.ndarray
+    seed: int
+    device: torch.device
+    eval_batch_size: int = 512
+    client_groups: list[int] | None = None
+    _cache: dict[str, nn.Module] = field(default_factory=dict, repr=False)
+
+    def build(self, overrides: Mapping[str, Any] | None = None) -> nn.Module:
+        """A freshly initialised model (uses the global torch RNG: seed it first)."""
+        from fedfuse.models import build_model
+
+        opts = {**self.model_options, **(overrides or {})}
+        return build_model(self.model_name, self.input_shape, self.num_classes, task=self.task, **opts).to(
+            self.device
+        )
+
+    def model(self, meta: Mapping[str, Any] | None = None) -> nn.Module:
+        """A cached module of the architecture named by ``meta.get("model_options")``."""
+        overrides = (meta or {}).get("model_options") or {}
+        key = json.dumps(overrides, sort_keys=True, default=str)
+        if key not in self._cache:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                self._cache[key] = self.build(overrides)
+        return self._cache[key]
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None) -> nn.Module:
+        """The cached module with ``tensors`` loaded (strict: every state entry must be present)."""
+        m = self.model(meta)
+        m.load_state_dict(tensors, strict=True)
+        return m
+
+    def param_keys(self, meta: Mapping[str, Any] | None = None) -> set[str]:
+        return {k for k, _ in self.model(meta).named_parameters()}
+
+
+def state_of(model: nn.Module) -> TensorDict:
+    """A detached copy of the full state (parameters and buffers)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class Algorithm:
+    """Base class; subclasses set ``name``, ``description`` and optionally an ``Options`` dataclass."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    personalized: ClassVar[bool] = False  # personal models differ from the global one
+
+    @dataclass
+    class Options:
+        pass
+
+    def __init__(self, ctx: RunContext, options: Any | None = None) -> None:
+        self.ctx = ctx
+        self.opt = options if options is not None else self.Options()
+
+    # ---- options -------------------------------------------------------------------------------
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                for f in dataclasses.fields(cls.Options)}
+
+    # ---- server hooks --------------------------------------------------------------------------
+    def init_state(self) -> ServerState:
+        """Initial server state: named tensors and plain data (checkpointed as is)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.ctx.seed)
+            return {"global": state_of(self.ctx.build())}
+
+    def init_client_state(self, cid: int) -> ClientState:
+        """Persistent per-client state (kept by the engine, or by the client process under Flower)."""
+        return None
+
+    def num_stages(self, state: ServerState, info: RoundInfo) -> int:
+        return 1
+
+    def select_clients(self, info: RoundInfo, rng: np.random.Generator) -> list[int]:
+        """Uniform sampling without replacement of ``clients_per_round`` clients (sorted)."""
+        n, k = self.ctx.num_clients, min(self.ctx.clients_per_round, self.ctx.num_clients)
+        return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        msg = Message(state["global"])
+        return {c: msg for c in clients}
+
+    def exchange(self, info: RoundInfo, results: dict[int, Message]) -> tuple[dict[int, Message], int]:
+        """Client-to-client messages after local work (peer protocols); returns results and bytes moved."""
+        return results, 0
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        raise NotImplementedError
+
+    def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]] | None:
+        """The model evaluated on the global test set (tensors, meta), or None if there is none."""
+        return state["global"], {}
+
+    def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
+        g = self.global_model(state)
+        msg = Message() if g is None else Message(g[0], dict(g[1]))
+        return {c: msg for c in clients}
+
+    def server_parameters(self, state: ServerState) -> int:
+        """Model parameters the server holds (buffers excluded)."""
+        g = self.global_model(state)
+        if g is None:
+            return 0
+        keys = self.ctx.param_keys(g[1])
+        return int(sum(v.numel() for k, v in g[0].items() if k in keys))
+
+    # ---- client hooks --------------------------------------------------------------------------
+    def fit(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> tuple[Message, ClientState]:
+        raise NotImplementedError
+
+    def evaluate(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> dict[str, float]:
+        """Default personalised evaluation: the received model on the client's val and test splits."""
+        model = self.ctx.load(payload.tensors, payload.meta)
+        return evaluate_splits(model, data, self.ctx.eval_batch_size)
+
+    # ---- shared client helpers -----------------------------------------------------------------
+    def train_payload(
+        self, payload: Message, data: ClientData, gen: torch.Generator, **train_kwargs: Any
+    ) -> tuple[nn.Module, dict[str, Any]]:
+        """Load the payload model, train it locally, and return it with the standard result metadata."""
+        model = self.ctx.load(payload.tensors, payload.meta)
+        stats = train_local(model, data.train, self.ctx.train, gen, **train_kwargs)
+        return model, self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+
+    def fit_meta(self, model: nn.Module, data: ClientData, samples: int, steps: int, loss: float) -> dict:
+        flops = 0.0
+        if samples and len(data.train):
+            flops = train_flops_per_sample(model, data.train.x, data.train.y, key=(self.ctx.model_name,))
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return {
+            "num_examples": len(data.train),
+            "samples": int(samples),
+            "steps": int(steps),
+            "train_loss": float(loss),
+            "flops": float(flops * samples),
+            "trained_params": int(trained),
+        }
+
+
+def evaluate_splits(model: nn.Module, data: ClientData, batch_size: int = 512, predict=None) -> dict[str, float]:
+    """``val_*`` and ``test_*`` loss/accuracy/count of ``model`` on a client's own splits."""
+    out: dict[str, float] = {}
+    for name, split in (("val", data.val), ("test", data.test)):
+        st = evaluate_model(model, split, batch_size, predict) if len(split) else EvalStats()
+        out.update(st.as_dict(name))
+    return out

@@ -1,0 +1,34 @@
+"""FedAvg-FT ("FedAvg+"): FedAvg training; for personalised evaluation each client first fine-tunes the
+global model on its own training split for ``ft_epochs`` epochs (not sent back, not aggregated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedfuse.algorithms.base import ClientState, evaluate_splits
+from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.engine.client import train_local
+from fedfuse.types import ClientData, Message
+
+
+class FedAvgFT(FedAvg):
+    name = "fedavg-ft"
+    description = "FedAvg-FT (FedAvg+): FedAvg, then local fine-tuning before personalised evaluation"
+    personalized = True
+
+    @dataclass
+    class Options(FedAvg.Options):
+        ft_epochs: int = 1
+        ft_lr: float = 0.0  # 0 = the run's local learning rate
+
+    def evaluate(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> dict[str, float]:
+        model = self.ctx.load(payload.tensors, payload.meta)
+        train_local(
+            model, data.train, self.ctx.train, gen, epochs=int(self.opt.ft_epochs), lr=self.opt.ft_lr or None
+        )
+        return evaluate_splits(model, data, self.ctx.eval_batch_size)

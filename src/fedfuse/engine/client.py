@@ -1,0 +1,180 @@
+"""Client-side building blocks: local training, evaluation and FLOP counting.
+
+These are plain functions of (model, data, hyper-parameters, generator); algorithms compose them in
+their ``fit`` / ``evaluate`` hooks.  Nothing here knows about server state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfuse.types import Split
+
+ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local optimisation settings (one fresh optimiser per round, as in the seed papers' code)."""
+
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    optimizer: str = "sgd"  # "sgd" | "adam"
+    grad_clip: float = 0.0  # 0 = off
+    max_steps: int = 0  # 0 = no cap; otherwise stop after this many optimiser steps
+
+
+@dataclass
+class TrainStats:
+    steps: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / max(self.samples, 1)
+
+
+def task_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy for classification (B, C) and language modelling (B, L, V)."""
+    if logits.dim() == 3:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction=reduction)
+    return F.cross_entropy(logits, y, reduction=reduction)
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig, lr: float | None = None):
+    lr = cfg.lr if lr is None else lr
+    params = list(params)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose sgd or adam")
+
+
+def train_local(
+    model: nn.Module,
+    data: Split,
+    cfg: TrainConfig,
+    generator: torch.Generator,
+    *,
+    extra_loss: ExtraLoss | None = None,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    epochs: int | None = None,
+    lr: float | None = None,
+) -> TrainStats:
+    """Mini-batch training of ``model`` on ``data`` in place.
+
+    Batches are drawn by a permutation from ``generator`` each epoch (so the order is reproducible and
+    independent of any global RNG).  ``extra_loss(model, x, y, logits)`` adds a term (FedProx, contrastive
+    losses...).  ``params`` restricts the optimised parameters (FedMA freezes lower layers).
+    """
+    model.train()
+    n = len(data)
+    stats = TrainStats()
+    if n == 0:
+        return stats
+    opt = make_optimizer(model.parameters() if params is None else params, cfg, lr)
+    trainable = [p for g in opt.param_groups for p in g["params"]]
+    bs = min(cfg.batch_size, n)
+    epochs = cfg.local_epochs if epochs is None else epochs
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=generator).to(data.x.device)
+        for start in range(0, n, bs):
+            idx = perm[start : start + bs]
+            x, y = data.x[idx], data.y[idx]
+            logits = model(x)
+            loss = task_loss(logits, y)
+            total = loss if extra_loss is None else loss + extra_loss(model, x, y, logits)
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+            opt.step()
+            stats.steps += 1
+            stats.samples += int(idx.numel())
+            stats.loss_sum += float(loss.detach()) * int(idx.numel())
+            if cfg.max_steps and stats.steps >= cfg.max_steps:
+                return stats
+    return stats
+
+
+@dataclass
+class EvalStats:
+    loss_sum: float = 0.0
+    correct: int = 0
+    count: int = 0  # samples (classification) or tokens (LM)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.count if self.count else math.nan
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.count if self.count else math.nan
+
+    def as_dict(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}_loss": self.loss, f"{prefix}_accuracy": self.accuracy, f"{prefix}_count": self.count}
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: nn.Module,
+    data: Split,
+    batch_size: int = 512,
+    predict: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> EvalStats:
+    """Summed cross-entropy, correct predictions and count on ``data``.
+
+    ``predict(x)`` may replace ``model(x)`` and return *probabilities* (ensembles, mixtures); the loss is
+    then the negative log of the predicted probability.
+    """
+    model.eval()
+    st = EvalStats()
+    for start in range(0, len(data), batch_size):
+        x, y = data.x[start : start + batch_size], data.y[start : start + batch_size]
+        if predict is None:
+            out = model(x)
+            st.loss_sum += float(task_loss(out, y, reduction="sum"))
+        else:
+            out = predict(x)
+            lp = out.clamp_min(1e-12).log()
+            st.loss_sum += float(F.nll_loss(lp.reshape(-1, lp.shape[-1]), y.reshape(-1), reduction="sum"))
+        st.correct += int((out.argmax(-1) == y).sum())
+        st.count += int(y.numel())
+    return st
+
+
+_FLOP_CACHE: dict[tuple, float] = {}
+
+
+def train_flops_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor, key: tuple = ()) -> float:
+    """Forward + backward FLOPs of one training sample, counted with ``torch.utils.flop_counter``.
+
+    Counted once per (architecture key, input shape) on a batch of up to 8 samples and memoised; the
+    optimiser update (a few FLOPs per parameter) is not included.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    xb, yb = x[:8], y[:8]
+    ck = (key, type(model).__name__, tuple(xb.shape[1:]), sum(p.numel() for p in model.parameters()))
+    if ck not in _FLOP_CACHE:
+        was_training = model.training
+        model.train()
+        counter = FlopCounterMode(display=False)
+        with counter:
+            loss = task_loss(model(xb), yb)
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        _FLOP_CACHE[ck] = counter.get_total_flops() / max(int(xb.shape[0]), 1)
+    return _FLOP_CACHE[ck]

@@ -1,0 +1,402 @@
+"""The one round loop: select → configure → client work → exchange → fuse → evaluate → account → log →
+checkpoint.  It never names an algorithm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedfuse.algorithms import get_algorithm
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState
+from fedfuse.config import RunConfig, dump_yaml, resolve_device, validate
+from fedfuse.engine.client import TrainConfig, evaluate_model
+from fedfuse.engine.executor import Job, SequentialExecutor
+from fedfuse.rng import numpy_rng
+from fedfuse.types import Federation, Message
+
+CHECKPOINT = "checkpoint.pt"
+TIMING_KEYS = ("seconds", "wall_seconds")
+
+
+def build_federation(cfg: RunConfig, device: torch.device | str = "cpu") -> Federation:
+    """Load the dataset, partition it, and give every client its train/val/test splits."""
+    from fedfuse.data.datasets import load_dataset
+    from fedfuse.data.federation import build_federation as _build
+    from fedfuse.data.partition import make_partition
+
+    ds = load_dataset(cfg.dataset, cfg.data_dir, **cfg.dataset_options)
+    part = make_partition(cfg.partition, ds, cfg.clients, cfg.seed, **cfg.partition_options)
+    return _build(ds, part, seed=cfg.seed, val_fraction=cfg.val_fraction, device=device)
+
+
+def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunContext:
+    train = TrainConfig(
+        local_epochs=cfg.local_epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        optimizer=cfg.optimizer,
+        grad_clip=cfg.grad_clip,
+    )
+    return RunContext(
+        model_name=cfg.model,
+        model_options=dict(cfg.model_options),
+        input_shape=tuple(fed.input_shape),
+        num_classes=fed.num_classes,
+        task=fed.task,
+        train=train,
+        num_clients=fed.num_clients,
+        clients_per_round=cfg.clients_per_round,
+        client_sizes=fed.client_sizes(),
+        seed=cfg.seed,
+        device=device,
+        eval_batch_size=cfg.eval_batch_size,
+        client_groups=fed.groups(),
+    )
+
+
+def build_algorithm(cfg: RunConfig, ctx: RunContext) -> Algorithm:
+    cls = get_algorithm(cfg.algorithm)
+    return cls(ctx, cls.Options(**cfg.algorithm_options))
+
+
+@dataclass
+class Totals:
+    bytes_down: int = 0
+    bytes_up: int = 0
+    bytes_peer: int = 0
+    client_flops: float = 0.0
+    wall_seconds: float = 0.0
+
+
+class Experiment:
+    """One run: owns the federation, the algorithm, the executor, the outputs and the loop."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        fed: Federation | None = None,
+        executor: Any | None = None,
+        progress: bool = False,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = validate(cfg)
+        self.device = resolve_device(self.cfg.device)
+        self.fed = fed if fed is not None else build_federation(self.cfg, self.device)
+        self.ctx = build_context(self.cfg, self.fed, self.device)
+        self.algo = build_algorithm(self.cfg, self.ctx)
+        self.executor = executor or SequentialExecutor(self.fed.clients, self.cfg.seed)
+        self.progress = progress
+        self.on_round = on_round
+        self.out = Path(self.cfg.out) if self.cfg.out else None
+        self.history: list[dict[str, Any]] = []
+        self.best: dict[str, Any] | None = None
+        self.totals = Totals()
+        self.start_round = 0
+        self.state: ServerState = {}
+        self.client_states: dict[int, ClientState] = {}
+
+    # ---- setup / resume ------------------------------------------------------------------------
+    def _fresh(self) -> None:
+        self.state = self.algo.init_state()
+        self.client_states = {c: self.algo.init_client_state(c) for c in range(self.fed.num_clients)}
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+            dump_yaml(self.cfg, self.out / "config.yaml")
+            (self.out / "metrics.jsonl").write_text("")
+            self._write_partition()
+
+    def _write_partition(self) -> None:
+        from fedfuse.data.report import label_histograms, plot_partition
+
+        assert self.out is not None
+        info = {
+            "dataset": self.fed.dataset,
+            "partition": self.fed.partition,
+            "clients": [
+                {"cid": c.cid, "train": c.num_train, "val": len(c.val), "test": len(c.test), "group": c.group}
+                for c in self.fed.clients
+            ],
+            "label_histograms": label_histograms(self.fed).tolist(),
+        }
+        (self.out / "partition.json").write_text(json.dumps(info))
+        if self.cfg.plots:
+            plot_partition(self.fed, self.out / "partition.png")
+
+    def _resume(self) -> None:
+        assert self.out is not None
+        ck = torch.load(self.out / CHECKPOINT, map_location=self.device, weights_only=False)
+        self.state = ck["state"]
+        self.client_states = ck["client_states"]
+        self.start_round = int(ck["round"])
+        self.totals = Totals(**ck["totals"])
+        self.best = ck["best"]
+        self.history = ck["history"]
+        # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
+        lines = [json.dumps(rec) for rec in self.history]
+        (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+
+    def _checkpoint(self, next_round: int) -> None:
+        assert self.out is not None
+        ck = {
+            "round": next_round,
+            "state": self.state,
+            "client_states": self.client_states,
+            "totals": dataclasses.asdict(self.totals),
+            "best": self.best,
+            "history": self.history,
+            "config": self.cfg.to_dict(),
+        }
+        tmp = self.out / (CHECKPOINT + ".tmp")
+        torch.save(ck, tmp)
+        os.replace(tmp, self.out / CHECKPOINT)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self, resume: bool = False) -> dict[str, Any]:
+        if resume:
+            self._resume()
+        else:
+            self._fresh()
+        R = self.cfg.rounds
+        bar = None
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=R, initial=self.start_round, desc=f"{self.cfg.algorithm}", unit="round")
+        for r in range(self.start_round, R):
+            t0 = time.perf_counter()
+            rec = self._round(r)
+            self.totals.wall_seconds += time.perf_counter() - t0
+            rec["seconds"] = time.perf_counter() - t0
+            rec["wall_seconds"] = self.totals.wall_seconds
+            rec = _clean(rec)
+            self.history.append(rec)
+            if "val_loss" in rec:
+                self._track_best(rec)
+            if self.out:
+                with open(self.out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                if (r + 1) % self.cfg.checkpoint_every == 0 or r + 1 == R:
+                    self._checkpoint(r + 1)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(_postfix(rec))
+            if self.on_round:
+                self.on_round(rec)
+        if bar is not None:
+            bar.close()
+        summary = self.summary()
+        if self.out:
+            self._finish(summary)
+        return summary
+
+    def _round(self, r: int) -> dict[str, Any]:
+        algo, seed = self.algo, self.cfg.seed
+        info = RoundInfo(index=r, total=self.cfg.rounds)
+        clients = algo.select_clients(info, numpy_rng(seed, "select", r))
+        down = up = peer = 0
+        flops = 0.0
+        comm_params: list[int] = []
+        trained_params: list[int] = []
+        train_loss = 0.0
+        train_n = 0
+        for stage in range(algo.num_stages(self.state, info)):
+            info = RoundInfo(index=r, total=self.cfg.rounds, stage=stage)
+            payloads = algo.configure_fit(self.state, info, clients)
+            jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage)) for c in payloads]
+            outs = self.executor.map(algo.fit, jobs)
+            results: dict[int, Message] = {}
+            for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
+                self.client_states[c] = cstate
+                results[c] = res
+            down += sum(p.nbytes for p in payloads.values())
+            up += sum(res.nbytes for res in results.values())
+            comm_params += [sum(t.numel() for t in p.tensors.values()) for p in payloads.values()]
+            for res in results.values():
+                flops += float(res.meta.get("flops", 0.0))
+                trained_params.append(int(res.meta.get("trained_params", 0)))
+                n = int(res.meta.get("samples", 0))
+                train_loss += float(res.meta.get("train_loss", 0.0)) * n
+                train_n += n
+            results, moved = algo.exchange(info, results)
+            peer += moved
+            self.state = algo.aggregate_fit(self.state, info, results)
+        t = self.totals
+        t.bytes_down += down
+        t.bytes_up += up
+        t.bytes_peer += peer
+        t.client_flops += flops
+        rec: dict[str, Any] = {
+            "round": r + 1,
+            "clients": clients,
+            "train_loss": train_loss / train_n if train_n else None,
+            "bytes_down": down,
+            "bytes_up": up,
+            "bytes_peer": peer,
+            "client_flops": flops,
+            "total_bytes_down": t.bytes_down,
+            "total_bytes_up": t.bytes_up,
+            "total_bytes_peer": t.bytes_peer,
+            "total_client_flops": t.client_flops,
+            "server_parameters": algo.server_parameters(self.state),
+            "communicated_parameters_per_client": float(np.mean(comm_params)) if comm_params else 0.0,
+            "optimised_parameters_per_client": float(np.mean(trained_params)) if trained_params else 0.0,
+        }
+        if (r + 1) % self.cfg.eval_every == 0 or r + 1 == self.cfg.rounds:
+            rec.update(self.evaluate(r))
+        return rec
+
+    def evaluate(self, r: int) -> dict[str, Any]:
+        """Global model on the global test set; every client's personal model on its own splits."""
+        out: dict[str, Any] = {"global_accuracy": None, "global_loss": None}
+        g = self.algo.global_model(self.state)
+        if g is not None:
+            model = self.ctx.load(g[0], g[1])
+            st = evaluate_model(model, self.fed.test, self.cfg.eval_batch_size)
+            out["global_accuracy"], out["global_loss"] = st.accuracy, st.loss
+        everyone = list(range(self.fed.num_clients))
+        payloads = self.algo.configure_evaluate(self.state, everyone)
+        jobs = [Job(c, payloads[c], self.client_states.get(c), ("evaluate", r, 0)) for c in everyone]
+        res = dict(sorted(self.executor.map(self.algo.evaluate, jobs).items()))
+        out.update(aggregate_client_metrics(res))
+        out["loss"] = out["global_loss"] if out["global_loss"] is not None else out["personal_loss"]
+        if self.fed.task == "lm":
+            out["perplexity"] = _exp(out["loss"])
+            out["personal_perplexity"] = _exp(out["personal_loss"])
+        extra = getattr(self.algo, "diagnostics", None)
+        if extra is not None:
+            out.update(extra(self.state, self.fed))
+        return out
+
+    def _track_best(self, rec: dict[str, Any]) -> None:
+        v = rec.get("val_loss")
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return
+        if self.best is None or v < self.best["val_loss"]:
+            self.best = dict(rec)
+            if self.out:
+                g = self.algo.global_model(self.state)
+                if g is not None:
+                    torch.save({"state": g[0], "meta": g[1], "round": rec["round"]}, self.out / "model_best.pt")
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        evaluated = [h for h in self.history if "personal_accuracy" in h]
+        final = evaluated[-1] if evaluated else (self.history[-1] if self.history else {})
+        return {
+            "algorithm": self.cfg.algorithm,
+            "dataset": self.cfg.dataset,
+            "partition": self.cfg.partition,
+            "model": self.cfg.model,
+            "task": self.fed.task,
+            "clients": self.fed.num_clients,
+            "rounds_completed": len(self.history),
+            "final": _block(final),
+            "best": _block(self.best or final),
+            "totals": dataclasses.asdict(self.totals),
+            "wall_seconds": self.totals.wall_seconds,
+        }
+
+    def _finish(self, summary: dict[str, Any]) -> None:
+        assert self.out is not None
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        g = self.algo.global_model(self.state)
+        if g is not None:
+            torch.save({"state": g[0], "meta": g[1], "round": len(self.history)}, self.out / "model_final.pt")
+        if self.cfg.plots:
+            from fedfuse.plots import plot_curves
+
+            plot_curves(self.history, self.out / "curves.png", title=f"{self.cfg.algorithm} on {self.cfg.dataset}")
+        finish = getattr(self.algo, "finish", None)
+        if finish is not None:
+            finish(self.state, self.fed, self.out)
+
+
+BLOCK_KEYS = (
+    "round", "global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "loss", "global_loss",
+    "personal_loss", "val_loss", "val_accuracy", "perplexity", "personal_perplexity", "total_bytes_down",
+    "total_bytes_up", "total_bytes_peer", "total_client_flops", "server_parameters",
+    "communicated_parameters_per_client", "optimised_parameters_per_client", "wall_seconds",
+)
+
+
+def _block(rec: dict[str, Any]) -> dict[str, Any]:
+    b = {k: rec.get(k) for k in BLOCK_KEYS if k in rec}
+    b["bytes_down"] = rec.get("total_bytes_down")
+    b["bytes_up"] = rec.get("total_bytes_up")
+    b["client_flops"] = rec.get("total_client_flops")
+    for k in ("total_bytes_down", "total_bytes_up", "total_client_flops"):
+        b.pop(k, None)
+    return b
+
+
+def aggregate_client_metrics(res: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """Unweighted and sample-weighted means of the clients' personal test metrics; weighted val loss."""
+    if not res:
+        return {}
+    vals = list(res.values())
+
+    def wmean(key: str, count: str) -> float | None:
+        n = sum(v[count] for v in vals if v[count])
+        return sum(v[key] * v[count] for v in vals if v[count]) / n if n else None
+
+    def umean(key: str, count: str) -> float | None:
+        xs = [v[key] for v in vals if v[count]]
+        return float(np.mean(xs)) if xs else None
+
+    out = {
+        "personal_accuracy": umean("test_accuracy", "test_count"),
+        "personal_accuracy_weighted": wmean("test_accuracy", "test_count"),
+        "personal_loss": wmean("test_loss", "test_count"),
+        "val_loss": wmean("val_loss", "val_count"),
+        "val_accuracy": wmean("val_accuracy", "val_count"),
+    }
+    out["client_test_accuracy"] = {str(c): v["test_accuracy"] for c, v in res.items()}
+    return out
+
+
+def _clean(obj: Any) -> Any:
+    """NaN/inf → None so metrics stay strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _exp(x: float | None) -> float | None:
+    return None if x is None else float(math.exp(min(x, 700.0)))
+
+
+def _postfix(rec: dict[str, Any]) -> str:
+    parts = []
+    for k, short in (("global_accuracy", "glob"), ("personal_accuracy", "pers"), ("perplexity", "ppl")):
+        v = rec.get(k)
+        if v is not None:
+            parts.append(f"{short}={v:.3f}" if k != "perplexity" else f"{short}={v:.1f}")
+    return " ".join(parts)
+
+
+def strip_timing(rec: dict[str, Any]) -> dict[str, Any]:
+    """A metrics record without wall-clock fields (for bit-identity comparisons)."""
+    return {k: v for k, v in rec.items() if k not in TIMING_KEYS}
+
+
+def run(cfg: RunConfig, *, resume: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Convenience wrapper: build an :class:`Experiment` and run it."""
+    return Experiment(cfg, progress=progress).run(resume=resume)

@@ -1,0 +1,112 @@
+"""Averaging operators: pure functions on named tensors (state dicts).
+
+BatchNorm handling is explicit:
+
+* floating tensors — weights, biases, ``running_mean`` and ``running_var`` — are averaged with the
+  given weights (the usual FedAvg treatment of BN statistics);
+* integer tensors — ``num_batches_tracked`` — cannot be averaged meaningfully; ``int_policy`` picks
+  ``"max"`` (default: the buffer keeps counting like a single model trained for the longest), ``"sum"``
+  (total batches seen by all clients) or ``"first"`` (keep the base/first value);
+* a key some clients did not send (a parameter they did not train) is averaged over the clients that
+  sent it, with their weights renormalised; a key nobody sent keeps its value in ``base``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+
+from fedfuse.types import TensorDict
+
+IntPolicy = Literal["max", "sum", "first"]
+
+
+def weighted_average(
+    states: Sequence[Mapping[str, torch.Tensor]],
+    weights: Sequence[float] | None = None,
+    *,
+    base: Mapping[str, torch.Tensor] | None = None,
+    int_policy: IntPolicy = "max",
+) -> TensorDict:
+    """Weighted average of state dicts, key by key.
+
+    ``weights`` need not be normalised (FedAvg passes sample counts).  The result contains the union
+    of the keys of ``states`` and ``base``; float results keep the dtype of the inputs.
+    """
+    if not states:
+        if base is None:
+            raise ValueError("weighted_average needs at least one state or a base")
+        return {k: v.clone() for k, v in base.items()}
+    if weights is None:
+        weights = [1.0] * len(states)
+    if len(weights) != len(states):
+        raise ValueError(f"{len(weights)} weights for {len(states)} states")
+    if any(w < 0 for w in weights):
+        raise ValueError("weights must be non-negative")
+    keys: list[str] = list(base.keys()) if base is not None else []
+    seen = set(keys)
+    for s in states:
+        for k in s:
+            if k not in seen:
+                seen.add(k)
+                keys.append(k)
+    out: TensorDict = {}
+    for k in keys:
+        holders = [(s[k], float(w)) for s, w in zip(states, weights) if k in s]
+        if not holders:
+            assert base is not None
+            out[k] = base[k].clone()
+            continue
+        ref = holders[0][0]
+        if ref.is_floating_point() or ref.is_complex():
+            total = sum(w for _, w in holders)
+            if total <= 0:
+                out[k] = (base[k] if base is not None and k in base else ref).clone()
+                continue
+            acc = torch.zeros_like(ref, dtype=torch.float64 if ref.dtype == torch.float64 else torch.float32)
+            for t, w in holders:
+                acc.add_(t.to(acc.dtype), alpha=w / total)
+            out[k] = acc.to(ref.dtype)
+        else:
+            out[k] = _combine_int([t for t, _ in holders], int_policy, base[k] if base and k in base else None)
+    return out
+
+
+def _combine_int(tensors: list[torch.Tensor], policy: IntPolicy, base: torch.Tensor | None) -> torch.Tensor:
+    if policy == "max":
+        return torch.stack(tensors).amax(0)
+    if policy == "sum":
+        return torch.stack(tensors).sum(0)
+    if policy == "first":
+        return (base if base is not None else tensors[0]).clone()
+    raise ValueError(f"unknown int_policy {policy!r}; choose max, sum or first")
+
+
+def delta(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]) -> TensorDict:
+    """``after - before`` on floating entries; integer entries (``num_batches_tracked``) are differenced too."""
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
+def add_scaled(
+    state: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor], scale: float = 1.0
+) -> TensorDict:
+    """``state + scale * update`` for floating entries present in ``update``; other entries copied.
+
+    Integer entries are added unscaled (a count of batches cannot be scaled).
+    """
+    out: TensorDict = {}
+    for k, v in state.items():
+        if k not in update:
+            out[k] = v.clone()
+        elif v.is_floating_point():
+            out[k] = v + scale * update[k].to(v.dtype)
+        else:
+            out[k] = v + update[k].to(v.dtype)
+    return out
+
+
+def clone_state(state: Mapping[str, torch.Tensor]) -> TensorDict:
+    """Detached deep copy of a state dict."""
+    return {k: v.detach().clone() for k, v in state.items()}
