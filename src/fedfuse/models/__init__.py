@@ -1,0 +1,17 @@
+"""Models with a declared head and layer structure (see :mod:`fedfuse.models.base`)."""
+
+from fedfuse.models.base import FedModel, Layer, count_parameters, layer_index, module_kind
+from fedfuse.models.registry import MODELS, ModelInfo, build_model, default_model, model_options
+
+__all__ = [
+    "MODELS",
+    "FedModel",
+    "Layer",
+    "ModelInfo",
+    "build_model",
+    "count_parameters",
+    "default_model",
+    "layer_index",
+    "model_options",
+    "module_kind",
+]

@@ -1,0 +1,99 @@
+"""Small convolutional networks: McMahan et al. (2017)'s CNN and FedMR's LeNet-style CIFAR CNN."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfuse.models.base import FedModel, as_images
+
+
+def _conv_pool_size(size: int, kernel: int, padding: int) -> int:
+    """Spatial size after a stride-1 conv and a 2x2 max-pool (floor)."""
+    return (size + 2 * padding - kernel + 1) // 2
+
+
+class CNN(FedModel):
+    """McMahan et al. 2017: conv5x5 32 -> ReLU -> pool -> conv5x5 64 -> ReLU -> pool -> fc 512 -> ReLU -> fc.
+
+    Convolutions use 'same' padding (as in the paper's TensorFlow code), so 8x8 inputs work too.  With MNIST
+    (1x28x28) and 10 classes this has 1,663,370 parameters.
+    """
+
+    def __init__(
+        self,
+        image: tuple[int, int, int],
+        num_classes: int,
+        channels: Sequence[int] = (32, 64),
+        hidden: int = 512,
+        kernel_size: int = 5,
+    ) -> None:
+        super().__init__("classification")
+        if len(channels) != 2:
+            raise ValueError(f"cnn needs two conv widths, got {tuple(channels)}")
+        c, h, w = image
+        self.image = image
+        pad = kernel_size // 2
+        self.conv1 = nn.Conv2d(c, channels[0], kernel_size, padding=pad)
+        self.conv2 = nn.Conv2d(channels[0], channels[1], kernel_size, padding=pad)
+        for _ in range(2):
+            h, w = _conv_pool_size(h, kernel_size, pad), _conv_pool_size(w, kernel_size, pad)
+        if min(h, w) < 1:
+            raise ValueError(f"input {image} is too small for cnn (needs H, W >= 4)")
+        self.fc1 = nn.Linear(channels[1] * h * w, hidden)
+        self.fc = nn.Linear(hidden, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = as_images(x, self.image)
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return F.relu(self.fc1(x.flatten(1)))
+
+
+class CifarCNN(FedModel):
+    """FedMR's CIFAR CNN (LeNet-5 style): conv5x5 6 -> pool -> conv5x5 16 -> pool -> fc 120 -> fc 84 -> fc C.
+
+    ``padding=None`` picks 0 (the original, 62,006 parameters on 3x32x32 with 10 classes) when the input is
+    large enough and 2 ('same') otherwise, so 8x8 inputs work.
+    """
+
+    def __init__(
+        self,
+        image: tuple[int, int, int],
+        num_classes: int,
+        channels: Sequence[int] = (6, 16),
+        hidden: Sequence[int] = (120, 84),
+        padding: int | None = None,
+    ) -> None:
+        super().__init__("classification")
+        if len(channels) != 2 or len(hidden) != 2:
+            raise ValueError("cnn-cifar needs two conv widths and two hidden widths")
+        c, h, w = image
+        self.image = image
+
+        def out_size(pad: int) -> tuple[int, int]:
+            hh, ww = h, w
+            for _ in range(2):
+                hh, ww = _conv_pool_size(hh, 5, pad), _conv_pool_size(ww, 5, pad)
+            return hh, ww
+
+        if padding is None:
+            padding = 0 if min(out_size(0)) >= 1 else 2
+        oh, ow = out_size(padding)
+        if min(oh, ow) < 1:
+            raise ValueError(f"input {image} is too small for cnn-cifar with padding={padding}")
+        self.conv1 = nn.Conv2d(c, channels[0], 5, padding=padding)
+        self.conv2 = nn.Conv2d(channels[0], channels[1], 5, padding=padding)
+        self.fc1 = nn.Linear(channels[1] * oh * ow, hidden[0])
+        self.fc2 = nn.Linear(hidden[0], hidden[1])
+        self.fc = nn.Linear(hidden[1], num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = as_images(x, self.image)
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return F.relu(self.fc2(x))
