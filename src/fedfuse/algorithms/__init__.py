@@ -1,14 +1,33 @@
-"""Algorithm registry: name → class.  One file per algorithm holds its math."""
+"""Algorithm registry: name → class.  One file per algorithm holds its math.
+
+Every module in this package is imported once and each :class:`Algorithm` subclass with a ``name``
+is registered, so adding an algorithm means adding one file.
+"""
 
 from __future__ import annotations
 
-from fedfuse.algorithms.base import Algorithm, RoundInfo, RunContext
-from fedfuse.algorithms.fedavg import FedAvg
-from fedfuse.algorithms.fedavg_ft import FedAvgFT
-from fedfuse.algorithms.fedprox import FedProx
-from fedfuse.algorithms.local import Local
+import importlib
+import pkgutil
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FedAvg, FedProx, Local, FedAvgFT)}
+from fedfuse.algorithms.base import Algorithm, RoundInfo, RunContext
+
+
+def _discover() -> dict[str, type[Algorithm]]:
+    found: dict[str, type[Algorithm]] = {}
+    for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if mod.name.startswith("_") or mod.name == "base":
+            continue
+        module = importlib.import_module(f"{__name__}.{mod.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, Algorithm) and obj.__module__ == module.__name__:
+                if obj.name:
+                    if obj.name in found and found[obj.name] is not obj:
+                        raise RuntimeError(f"two algorithms are named {obj.name!r}")
+                    found[obj.name] = obj
+    return dict(sorted(found.items()))
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = _discover()
 
 
 def get_algorithm(name: str) -> type[Algorithm]:

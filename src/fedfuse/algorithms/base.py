@@ -12,6 +12,11 @@ generator; never sees server state):
     ``evaluate(payload, client_state, data, gen) -> metrics``
 
 A round may have several *stages* (FedMA matches one layer per stage); ``RoundInfo.stage`` says which.
+
+Optional hooks the loop calls when an algorithm defines them:
+    ``diagnostics(state, fed, info) -> dict`` — extra metrics merged into the round's record at evaluation
+    rounds (e.g. FedMerge's ARI, FedMR's model similarity); may write plots to ``ctx.out_dir``;
+    ``finish(state, fed, out_dir)`` — end-of-run artefacts (heat-maps, tables).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -64,6 +70,7 @@ class RunContext:
     device: torch.device
     eval_batch_size: int = 512
     client_groups: list[int] | None = None
+    out_dir: Path | None = None  # where the run writes (diagnostic plots); None when not writing
     _cache: dict[str, nn.Module] = field(default_factory=dict, repr=False)
 
     def build(self, overrides: Mapping[str, Any] | None = None) -> nn.Module:

@@ -97,6 +97,7 @@ class Experiment:
         self.device = resolve_device(self.cfg.device)
         self.fed = fed if fed is not None else build_federation(self.cfg, self.device)
         self.ctx = build_context(self.cfg, self.fed, self.device)
+        self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.algo = build_algorithm(self.cfg, self.ctx)
         self.executor = executor or SequentialExecutor(self.fed.clients, self.cfg.seed)
         self.progress = progress
@@ -278,7 +279,7 @@ class Experiment:
             out["personal_perplexity"] = _exp(out["personal_loss"])
         extra = getattr(self.algo, "diagnostics", None)
         if extra is not None:
-            out.update(extra(self.state, self.fed))
+            out.update(extra(self.state, self.fed, RoundInfo(index=r, total=self.cfg.rounds)))
         return out
 
     def _track_best(self, rec: dict[str, Any]) -> None:

@@ -1,0 +1,60 @@
+"""Helpers shared by the reproductions: run a grid of configurations on shared federations and
+write Markdown tables."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from fedfuse.config import RunConfig, apply, resolve_device, validate
+from fedfuse.engine.loop import Experiment, build_federation
+from fedfuse.types import Federation
+
+_FED_CACHE: dict[str, Federation] = {}
+
+
+def federation_for(cfg: RunConfig) -> Federation:
+    """One federation per (dataset, partition, clients, seed, options): every algorithm sees the same split."""
+    key = json.dumps(
+        [cfg.dataset, cfg.data_dir, cfg.partition, cfg.clients, cfg.seed, cfg.val_fraction,
+         cfg.partition_options, cfg.dataset_options, cfg.device],
+        sort_keys=True, default=str,
+    )
+    if key not in _FED_CACHE:
+        _FED_CACHE[key] = build_federation(cfg, resolve_device(cfg.device))
+    return _FED_CACHE[key]
+
+
+def run_one(base: dict[str, Any], out: Path, progress: bool = True, **overrides: Any) -> tuple[dict, list[dict]]:
+    """Run one configuration (``base`` updated by ``overrides``) into ``out``; returns (summary, history)."""
+    cfg = validate(apply(RunConfig(), {**base, **overrides, "out": str(out)}))
+    exp = Experiment(cfg, fed=federation_for(cfg), progress=progress)
+    summary = exp.run()
+    return summary, exp.history
+
+
+def markdown(rows: Iterable[dict[str, Any]]) -> str:
+    rows = list(rows)
+    if not rows:
+        return ""
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return str(v)
+
+
+def pct(v: float | None) -> float | None:
+    return None if v is None else round(100.0 * v, 2)
