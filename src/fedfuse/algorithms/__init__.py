@@ -19,11 +19,11 @@ def _discover() -> dict[str, type[Algorithm]]:
             continue
         module = importlib.import_module(f"{__name__}.{mod.name}")
         for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, Algorithm) and obj.__module__ == module.__name__:
-                if obj.name:
-                    if obj.name in found and found[obj.name] is not obj:
-                        raise RuntimeError(f"two algorithms are named {obj.name!r}")
-                    found[obj.name] = obj
+            is_algo = isinstance(obj, type) and issubclass(obj, Algorithm) and obj.__module__ == module.__name__
+            if is_algo and obj.name:
+                if obj.name in found and found[obj.name] is not obj:
+                    raise RuntimeError(f"two algorithms are named {obj.name!r}")
+                found[obj.name] = obj
     return dict(sorted(found.items()))
 
 
