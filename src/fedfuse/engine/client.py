@@ -170,11 +170,41 @@ def train_flops_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k
     if ck not in _FLOP_CACHE:
         was_training = model.training
         model.train()
+        rnn_tokens: list[tuple[nn.Module, int]] = []
+        hooks = [
+            m.register_forward_hook(lambda mod, inp, out: rnn_tokens.append((mod, _tokens(mod, inp[0]))))
+            for m in model.modules()
+            if isinstance(m, nn.LSTM | nn.RNN)
+        ]
         counter = FlopCounterMode(display=False)
-        with counter:
-            loss = task_loss(model(xb), yb)
-            loss.backward()
+        try:
+            with counter:
+                loss = task_loss(model(xb), yb)
+                loss.backward()
+        finally:
+            for h in hooks:
+                h.remove()
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-        _FLOP_CACHE[ck] = counter.get_total_flops() / max(int(xb.shape[0]), 1)
+        total = counter.get_total_flops() + sum(3 * _rnn_forward_flops(m) * t for m, t in rnn_tokens)
+        _FLOP_CACHE[ck] = total / max(int(xb.shape[0]), 1)
     return _FLOP_CACHE[ck]
+
+
+def _tokens(rnn: nn.Module, x: torch.Tensor) -> int:
+    if isinstance(x, torch.nn.utils.rnn.PackedSequence):
+        return int(x.data.shape[0])
+    return int(x.shape[0] * x.shape[1]) if x.dim() == 3 else int(x.shape[0])
+
+
+def _rnn_forward_flops(rnn: nn.Module) -> int:
+    """Forward FLOPs per token of an ``nn.LSTM``/``nn.RNN`` (the flop counter has no formula for their fused
+    kernels): 2 · gates · (input·hidden + hidden·hidden) per layer and direction; training ≈ 3× forward."""
+    gates = 4 if isinstance(rnn, nn.LSTM) else 1
+    h = rnn.hidden_size
+    dirs = 2 if rnn.bidirectional else 1
+    total = 0
+    for layer in range(rnn.num_layers):
+        inp = rnn.input_size if layer == 0 else h * dirs
+        total += dirs * 2 * gates * (inp * h + h * h)
+    return total
