@@ -28,3 +28,12 @@ def test_lstm_flops_include_the_recurrent_kernels():
 def test_message_bytes_follow_dtype_and_numel():
     msg = Message({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.float16), "n": torch.tensor(1)})
     assert msg.nbytes == 3 * 4 * 4 + 5 * 2 + 8 == tensor_bytes(msg.tensors)
+
+
+def test_flop_counting_leaves_the_model_untouched():
+    m = build_model("resnet9", (3, 8, 8), 10)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    train_flops_per_sample(m, torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)), key=("t3",))
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in m.parameters())

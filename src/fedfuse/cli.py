@@ -32,6 +32,7 @@ FLAGS: dict[str, tuple[str, type]] = {
     "--out": ("out", str),
     "--device": ("device", str),
     "--eval-every": ("eval_every", int),
+    "--threads": ("threads", int),
 }
 
 

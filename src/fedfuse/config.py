@@ -42,6 +42,7 @@ class RunConfig:
     data_dir: str | None = None
     out: str | None = None
     device: str = "auto"
+    threads: int = 0  # torch intra-op threads; 0 = PyTorch's default (1 is often faster for small models)
     val_fraction: float = 0.1
     eval_every: int = 1
     checkpoint_every: int = 1
@@ -237,6 +238,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(
             f"clients_per_round: {cfg.clients_per_round} exceeds clients ({cfg.clients}); choose 1..{cfg.clients}"
         )
+    if cfg.threads < 0:
+        raise ConfigError(f"threads: must be >= 0 (0 = PyTorch default), got {cfg.threads}")
     if cfg.lr <= 0:
         raise ConfigError(f"lr: must be > 0, got {cfg.lr}")
     if not 0 <= cfg.val_fraction < 1:

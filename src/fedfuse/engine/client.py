@@ -6,6 +6,7 @@ their ``fit`` / ``evaluate`` hooks.  Nothing here knows about server state.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -168,7 +169,8 @@ def train_flops_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k
     xb, yb = x[:8], y[:8]
     ck = (key, type(model).__name__, tuple(xb.shape[1:]), sum(p.numel() for p in model.parameters()))
     if ck not in _FLOP_CACHE:
-        was_training = model.training
+        # count on a copy: a train-mode pass would move BN running statistics of the live model
+        model = copy.deepcopy(model)
         model.train()
         rnn_tokens: list[tuple[nn.Module, int]] = []
         hooks = [
@@ -184,8 +186,6 @@ def train_flops_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k
         finally:
             for h in hooks:
                 h.remove()
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
         total = counter.get_total_flops() + sum(3 * _rnn_forward_flops(m) * t for m, t in rnn_tokens)
         _FLOP_CACHE[ck] = total / max(int(xb.shape[0]), 1)
     return _FLOP_CACHE[ck]

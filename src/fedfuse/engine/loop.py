@@ -95,6 +95,8 @@ class Experiment:
     ) -> None:
         self.cfg = validate(cfg)
         self.device = resolve_device(self.cfg.device)
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
         self.fed = fed if fed is not None else build_federation(self.cfg, self.device)
         self.ctx = build_context(self.cfg, self.fed, self.device)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
