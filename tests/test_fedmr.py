@@ -1,0 +1,350 @@
+"""FedMR: recombination invariants (multiset, BN units, segments), K = 1, warm-up = FedAvg, secure exchange,
+global model, diagnostics, determinism."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedfuse.algorithms.base import RoundInfo
+from fedfuse.config import RunConfig, apply
+from fedfuse.engine.client import train_local
+from fedfuse.engine.executor import SequentialExecutor
+from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.fusion.average import weighted_average
+from fedfuse.fusion.recombine import (
+    any_pure,
+    assemble,
+    mean_pairwise_cosine,
+    random_permutations,
+    recombine,
+    secure_exchange,
+    segment_units,
+    unit_bytes,
+    units_from_layers,
+)
+from fedfuse.models import build_model
+from fedfuse.rng import derive_seed, numpy_rng, torch_generator
+from fedfuse.types import Message
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models: one intra-op thread is several times faster than two on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def cfg_for(tmp_path=None, **kw) -> RunConfig:
+    base = dict(
+        algorithm="fedmr", dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=3,
+        rounds=3, local_epochs=1, batch_size=32, lr=0.05, seed=5, plots=False,
+        out=str(tmp_path / "run") if tmp_path is not None else None,
+        model_options={"widths": [16, 16]}, partition_options={"alpha": 0.5, "min_size": 20},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+BN_MODEL = dict(model="resnet9", model_options={"width_mult": 0.25})
+
+
+def bn_net():
+    return build_model("resnet9", (1, 8, 8), 10, width_mult=0.25)
+
+
+def random_states(model, k: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """K distinct 'trained' states: every float tensor perturbed, num_batches_tracked distinct per model."""
+    g = torch.Generator().manual_seed(seed)
+    base = model.state_dict()
+    out = []
+    for i in range(k):
+        s = {}
+        for key, v in base.items():
+            if v.is_floating_point():
+                s[key] = v + torch.randn(v.shape, generator=g)
+            else:
+                s[key] = v + 10 * (i + 1)
+        out.append(s)
+    return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def source_of(unit, out_state, inputs) -> int:
+    hits = [i for i, s in enumerate(inputs) if all(same(out_state[k], s[k]) for k in unit)]
+    assert len(hits) == 1, f"unit {unit[0]} matches inputs {hits}"
+    return hits[0]
+
+
+# ---- pure operators -----------------------------------------------------------------------------------
+
+
+def test_recombine_hand_case():
+    a = {"l1.w": torch.tensor([1.0]), "l2.w": torch.tensor([2.0])}
+    b = {"l1.w": torch.tensor([10.0]), "l2.w": torch.tensor([20.0])}
+    units = [("l1.w",), ("l2.w",)]
+    out = recombine([a, b], units, np.array([[1, 0], [0, 1]]))
+    assert out[0] == {"l1.w": torch.tensor([10.0]), "l2.w": torch.tensor([2.0])}
+    assert out[1] == {"l1.w": torch.tensor([1.0]), "l2.w": torch.tensor([20.0])}
+    with pytest.raises(ValueError):
+        recombine([a, b], units, np.array([[0, 0], [0, 1]]))  # not a permutation: a unit would be lost
+    with pytest.raises(ValueError):
+        recombine([a, {"l1.w": torch.tensor([3.0])}], units, np.array([[0, 1], [0, 1]]))  # missing key
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_multiset_invariant_with_bn_units(k):
+    model = bn_net()
+    units = units_from_layers([layer.keys for layer in model.layers()], "module")
+    inputs = random_states(model, k, seed=k)
+    perms = random_permutations(len(units), k, np.random.default_rng(1))
+    out = recombine(inputs, units, perms)
+    for u, unit in enumerate(units):
+        sources = [source_of(unit, o, inputs) for o in out]  # whole unit (BN stats incl.) from ONE model
+        assert sorted(sources) == list(range(k))  # every uploaded layer used exactly once
+        assert sources == [int(p) for p in perms[u]]
+    for o in out:  # exactly one copy of every layer position; dtypes (int64 counters) kept
+        assert list(o) == list(inputs[0])
+        for key in o:
+            assert o[key].dtype == inputs[0][key].dtype
+
+
+def test_untrained_unit_stays_bit_identical():
+    model = bn_net()
+    units = units_from_layers([layer.keys for layer in model.layers()], "module")
+    inputs = random_states(model, 3)
+    frozen = model.state_dict()["fc.weight"].clone()  # a parameter nobody trained: identical everywhere
+    for s in inputs:
+        s["fc.weight"] = frozen.clone()
+    out = recombine(inputs, units, random_permutations(len(units), 3, np.random.default_rng(0)))
+    for o in out:
+        assert same(o["fc.weight"], frozen)
+
+
+def test_key_granularity_splits_bn_statistics_from_affine():
+    model = bn_net()
+    layers = [layer.keys for layer in model.layers()]
+    units = units_from_layers(layers, "key")
+    assert all(len(u) == 1 for u in units) and len(units) == len(model.state_dict())
+    inputs = random_states(model, 6)
+    out = recombine(inputs, units, random_permutations(len(units), 6, np.random.default_rng(3)))
+    split = 0
+    for keys in layers:
+        if len(keys) > 1:
+            split += len({source_of((key,), out[0], inputs) for key in keys}) > 1
+    assert split > 0  # the author-code behaviour: BN stats can come from another model than its weight
+
+
+def test_segments_hand_case_and_intact():
+    units = [("a",), ("b",), ("c",), ("d",), ("e",)]
+    assert segment_units(units, 2) == [("a", "b", "c"), ("d", "e")]
+    assert segment_units(units, 5) == units
+    assert segment_units(units, 1) == [("a", "b", "c", "d", "e")]
+    assert segment_units(units, 0) == units
+    with pytest.raises(ValueError):
+        segment_units(units, 6)
+    model = bn_net()
+    layer_units = units_from_layers([layer.keys for layer in model.layers()])
+    segs = segment_units(layer_units, 3)
+    assert [k for s in segs for k in s] == [k for u in layer_units for k in u]  # contiguous, in order
+    inputs = random_states(model, 4)
+    out = recombine(inputs, segs, random_permutations(len(segs), 4, np.random.default_rng(2)))
+    for o in out:
+        for seg in segs:
+            source_of(seg, o, inputs)  # the whole segment comes from a single model
+
+
+def test_one_segment_is_redispatch_only():
+    model = bn_net()
+    segs = segment_units(units_from_layers([layer.keys for layer in model.layers()]), 1)
+    inputs = random_states(model, 4)
+    out = recombine(inputs, segs, random_permutations(1, 4, np.random.default_rng(7)))
+    assert sorted(source_of(tuple(inputs[0]), o, inputs) for o in out) == [0, 1, 2, 3]
+
+
+def test_mean_pairwise_cosine_hand_case():
+    states = [{"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([0.0, 1.0])}, {"w": torch.tensor([1.0, 1.0])}]
+    assert mean_pairwise_cosine(states, ["w"]) == pytest.approx(math.sqrt(2) / 3)
+    assert mean_pairwise_cosine(states[:1], ["w"]) is None
+
+
+# ---- secure recombination (App. B) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k,n_units", [(2, 2), (3, 2), (5, 4), (10, 5)])
+def test_secure_exchange_mixes_and_preserves_multiset(k, n_units):
+    for seed in range(30):
+        ex = secure_exchange(k, n_units, np.random.default_rng(seed))
+        for u in range(n_units):
+            assert sorted(ex.sources[:, u].tolist()) == list(range(k))  # every layer used exactly once
+        assert not any_pure(ex.sources)  # no client ends with a single client's model
+        assert ex.passes >= 1 and len(ex.messages) > 0
+        for s, r, u in ex.messages:
+            assert s != r and 0 <= u < n_units
+
+
+def test_secure_exchange_through_the_algorithm_hook(tmp_path):
+    exp = Experiment(cfg_for(clients=8, clients_per_round=5, algorithm_options={"secure": True}, **BN_MODEL))
+    algo = exp.algo
+    inputs = random_states(exp.ctx.model(), 5, seed=11)
+    cids = [0, 2, 3, 5, 7]
+    results = {c: Message(s, {"num_examples": 10}) for c, s in zip(cids, inputs)}
+    info = RoundInfo(index=0, total=1)
+    received, moved = algo.exchange(info, results)
+    assert sorted(received) == cids
+    units = algo.units()
+    for c in cids:
+        out = received[c].tensors
+        for s in inputs:  # the server never sees any client's own trained model
+            assert not all(same(out[k], s[k]) for k in s)
+    for unit in units:  # ... yet the layer multiset is preserved
+        assert sorted(source_of(unit, received[c].tensors, inputs) for c in cids) == list(range(5))
+    ex = secure_exchange(5, len(units), numpy_rng(exp.cfg.seed, "fedmr-secure", 0, 0))
+    assert moved == sum(unit_bytes(inputs[0], units[u]) for _, _, u in ex.messages) > 0
+    expected = assemble(inputs, units, ex.sources)
+    for j, c in enumerate(cids):
+        assert all(same(received[c].tensors[k], expected[j][k]) for k in expected[j])
+
+
+def test_secure_run_counts_peer_bytes(tmp_path):
+    exp = Experiment(cfg_for(rounds=2, algorithm_options={"secure": True}))
+    exp.run()
+    assert all(h["bytes_peer"] > 0 for h in exp.history)
+    plain = Experiment(cfg_for(rounds=2), fed=exp.fed)
+    plain.run()
+    assert all(h["bytes_peer"] == 0 for h in plain.history)
+    assert [h["bytes_up"] for h in plain.history] == [h["bytes_up"] for h in exp.history]
+
+
+# ---- the algorithm in the loop -------------------------------------------------------------------------
+
+
+def test_k1_equals_sequential_training():
+    exp = Experiment(cfg_for(clients=4, clients_per_round=1, rounds=3))
+    exp.run()
+    seed = exp.cfg.seed
+    current = {k: v.clone() for k, v in exp.algo.init_state()["global"].items()}
+    model = exp.ctx.build()
+    for r in range(3):
+        (c,) = exp.algo.select_clients(RoundInfo(r, 3), numpy_rng(seed, "select", r))
+        torch.manual_seed(derive_seed(seed, "fit", r, 0, c, "torch"))
+        model.load_state_dict(current)
+        train_local(model, exp.fed.clients[c].train, exp.ctx.train, torch_generator(seed, "fit", r, 0, c))
+        current = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for k, v in current.items():
+        assert same(exp.state["global"][k], v)
+        assert same(exp.state["slots"][0][k], v)
+
+
+def warm_flop_cache(exp: Experiment) -> None:
+    """``train_flops_per_sample`` runs one train-mode forward on the live model the first time it sees an
+    architecture, which moves BN running statistics once per process; fill its cache on a throwaway copy."""
+    from fedfuse.engine.client import train_flops_per_sample
+
+    data = exp.fed.clients[0].train
+    train_flops_per_sample(exp.ctx.build(), data.x, data.y, key=(exp.ctx.model_name,))
+
+
+def test_warmup_for_all_rounds_equals_fedavg():
+    a = Experiment(cfg_for(algorithm_options={"warmup_rounds": 3}, **BN_MODEL))
+    warm_flop_cache(a)
+    a.run()
+    b = Experiment(cfg_for(algorithm="fedavg", **BN_MODEL), fed=a.fed)
+    b.run()
+    for k, v in b.state["global"].items():
+        assert same(a.state["global"][k], v), k
+    for ha, hb in zip(a.history, b.history):
+        assert ha["global_accuracy"] == hb["global_accuracy"]
+        assert ha["personal_accuracy"] == hb["personal_accuracy"]
+        assert ha["bytes_down"] == hb["bytes_down"] and ha["bytes_up"] == hb["bytes_up"]
+
+
+def test_two_stage_switches_to_recombination_and_global_is_uniform_slot_average():
+    exp = Experiment(cfg_for(rounds=3, algorithm_options={"warmup_rounds": 2}, **BN_MODEL))
+    exp.run()
+    slots = exp.state["slots"]
+    assert slots is not None and len(slots) == 3
+    assert any(not same(slots[0][k], slots[1][k]) for k in slots[0])
+    expected = weighted_average(slots, [1.0, 1.0, 1.0])
+    for k, v in expected.items():
+        assert same(exp.state["global"][k], v), k
+    nbt = [k for k in slots[0] if k.endswith("num_batches_tracked")]
+    assert nbt and all(int(exp.state["global"][k]) == max(int(s[k]) for s in slots) for k in nbt)
+
+
+def test_algorithm_recombination_uses_each_uploaded_layer_once():
+    exp = Experiment(cfg_for(clients=8, clients_per_round=4, **BN_MODEL))
+    algo = exp.algo
+    state = algo.init_state()
+    inputs = random_states(exp.ctx.model(), 4, seed=3)
+    results = {c: Message(s, {"num_examples": 5}) for c, s in zip([1, 3, 4, 6], inputs)}
+    new = algo.aggregate_fit(state, RoundInfo(0, 1), results)
+    for unit in algo.units():
+        assert sorted(source_of(unit, s, inputs) for s in new["slots"]) == [0, 1, 2, 3]
+    payloads = algo.configure_fit(new, RoundInfo(1, 2), [2, 5, 0, 7])  # slot i -> i-th sampled client
+    for i, c in enumerate([0, 2, 5, 7]):
+        assert payloads[c].tensors is new["slots"][i] and payloads[c].meta["slot"] == i
+
+
+def test_segments_option_in_the_algorithm():
+    exp = Experiment(cfg_for(clients=8, clients_per_round=4, algorithm_options={"segments": 1}, **BN_MODEL))
+    algo = exp.algo
+    inputs = random_states(exp.ctx.model(), 4, seed=4)
+    results = {c: Message(s, {"num_examples": 5}) for c, s in enumerate(inputs)}
+    new = algo.aggregate_fit(algo.init_state(), RoundInfo(0, 1), results)
+    whole = tuple(inputs[0])
+    assert sorted(source_of(whole, s, inputs) for s in new["slots"]) == [0, 1, 2, 3]
+
+
+def test_metrics_have_cosine_and_plot(tmp_path):
+    exp = Experiment(cfg_for(tmp_path, plots=True))
+    exp.run()
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["model_cosine"] is not None and -1.0 <= r["model_cosine"] <= 1.0 + 1e-9 for r in recs)
+    assert (tmp_path / "run" / "fedmr_similarity.png").exists()
+
+
+class ReversedExecutor(SequentialExecutor):
+    def map(self, fn, jobs):
+        return {job.cid: self.run_one(fn, job) for job in reversed(list(jobs))}
+
+
+def test_deterministic_and_client_order_independent():
+    opts = {"secure": True}
+    a = Experiment(cfg_for(algorithm_options=opts))
+    a.run()
+    b = Experiment(cfg_for(algorithm_options=opts), fed=a.fed)
+    b.executor = ReversedExecutor(b.fed.clients, b.cfg.seed)
+    b.run()
+    assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("algorithm,opts", [("fedmr", {"secure": True, "warmup_rounds": 1}), ("fedmut", {})])
+def test_resume_is_bit_identical(tmp_path, algorithm, opts):
+    from fedfuse.config import load_yaml
+
+    full = Experiment(cfg_for(tmp_path / "a", algorithm=algorithm, rounds=4, algorithm_options=opts))
+    full.run()
+
+    def kill(rec):
+        if rec["round"] == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        Experiment(cfg_for(tmp_path / "b", algorithm=algorithm, rounds=4, algorithm_options=opts), on_round=kill).run()
+    cfg = apply(RunConfig(), load_yaml(tmp_path / "b" / "run" / "config.yaml"))
+    Experiment(cfg).run(resume=True)
+    ma = [strip_timing(json.loads(x)) for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
+    mb = [strip_timing(json.loads(x)) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert ma == mb and len(ma) == 4
