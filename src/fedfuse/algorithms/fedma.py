@@ -1,0 +1,221 @@
+"""FedMA (Wang et al., ICLR 2020): layer-wise matched averaging with freezing and local retraining.
+
+One communication round has ``K + 1`` stages for a network with ``K`` hidden layers (permutation groups of
+:func:`~fedfuse.fusion.permute.chain_spec`) and a head:
+
+* stage 0 — each client trains its full model (round 0: from its own initialisation, ``init="distinct"`` as
+  in ``IBM/FedMA``'s ``init_models``; later rounds: the model of its *original* size rebuilt from the global
+  model through its assignment maps, as in the code's ``fedma_comm``/``reconstruct_local_net``) and uploads
+  hidden layer 1; the server matches it (BBP-MAP by default, :func:`~fedfuse.fusion.match.match_group`);
+* stage ``s = 1..K-1`` — the server sends the matched layer ``s`` and the client's assignment; the client
+  replaces its layer ``s`` by the global one, scatters its layer ``s+1`` input columns to the global width
+  (zeros for global units it did not match; conv→fc inputs move in blocks of H·W), freezes layers ``≤ s``,
+  retrains the layers above and uploads layer ``s+1``, which the server matches;
+* stage ``K`` — same with the last hidden layer; only the head remains, retrained with the code's last-layer
+  schedule (``lr/10``, weight decay 1e-4, 3× the retraining epochs; ``last_layer_schedule=False`` keeps the
+  ordinary one); the server averages the heads class-wise (row ``c`` weighted by the clients' counts of
+  class ``c``).
+
+The global model may be wider than the clients' models (BBP-MAP grows layers): its widths travel in
+``meta["model_options"]`` so ``ctx.model(meta)`` builds it.  Every client takes part in every round.
+Communications: one round = ``K + 1`` server↔client exchanges (the report counts ``K`` for its 4-hidden-layer
+SimpleMLP; see ``docs/fedma.md``).  BBP-MAP hyper-parameters default to the code's hard-coded values
+(σ = 1, σ0 = 1, γ = 7, 5 iterations, cap 700); the global units are the posterior means (paper and code).
+Retraining uses the run's optimiser settings (the code: SGD with momentum 0.9) for ``retrain_epochs`` epochs.
+Models: ``mlp``, ``simple-mlp``, ``cnn``, ``cnn-cifar`` (chains with per-layer width options).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState, state_of
+from fedfuse.engine.client import TrainConfig, train_local
+from fedfuse.fusion.match import class_weighted_average, match_group
+from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather, width_options
+from fedfuse.models.base import layer_index
+from fedfuse.rng import derive_seed, numpy_rng
+from fedfuse.types import ClientData, Message, TensorDict
+
+
+def initial_state(ctx: RunContext, cid: int, init: str) -> TensorDict:
+    """A client's starting model: its own seeded initialisation (``"distinct"``) or the shared one."""
+    if init not in ("distinct", "shared"):
+        raise ValueError(f"init={init!r}; choose distinct or shared")
+    seed = derive_seed(ctx.seed, "fedma-init", cid) if init == "distinct" else ctx.seed
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return state_of(ctx.build())
+
+
+def class_counts(data: ClientData, num_classes: int) -> list[int]:
+    y = data.train.y
+    if not len(y):
+        return [0] * num_classes
+    return torch.bincount(y.reshape(-1).cpu(), minlength=num_classes)[:num_classes].tolist()
+
+
+def base_sizes(ctx: RunContext) -> list[int]:
+    return [g.size for g in chain_spec(ctx.model())]
+
+
+def train_above(
+    model: torch.nn.Module, frozen: set[str], data: ClientData, cfg: TrainConfig, gen: torch.Generator, **kw: Any
+):
+    """Train ``model`` with the parameters in ``frozen`` fixed; returns the stats and the trained count."""
+    params = [p for k, p in model.named_parameters() if k not in frozen]
+    for k, p in model.named_parameters():
+        p.requires_grad_(k not in frozen)
+    try:
+        stats = train_local(model, data.train, cfg, gen, params=params, **kw)
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    return stats, sum(p.numel() for p in params)
+
+
+class FedMA(Algorithm):
+    name = "fedma"
+    description = "FedMA: layer-wise BBP-MAP matched averaging with freezing and retraining (one stage per layer)"
+
+    @dataclass
+    class Options:
+        matching: str = "bbp"  # "bbp" (BBP-MAP) | "hungarian"
+        sigma: float = 1.0  # noise variance (code: 1)
+        sigma0: float = 1.0  # prior variance (code: 1)
+        gamma: float = 7.0  # new-neuron rate (code: 7)
+        iters: int = 5  # BBP-MAP passes (code: 5) / Hungarian re-alignments
+        cap: int = 700  # soft cap on a global layer's width (code: 700)
+        estimator: str = "posterior"  # "posterior" (paper, code) | "mean" (plain average of matched units)
+        metric: str = "l2"  # Hungarian cost: "l2" | "l1"
+        init: str = "distinct"  # round-0 client models: "distinct" (code) | "shared"
+        retrain_epochs: int = 1  # epochs of retraining the layers above the frozen ones (0 = no retraining)
+        last_layer_schedule: bool = True  # code: head-only retraining at lr/10, wd 1e-4, 3x epochs
+
+    def __init__(self, ctx: RunContext, options: Any | None = None) -> None:
+        super().__init__(ctx, options)
+        self.spec = chain_spec(ctx.model())
+        self.head = ctx.model().head_keys()
+
+    # ---- server ------------------------------------------------------------------------------------
+    def init_state(self) -> ServerState:
+        sizes = base_sizes(self.ctx)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.ctx.seed)
+            glob = state_of(self.ctx.build())
+        return {"global": glob, "sizes": sizes, "partial": {}, "partial_sizes": [], "assign": {}}
+
+    def num_stages(self, state: ServerState, info: RoundInfo) -> int:
+        return len(self.spec) + 1
+
+    def select_clients(self, info: RoundInfo, rng: np.random.Generator) -> list[int]:
+        return list(range(self.ctx.num_clients))  # FedMA matches every client's model
+
+    def _opts(self, sizes: list[int]) -> dict[str, Any]:
+        return {"model_options": width_options(self.ctx.model_name, sizes)}
+
+    def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]]:
+        return state["global"], self._opts(state["sizes"])
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        s = info.stage
+        if s == 0:
+            if info.index == 0:  # local models start from their own initialisation: nothing is sent
+                return {c: Message(meta={"stage": 0, "init": True}) for c in clients}
+            msg = Message(state["global"], {**self._opts(state["sizes"]), "stage": 0})
+            return {c: msg for c in clients}
+        g = self.spec[s - 1]
+        tensors = {k: v for k, v in state["partial"].items() if k in g.keys("in") + g.keys("stat")}
+        size = state["partial_sizes"][s - 1]
+        return {
+            c: Message(tensors, {"stage": s, "size": size, "assign": [int(i) for i in state["assign"][str(c)][s - 1]]})
+            for c in clients
+        }
+
+    def _match_options(self) -> dict[str, Any]:
+        o = self.opt
+        return dict(method=o.matching, estimator=o.estimator, metric=o.metric, iters=o.iters, sigma=o.sigma,
+                    sigma0=o.sigma0, gamma=o.gamma, cap=o.cap)
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        s, K = info.stage, len(self.spec)
+        cids = sorted(results)
+        weights = [float(results[c].meta["num_examples"]) for c in cids]
+        state = {**state}
+        if s == 0:
+            state["partial"], state["partial_sizes"], state["assign"] = {}, [], {str(c): [] for c in cids}
+        if s < K:
+            g = self.spec[s]
+            gm = match_group([results[c].tensors for c in cids], g, weights=weights,
+                             rng=numpy_rng(self.ctx.seed, "fedma-match", info.index, s), **self._match_options())
+            state["partial"] = {**state["partial"], **gm.tensors}
+            state["partial_sizes"] = [*state["partial_sizes"], gm.size]
+            state["assign"] = {str(c): [*state["assign"][str(c)], gm.assign[i].tolist()] for i, c in enumerate(cids)}
+            return state
+        counts = [results[c].meta["class_counts"] for c in cids]
+        head = class_weighted_average([results[c].tensors for c in cids], self.head, counts, weights)
+        sizes = list(state["partial_sizes"])
+        template = state_of(self.ctx.model(self._opts(sizes)))
+        glob = {**template, **state["partial"], **head}
+        state["global"], state["sizes"] = glob, sizes
+        return state
+
+    def diagnostics(self, state: ServerState, fed, info: RoundInfo) -> dict[str, Any]:
+        return {"global_widths": list(state["sizes"])}
+
+    # ---- client ------------------------------------------------------------------------------------
+    def _frozen_keys(self, model: torch.nn.Module, group: PermGroup) -> set[str]:
+        idx = layer_index(model)
+        top = max(idx[k] for k in group.keys("in") + group.keys("stat"))
+        return {k for k, _ in model.named_parameters() if idx[k] <= top}
+
+    def fit(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> tuple[Message, ClientState]:
+        s, K = int(payload.meta["stage"]), len(self.spec)
+        cid = data.cid
+        counts = class_counts(data, self.ctx.num_classes)
+        if s == 0:
+            if payload.meta.get("init"):
+                start, sizes = initial_state(self.ctx, cid, self.opt.init), base_sizes(self.ctx)
+            else:  # rebuild the original-size model from the global one through this client's assignments
+                start = dict(payload.tensors)
+                gspec = chain_spec(self.ctx.model(payload.meta))
+                for g, a in zip(gspec, client_state["assign"]):
+                    start = gather(start, g, a)
+                sizes = base_sizes(self.ctx)
+            model = self.ctx.load(start, self._opts(sizes))
+            stats = train_local(model, data.train, self.ctx.train, gen)
+            trained = sum(p.numel() for p in model.parameters())
+        else:
+            sizes = list(client_state["sizes"])
+            cur = client_state["model"]
+            g = chain_spec(self.ctx.model(self._opts(sizes)))[s - 1]
+            cur = expand(cur, g, payload.meta["assign"], int(payload.meta["size"]), roles=("out",))
+            cur.update(payload.tensors)
+            sizes[s - 1] = int(payload.meta["size"])
+            model = self.ctx.load(cur, self._opts(sizes))
+            frozen = self._frozen_keys(model, g)
+            cfg, epochs = self.ctx.train, max(int(self.opt.retrain_epochs), 0)
+            if s == K and self.opt.last_layer_schedule:
+                cfg = dataclasses.replace(cfg, lr=cfg.lr / 10, weight_decay=1e-4)
+                epochs *= 3
+            stats, trained = train_above(model, frozen, data, cfg, gen, epochs=epochs)
+        new_state = state_of(model)
+        if s < K:
+            g = chain_spec(model)[s]
+            up = {k: new_state[k] for k in g.keys("in") + g.keys("stat")}
+        else:
+            up = {k: new_state[k] for k in self.head}
+        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+        meta["trained_params"] = int(trained)
+        meta["class_counts"] = counts
+        assign = list(client_state["assign"]) if client_state and "assign" in client_state else []
+        if s > 0:  # keep this round's maps for the next round's rebuild
+            assign = [*assign[: s - 1], list(payload.meta["assign"])]
+        return Message(up, meta), {"model": new_state, "sizes": sizes, "assign": assign}

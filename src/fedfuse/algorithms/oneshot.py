@@ -1,0 +1,160 @@
+"""FedMA's baselines on the same local models: one-shot averaging, one-shot matching, ensemble.
+
+Each client trains its own model (``init="distinct"``: its own initialisation, as ``IBM/FedMA``'s
+``init_models``; ``"shared"``: one common initialisation) for ``local_epochs`` per round, continuing from its
+own model in later rounds; nothing flows back to the clients.  With the same seed, ``fedma``'s round-0
+stage-0 models are bit-identical to these local models.  After each round the server fuses the uploads:
+
+* ``oneshot-avg`` — sample-weighted element-wise average (BN statistics averaged, ``num_batches_tracked`` max);
+* ``oneshot-match`` — layer-wise matching without retraining (:func:`~fedfuse.fusion.match.match_network`:
+  BBP-MAP by default, or Hungarian; FedMA's class-weighted last layer);
+* ``ensemble`` — no single model: predictions are the average of the client models' softmax probabilities.
+  The loop's global evaluation needs one model, so the ensemble's global-test numbers are reported by
+  ``diagnostics`` as ``ensemble_accuracy`` / ``ensemble_loss``; personalised evaluation uses the ensemble too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
+from fedfuse.algorithms.fedma import base_sizes, class_counts, initial_state
+from fedfuse.engine.client import evaluate_model, train_local
+from fedfuse.fusion.average import weighted_average
+from fedfuse.fusion.match import match_network
+from fedfuse.fusion.permute import chain_spec, width_options
+from fedfuse.rng import numpy_rng
+from fedfuse.types import ClientData, Message, TensorDict
+
+
+class _LocalModels(Algorithm):
+    """Clients train their own models and upload them; subclasses fuse the uploads."""
+
+    @dataclass
+    class Options:
+        init: str = "distinct"  # "distinct" (IBM/FedMA) | "shared"
+
+    def select_clients(self, info: RoundInfo, rng: np.random.Generator) -> list[int]:
+        return list(range(self.ctx.num_clients))
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        return {c: Message(meta={"init": self.opt.init}) for c in clients}  # nothing is downloaded
+
+    def fit(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> tuple[Message, ClientState]:
+        start = client_state["model"] if client_state else initial_state(self.ctx, data.cid, self.opt.init)
+        model = self.ctx.load(start)
+        stats = train_local(model, data.train, self.ctx.train, gen)
+        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+        meta["class_counts"] = class_counts(data, self.ctx.num_classes)
+        st = state_of(model)
+        return Message(st, meta), {"model": st}
+
+
+class OneShotAverage(_LocalModels):
+    name = "oneshot-avg"
+    description = "One-shot averaging: element-wise average of independently trained local models"
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        cids = sorted(results)
+        weights = [float(results[c].meta["num_examples"]) for c in cids]
+        avg = weighted_average([results[c].tensors for c in cids], weights)
+        return {**state, "global": avg}
+
+
+class OneShotMatching(_LocalModels):
+    name = "oneshot-match"
+    description = "One-shot matching: layer-wise BBP-MAP (or Hungarian) matched averaging, no retraining"
+
+    @dataclass
+    class Options(_LocalModels.Options):
+        matching: str = "bbp"
+        sigma: float = 1.0
+        sigma0: float = 1.0
+        gamma: float = 7.0
+        iters: int = 5
+        cap: int = 700
+        estimator: str = "posterior"
+        metric: str = "l2"
+
+    def init_state(self) -> ServerState:
+        return {**super().init_state(), "sizes": base_sizes(self.ctx)}
+
+    def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]]:
+        return state["global"], {"model_options": width_options(self.ctx.model_name, state["sizes"])}
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        cids = sorted(results)
+        o = self.opt
+        glob, sizes, _ = match_network(
+            [results[c].tensors for c in cids], chain_spec(self.ctx.model()), self.ctx.model().head_keys(),
+            class_counts=[results[c].meta["class_counts"] for c in cids],
+            weights=[float(results[c].meta["num_examples"]) for c in cids],
+            method=o.matching, estimator=o.estimator, metric=o.metric, iters=o.iters, sigma=o.sigma,
+            sigma0=o.sigma0, gamma=o.gamma, cap=o.cap, rng=numpy_rng(self.ctx.seed, "oneshot-match", info.index),
+        )
+        return {**state, "global": glob, "sizes": sizes}
+
+    def diagnostics(self, state: ServerState, fed, info: RoundInfo) -> dict[str, Any]:
+        return {"global_widths": list(state["sizes"])}
+
+
+class Ensemble(_LocalModels):
+    name = "ensemble"
+    description = "Ensemble of the local models: average of their predicted probabilities (no single global model)"
+
+    def init_state(self) -> ServerState:
+        return {"members": {}}
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        return {"members": {str(c): results[c].tensors for c in sorted(results)}}
+
+    def global_model(self, state: ServerState) -> None:
+        return None
+
+    def server_parameters(self, state: ServerState) -> int:
+        keys = self.ctx.param_keys()
+        return int(sum(v.numel() for m in state["members"].values() for k, v in m.items() if k in keys))
+
+    def _predict(self, members: list[TensorDict]):
+        models = []
+        for st in members:
+            with torch.random.fork_rng(devices=[]):
+                m = self.ctx.build()
+            m.load_state_dict(st)
+            m.eval()
+            models.append(m)
+
+        @torch.no_grad()
+        def predict(x: torch.Tensor) -> torch.Tensor:
+            return torch.stack([torch.softmax(m(x), -1) for m in models]).mean(0)
+
+        return models, predict
+
+    def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
+        tensors = {f"{c}/{k}": v for c, m in state["members"].items() for k, v in m.items()}
+        return {c: Message(tensors) for c in clients}
+
+    def evaluate(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> dict[str, float]:
+        members: dict[str, TensorDict] = {}
+        for key, v in payload.tensors.items():
+            c, k = key.split("/", 1)
+            members.setdefault(c, {})[k] = v
+        if not members:
+            return evaluate_splits(self.ctx.load(client_state["model"]), data, self.ctx.eval_batch_size)
+        models, predict = self._predict(list(members.values()))
+        return evaluate_splits(models[0], data, self.ctx.eval_batch_size, predict)
+
+    def diagnostics(self, state: ServerState, fed, info: RoundInfo) -> dict[str, Any]:
+        if not state["members"]:
+            return {}
+        models, predict = self._predict(list(state["members"].values()))
+        st = evaluate_model(models[0], fed.test, self.ctx.eval_batch_size, predict)
+        return {"ensemble_accuracy": st.accuracy, "ensemble_loss": st.loss}

@@ -1,0 +1,137 @@
+"""FedMA, its baselines and Simple-FedMA through the round loop (bundled digits, tiny models)."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedfuse.algorithms.base import RoundInfo, RunContext
+from fedfuse.algorithms.simple_fedma import SimpleFedMA
+from fedfuse.config import RunConfig, apply
+from fedfuse.engine.client import TrainConfig
+from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.fusion.permute import permute_all, random_permutations, transformer_spec
+from fedfuse.types import Message
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def cfg(algorithm, clients=3, rounds=1, model="mlp", model_options=None, **kw):
+    base = dict(
+        algorithm=algorithm, dataset="digits", partition="dirichlet", model=model, clients=clients,
+        clients_per_round=clients, rounds=rounds, local_epochs=1, batch_size=32, lr=0.1, momentum=0.5, seed=1,
+        plots=False, model_options=model_options or {"widths": [16, 12]},
+        partition_options={"alpha": 0.5, "min_size": 20},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+def run(c):
+    exp = Experiment(c)
+    exp.run()
+    return exp
+
+
+def test_fedma_on_one_client_returns_that_clients_model():
+    opts = {"estimator": "mean", "retrain_epochs": 0}
+    fedma = run(cfg("fedma", clients=1, algorithm_options=opts))
+    local = run(cfg("oneshot-avg", clients=1))  # the same locally trained model (same seeds), unfused
+    g_fedma, meta = fedma.algo.global_model(fedma.state)
+    g_local, _ = local.algo.global_model(local.state)
+    assert meta["model_options"]["widths"] == [16, 12]
+    for k in g_local:
+        torch.testing.assert_close(g_fedma[k], g_local[k], rtol=0, atol=1e-6)
+    assert fedma.history[-1]["global_accuracy"] == pytest.approx(local.history[-1]["global_accuracy"])
+
+
+def test_fedma_rounds_grow_layers_and_are_deterministic(tmp_path):
+    c = cfg("fedma", clients=3, rounds=2, out=str(tmp_path / "a"))
+    a = run(c)
+    b = run(cfg("fedma", clients=3, rounds=2, out=str(tmp_path / "b")))
+    assert [strip_timing(r) for r in a.history] == [strip_timing(r) for r in b.history]
+    widths = a.history[-1]["global_widths"]
+    assert len(widths) == 2 and all(w >= base for w, base in zip(widths, [16, 12]))
+    g, meta = a.algo.global_model(a.state)
+    model = a.ctx.load(g, meta)  # the wider global model is buildable from its meta
+    assert model.fc.weight.shape[1] == widths[-1]
+    rec0, rec1 = a.history
+    assert rec0["bytes_down"] < rec1["bytes_down"]  # round 0 starts from local initialisations (nothing sent)
+    assert rec1["global_accuracy"] > 0.3
+    # the clients rebuilt original-size models: their stored assignments index the global layers
+    for cs in a.client_states.values():
+        assert [len(x) for x in cs["assign"]] == [16, 12]
+        assert all(max(x) < w for x, w in zip(cs["assign"], widths))
+
+
+def test_fedma_hungarian_and_cnn_with_conv_to_linear_growth():
+    h = run(cfg("fedma", clients=2, algorithm_options={"matching": "hungarian"}))
+    assert h.history[-1]["global_widths"] == [16, 12]  # permutations only: no growth
+    c = run(cfg("fedma", clients=2, model="cnn", model_options={"channels": [4, 6], "hidden": 16}))
+    widths = c.history[-1]["global_widths"]
+    g, meta = c.algo.global_model(c.state)
+    model = c.ctx.load(g, meta)
+    assert model.conv2.weight.shape[:2] == (widths[1], widths[0])
+    assert model.fc1.weight.shape == (widths[2], widths[1] * 4)  # 8x8 digits -> 2x2 per channel
+
+
+def test_fedma_freezes_lower_layers_during_retraining():
+    exp = Experiment(cfg("fedma", clients=2))
+    exp.state = exp.algo.init_state()
+    exp.client_states = {c: None for c in range(2)}
+    info0 = RoundInfo(0, 1, 0)
+    res = {}
+    for c in range(2):
+        res[c], exp.client_states[c] = exp.algo.fit(exp.algo.configure_fit(exp.state, info0, [0, 1])[c], None,
+                                                    exp.fed.clients[c], torch.Generator().manual_seed(c))
+    exp.state = exp.algo.aggregate_fit(exp.state, info0, res)
+    info1 = RoundInfo(0, 1, 1)
+    payload = exp.algo.configure_fit(exp.state, info1, [0, 1])[0]
+    out, cs = exp.algo.fit(payload, exp.client_states[0], exp.fed.clients[0], torch.Generator().manual_seed(9))
+    for k in ("hidden.0.weight", "hidden.0.bias"):  # layer 1 is the global one, unchanged by retraining
+        assert torch.equal(cs["model"][k], exp.state["partial"][k])
+    assert set(out.tensors) == {"hidden.1.weight", "hidden.1.bias"}
+    assert out.tensors["hidden.1.weight"].shape[1] == exp.state["partial_sizes"][0]
+    assert out.meta["trained_params"] < sum(v.numel() for v in cs["model"].values())
+
+
+def test_baselines_share_the_local_models_and_ensemble_is_reported():
+    ens = run(cfg("ensemble", clients=3))
+    rec = ens.history[-1]
+    assert rec["global_accuracy"] is None and 0.0 <= rec["ensemble_accuracy"] <= 1.0
+    one = run(cfg("ensemble", clients=1))
+    avg = run(cfg("oneshot-avg", clients=1))
+    assert one.history[-1]["ensemble_accuracy"] == pytest.approx(avg.history[-1]["global_accuracy"])
+    match = run(cfg("oneshot-match", clients=3))
+    assert match.history[-1]["global_widths"][0] >= 16
+    assert match.history[-1]["global_accuracy"] is not None
+
+
+def _lm_ctx(model_options):
+    return RunContext(
+        model_name="transformer", model_options=model_options, input_shape=(10,), num_classes=30, task="lm",
+        train=TrainConfig(), num_clients=2, clients_per_round=2, client_sizes=np.array([5, 5]), seed=0,
+        device=torch.device("cpu"),
+    )
+
+
+def test_simple_fedma_averages_aligned_clients():
+    opts = dict(d_model=8, n_heads=2, n_layers=1, d_ff=12, dropout=0.0, persistent_pe=True)
+    algo = SimpleFedMA(_lm_ctx(opts))
+    state = algo.init_state()
+    torch.manual_seed(3)
+    ref = {k: v.clone() for k, v in algo.ctx.build().state_dict().items()}
+    spec = transformer_spec(algo.ctx.model())
+    other = permute_all(ref, spec, random_permutations(spec, torch.Generator().manual_seed(4)))
+    meta = {"num_examples": 5}
+    new = algo.aggregate_fit(state, RoundInfo(0, 1), {0: Message(ref, meta), 1: Message(other, meta)})
+    for k in ref:
+        torch.testing.assert_close(new["global"][k], ref[k])
+    diag = algo.diagnostics(new, None, RoundInfo(0, 1))
+    assert sum(diag.values()) > 0 and "moved/residual" in diag

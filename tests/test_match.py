@@ -1,0 +1,208 @@
+"""Matching solvers: permutation recovery, BBP-MAP's cost and growth, BN statistics, class-weighted heads."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedfuse.fusion.match import (
+    align_to,
+    bbp_cost,
+    bbp_map,
+    class_weighted_average,
+    hungarian,
+    match_group,
+    match_network,
+)
+from fedfuse.fusion.permute import Member, PermGroup, chain_spec, permute_all, random_permutations, transformer_spec
+from fedfuse.models import build_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("metric", ["l1", "l2"])
+def test_hungarian_recovers_a_permutation(metric):
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(50, 13))
+    perm = rng.permutation(50)
+    assert np.array_equal(hungarian(ref, ref[perm], metric)[perm], np.arange(50))
+    other = ref[perm]
+    assert np.array_equal(other[hungarian(ref, other, metric)], ref)
+
+
+def test_bbp_identical_clients_same_layer_no_new_atoms():
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(30, 24))
+    J = 4
+    res = bbp_map([w.copy() for _ in range(J)], sigma=0.1, sigma0=0.1, mu0=0.0, rng=np.random.default_rng(0))
+    assert res.atoms.shape == w.shape  # no spurious new atoms
+    assert all(np.array_equal(a, np.arange(30)) for a in res.assign)
+    assert np.array_equal(res.counts, np.full(30, J))
+    # posterior mean g/p = (mu0 s0 + J s w)/(s0 + J s) with s = s0 = 10, mu0 = 0
+    np.testing.assert_allclose(res.atoms, J * 10 * w / (10 + J * 10), rtol=1e-12)
+    # and through match_group with the plain-mean estimator: exactly the same layer
+    state = {"l.weight": torch.as_tensor(w[:, :23]), "l.bias": torch.as_tensor(w[:, 23]),
+             "n.weight": torch.zeros(2, 30)}
+    g = PermGroup("l", 30, (Member("l.weight", 0), Member("l.bias", 0), Member("n.weight", 1, role="out")))
+    gm = match_group([state] * J, g, estimator="mean", sigma=0.1, sigma0=0.1)
+    assert gm.size == 30
+    torch.testing.assert_close(gm.tensors["l.weight"], state["l.weight"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(gm.tensors["l.bias"], state["l.bias"], rtol=0, atol=1e-12)
+
+
+def test_bbp_recovers_a_permutation_with_the_code_hyperparameters():
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(40, 30))  # |w|^2 ~ 30: matching beats opening atoms at sigma = sigma0 = 1
+    perm = rng.permutation(40)
+    res = bbp_map([w, w[perm]], rng=np.random.default_rng(0))
+    assert res.atoms.shape[0] == 40
+    assert np.array_equal(res.assign[1], perm)  # local unit l of client 2 is unit perm[l] of client 1
+    np.testing.assert_allclose(res.atoms, 2 * w / 3, rtol=1e-12)  # (w + w) / (1 + 2)
+
+
+def test_bbp_cost_matches_the_formula_unit_by_unit():
+    rng = np.random.default_rng(3)
+    D, L, Lj, J, gamma = 5, 4, 3, 3, 7.0
+    s, s0 = np.full(D, 1 / 0.5), np.full(D, 1 / 2.0)
+    mu0 = np.array([0, 0, 0, 0, 0.1])
+    prior = mu0 * s0
+    g = rng.normal(size=(L, D))
+    counts = np.array([1, 2, 2, 1])
+    p = s0 + counts[:, None] * s
+    swj = rng.normal(size=(Lj, D)) * s
+    cost = bbp_cost(swj, g, p, counts, s, s0, prior, gamma, J, cap=700)
+    assert cost.shape == (Lj, L + Lj)
+    for l in range(Lj):
+        for i in range(L):
+            want = ((g[i] + swj[l]) ** 2 / (p[i] + s) - g[i] ** 2 / p[i]).sum() + math.log(counts[i] / (J - counts[i]))
+            assert cost[l, i] == pytest.approx(want, rel=1e-12)
+        for k in range(1, Lj + 1):
+            want = ((swj[l] + prior) ** 2 / (s0 + s) - prior**2 / s0).sum() - 2 * math.log(k) + 2 * math.log(gamma / J)
+            assert cost[l, L + k - 1] == pytest.approx(want, rel=1e-12)
+    # the cap bounds how many new atoms may open (but every unit keeps a column)
+    assert bbp_cost(swj, g, p, counts, s, s0, prior, gamma, J, cap=L + 1).shape == (Lj, L + 1)
+
+
+def test_bbp_grows_for_dissimilar_units_and_respects_the_hand_computed_decision():
+    # One unit each, D = 1, s = s0 = 1, mu0 = 0, J = 2, gamma = 7:
+    # match score = (a + b)^2/3 - a^2/2 + log(1/1); new score = b^2/2 + 2 log(3.5).
+    for a, b, grows in ((3.0, 3.0, False), (3.0, -3.0, True), (0.1, 0.1, True)):
+        res = bbp_map([np.array([[a]]), np.array([[b]])], iters=0)
+        match, new = (a + b) ** 2 / 3 - a**2 / 2, b**2 / 2 + 2 * math.log(3.5)
+        assert (new > match) == grows
+        assert res.atoms.shape[0] == (2 if grows else 1)
+
+
+def _tiny_bn_net(seed: int):
+    torch.manual_seed(seed)
+    model = build_model("vgg16-bn", (3, 32, 32), 10, width_mult=0.0625)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=gen))
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) + 0.5)
+                m.num_batches_tracked.fill_(3 + seed)
+    return model
+
+
+@pytest.mark.parametrize("method", ["hungarian", "bbp"])
+def test_match_network_recovers_permuted_copies_with_batchnorm(method):
+    model = _tiny_bn_net(0)
+    state = model.state_dict()
+    spec = chain_spec(model)
+    perms = random_permutations(spec, torch.Generator().manual_seed(4))
+    other = permute_all(state, spec, perms)
+    other["body.1.num_batches_tracked"] = torch.tensor(11)
+    glob, sizes, assigns = match_network(
+        [state, other], spec, model.head_keys(), class_counts=[[3] * 10, [1] * 10], method=method,
+        estimator="mean", sigma=0.01, sigma0=0.01,
+    )
+    assert sizes == [g.size for g in spec]
+    for g, a in zip(spec, assigns):
+        assert np.array_equal(a[1], perms[g.name])
+    for k, v in state.items():
+        if k == "body.1.num_batches_tracked":
+            assert int(glob[k]) == 11  # integer counter: maximum over clients
+        else:
+            torch.testing.assert_close(glob[k], v, rtol=1e-6, atol=1e-6)
+
+
+def test_match_group_running_statistics_are_weighted_averages_of_matched_units():
+    model = _tiny_bn_net(1)
+    a = model.state_dict()
+    b = {k: v.clone() for k, v in a.items()}
+    b["body.1.running_mean"] = a["body.1.running_mean"] + 4.0
+    b["body.1.running_var"] = a["body.1.running_var"] * 3.0
+    g = chain_spec(model)[0]
+    gm = match_group([a, b], g, method="hungarian", weights=[1.0, 3.0])
+    torch.testing.assert_close(gm.tensors["body.1.running_mean"], a["body.1.running_mean"] + 3.0)
+    torch.testing.assert_close(gm.tensors["body.1.running_var"], a["body.1.running_var"] * 2.5)
+    # a grown global unit matched by one client only carries that client's statistics
+    far = {k: v.clone() for k, v in a.items()}
+    far["body.0.weight"] = -a["body.0.weight"] * 50  # dissimilar atoms -> new global units
+    gm = match_group([a, far], g, method="bbp", estimator="mean", iters=0)
+    assert gm.size > g.size
+    only_far = sorted(set(gm.assign[1].tolist()) - set(gm.assign[0].tolist()))
+    local = [int(np.where(gm.assign[1] == i)[0][0]) for i in only_far]
+    torch.testing.assert_close(gm.tensors["body.1.running_var"][only_far], far["body.1.running_var"][local])
+
+
+def test_class_weighted_last_layer_hand_computed():
+    w1 = {"fc.weight": torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]),
+          "fc.bias": torch.tensor([1.0, 1, 1, 1])}
+    w2 = {"fc.weight": torch.tensor([[3.0, 2.0], [9.0, 9.0], [1.0, 2.0], [-1.0, 0.0]]),
+          "fc.bias": torch.tensor([3.0, 3, 3, 3])}
+    counts = [[2, 0, 1, 0], [2, 4, 3, 0]]  # class 3: nobody -> fallback weights 1:3
+    out = class_weighted_average([w1, w2], ["fc.weight", "fc.bias"], counts, fallback=[1.0, 3.0])
+    want_w = torch.tensor([[2.0, 2.0], [9.0, 9.0], [0.25 * 5 + 0.75 * 1, 0.25 * 6 + 0.75 * 2], [0.25 * 7 - 0.75, 2.0]])
+    want_b = torch.tensor([2.0, 3.0, 0.25 + 2.25, 0.25 + 2.25])
+    torch.testing.assert_close(out["fc.weight"], want_w)
+    torch.testing.assert_close(out["fc.bias"], want_b)
+
+
+def test_one_client_matching_returns_that_client():
+    torch.manual_seed(5)
+    model = build_model("mlp", (20,), 4, widths=[9, 7])
+    state = model.state_dict()
+    glob, sizes, _ = match_network([state], chain_spec(model), model.head_keys(), class_counts=[[1, 0, 2, 5]],
+                                   estimator="mean")
+    assert sizes == [9, 7]
+    for k in state:
+        torch.testing.assert_close(glob[k], state[k], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("n_heads", [1, 2])
+def test_simple_fedma_alignment_recovers_a_permuted_transformer(n_heads):
+    torch.manual_seed(6)
+    model = build_model("transformer", (10,), 30, task="lm", d_model=8, n_heads=n_heads, n_layers=2, d_ff=12,
+                        dropout=0.0, persistent_pe=True)
+    state = model.state_dict()
+    spec = transformer_spec(model)
+    perms = random_permutations(spec, torch.Generator().manual_seed(7))
+    aligned, found = align_to(state, permute_all(state, spec, perms), spec)
+    for k in state:
+        assert torch.equal(aligned[k], state[k]), k
+    assert set(found) == {g.name for g in spec}
+
+
+def test_bbp_is_deterministic_given_the_generator():
+    rng = np.random.default_rng(8)
+    atoms = [rng.normal(size=(12, 6)) * 0.3 for _ in range(3)]
+    r1 = bbp_map(atoms, rng=np.random.default_rng(5))
+    r2 = bbp_map(atoms, rng=np.random.default_rng(5))
+    assert np.array_equal(r1.atoms, r2.atoms)
+    assert all(np.array_equal(a, b) for a, b in zip(r1.assign, r2.assign))
+    for a in r1.assign:  # each client's units land on distinct global units
+        assert len(set(a.tolist())) == len(a) and a.max() < r1.atoms.shape[0]
+    np.testing.assert_array_equal(np.bincount(np.concatenate(r1.assign), minlength=r1.atoms.shape[0]), r1.counts)
