@@ -148,7 +148,7 @@ def compare_rows(summaries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for name, s in summaries.items():
         f, b = s["final"], s["best"]
-        mb = ((f.get("bytes_down") or 0) + (f.get("bytes_up") or 0) + (f.get("total_bytes_peer") or 0)) / 1e6
+        mb = ((f.get("bytes_down") or 0) + (f.get("bytes_up") or 0) + (f.get("bytes_peer") or 0)) / 1e6
         pct = lambda v: None if v is None else round(100 * v, 2)  # noqa: E731
         rows.append({
             "algorithm": name,

@@ -328,21 +328,15 @@ class Experiment:
             finish(self.state, self.fed, self.out)
 
 
-BLOCK_KEYS = (
-    "round", "global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "loss", "global_loss",
-    "personal_loss", "val_loss", "val_accuracy", "perplexity", "personal_perplexity", "total_bytes_down",
-    "total_bytes_up", "total_bytes_peer", "total_client_flops", "server_parameters",
-    "communicated_parameters_per_client", "optimised_parameters_per_client", "wall_seconds",
-)
-
-
 def _block(rec: dict[str, Any]) -> dict[str, Any]:
-    b = {k: rec.get(k) for k in BLOCK_KEYS if k in rec}
-    b["bytes_down"] = rec.get("total_bytes_down")
-    b["bytes_up"] = rec.get("total_bytes_up")
-    b["client_flops"] = rec.get("total_client_flops")
-    for k in ("total_bytes_down", "total_bytes_up", "total_client_flops"):
-        b.pop(k, None)
+    """A summary block: the record's scalar metrics (diagnostics included) with totals as cumulative bytes/FLOPs."""
+    b = {k: v for k, v in rec.items() if isinstance(v, int | float | str | bool) or v is None}
+    for k in ("bytes_down", "bytes_up", "bytes_peer", "client_flops", "seconds"):
+        b.pop(k, None)  # per-round values; the block reports totals
+    b["bytes_down"] = b.pop("total_bytes_down", None)
+    b["bytes_up"] = b.pop("total_bytes_up", None)
+    b["bytes_peer"] = b.pop("total_bytes_peer", None)
+    b["client_flops"] = b.pop("total_client_flops", None)
     return b
 
 
