@@ -1,0 +1,164 @@
+"""FedEM (Marfoq et al. 2021, "Federated multi-task learning under a mixture of distributions"; code
+omarfoq/FedEM).
+
+Every client holds M learners (the M global components, all sent down and up every round) and its own
+mixture weights π (client state, initialised 1/M).  A local round is
+
+* E-step, on the client's training data with the received learners (eval mode, no gradient):
+  q_m(x) ∝ π_m · exp(−ℓ_m(x)) (normalised over m), then π = mean_x q(x);
+* M-step: each learner m trains for the run's local epochs on loss Σ_{x∈batch} q_m(x) ℓ_m(x) / |batch|.
+  The learners share the batch order (their losses are decoupled, so training them one after another on
+  the same permutation equals training them jointly).
+
+Server: each learner is averaged n-weighted over the sampled clients (full state, BN buffers included,
+``num_batches_tracked``: max).  ``stale_average=true`` is the code's form: the average runs over *all*
+clients, the unsampled ones contributing their stale copy (= the current global learner).
+Prediction: Σ_m π_m softmax(f_m(x)).
+
+Client cost (the point FedMerge makes): M models down and up, M models trained, M forward passes for the
+E-step — all in the bytes, ``flops`` and ``trained_params`` accounting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
+from fedfuse.algorithms.fedmerge import init_globals, model_params
+from fedfuse.algorithms.ifca import forward_flops_per_sample, pack, per_sample_losses, unpack
+from fedfuse.engine.client import make_optimizer, task_loss, train_flops_per_sample
+from fedfuse.fusion.average import weighted_average
+from fedfuse.types import ClientData, Message
+
+
+def e_step(losses: torch.Tensor, pi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Responsibilities q (n × M, rows sum to 1) from per-sample losses (M × n) and priors π; new π = mean q."""
+    logq = torch.log(pi.to(torch.float64).clamp_min(1e-300))[None, :] - losses.to(torch.float64).T
+    q = torch.softmax(logq, dim=1)
+    return q, q.mean(0) if q.shape[0] else pi.to(torch.float64)
+
+
+class FedEM(Algorithm):
+    name = "fedem"
+    description = "FedEM: M shared learners + per-client mixture weights, trained by federated EM"
+    personalized = True
+
+    @dataclass
+    class Options:
+        m: int = 3
+        stale_average: bool = False  # author code: average over all clients (stale copies for unsampled)
+
+    def init_state(self) -> ServerState:
+        if self.opt.m < 1:
+            raise ValueError(f"m must be >= 1, got {self.opt.m}")
+        return {"learners": init_globals(self.ctx, self.opt.m, "fedem-init")}
+
+    def init_client_state(self, cid: int) -> ClientState:
+        return {"pi": torch.full((self.opt.m,), 1.0 / self.opt.m, dtype=torch.float64)}
+
+    def _message(self, state: ServerState) -> Message:
+        return Message(pack(state["learners"]), {"m": len(state["learners"])})
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        msg = self._message(state)
+        return {c: msg for c in clients}
+
+    def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
+        msg = self._message(state)
+        return {c: msg for c in clients}
+
+    def fit(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> tuple[Message, ClientState]:
+        states = unpack(payload.tensors, int(payload.meta["m"]))
+        M = len(states)
+        pi = (client_state or self.init_client_state(data.cid))["pi"]
+        n, cfg = len(data.train), self.ctx.train
+        meta = {"num_examples": n, "samples": 0, "steps": 0, "train_loss": 0.0, "flops": 0.0,
+                "trained_params": M * model_params(self.ctx)}
+        if n == 0:
+            return Message(pack(states), meta), {"pi": pi}
+        # E-step with the received learners
+        losses = torch.stack([per_sample_losses(self.ctx.load(s), data.train, self.ctx.eval_batch_size)
+                              for s in states])
+        q, pi = e_step(losses, pi)
+        q = q.to(data.train.x.device, torch.float32)
+        # M-step: the same batch order for every learner
+        bs = min(cfg.batch_size, n)
+        perms = [torch.randperm(n, generator=gen).to(data.train.x.device) for _ in range(cfg.local_epochs)]
+        out_states, loss_sum, samples, steps = [], 0.0, 0, 0
+        for m, s in enumerate(states):
+            model = self.ctx.load(s)
+            model.train()
+            opt = make_optimizer(model.parameters(), cfg)
+            for perm in perms:
+                for start in range(0, n, bs):
+                    idx = perm[start : start + bs]
+                    x, y = data.train.x[idx], data.train.y[idx]
+                    lv = task_loss(model(x), y, reduction="none")
+                    loss = (q[idx, m] * lv).sum() / idx.numel()
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if cfg.grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    opt.step()
+                    steps += 1
+                    samples += int(idx.numel())
+                    loss_sum += float(loss.detach()) * int(idx.numel())
+            out_states.append(state_of(model))
+        key = (self.ctx.model_name,)
+        fwd = forward_flops_per_sample(model, data.train.x, key=key)
+        train = train_flops_per_sample(model, data.train.x, data.train.y, key=key)
+        meta.update(samples=samples, steps=steps, train_loss=loss_sum / max(samples, 1),
+                    flops=float(M * n * fwd + samples * train))
+        return Message(pack(out_states), meta), {"pi": pi}
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        if not results:
+            return state
+        M = len(state["learners"])
+        clients = sorted(results)
+        per = [unpack(results[c].tensors, M) for c in clients]
+        w = [float(results[c].meta["num_examples"]) for c in clients]
+        learners = []
+        for m, old in enumerate(state["learners"]):
+            states, weights = [p[m] for p in per], list(w)
+            if self.opt.stale_average:
+                rest = float(self.ctx.client_sizes.sum()) - sum(w)
+                if rest > 0:
+                    states, weights = [old, *states], [rest, *weights]
+            learners.append(weighted_average(states, weights, base=old))
+        return {**state, "learners": learners}
+
+    def global_model(self, state: ServerState) -> None:
+        return None
+
+    def server_parameters(self, state: ServerState) -> int:
+        return len(state["learners"]) * model_params(self.ctx)
+
+    def evaluate(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> dict[str, float]:
+        states = unpack(payload.tensors, int(payload.meta["m"]))
+        pi = (client_state or self.init_client_state(data.cid))["pi"]
+        models = []
+        for s in states:  # one module per learner: the mixture needs them together
+            mod = self._module(len(models))
+            mod.load_state_dict(s)
+            mod.eval()
+            models.append(mod)
+
+        def predict(x: torch.Tensor) -> torch.Tensor:
+            return sum(float(p) * torch.softmax(mod(x), dim=-1) for p, mod in zip(pi, models))
+
+        return evaluate_splits(models[0], data, self.ctx.eval_batch_size, predict=predict)
+
+    def _module(self, m: int) -> torch.nn.Module:
+        cache = self.__dict__.setdefault("_modules", {})
+        if m not in cache:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                cache[m] = self.ctx.build()
+        return cache[m]

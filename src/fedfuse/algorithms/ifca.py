@@ -1,0 +1,155 @@
+"""IFCA (Ghosh et al. 2020, "An efficient framework for clustered federated learning"; code jichan3751/ifca).
+
+K cluster models (independently initialised).  The server broadcasts *all* K models to every sampled client
+(that is what the algorithm needs: the client must evaluate each of them), so the download is K models and the
+upload one.  Each sampled client computes the loss of every cluster model on its local *training* data
+(eval mode, no gradient), picks the lowest (ties → lowest index), trains that model locally (IFCA's
+"model averaging" variant) and returns it with its cluster index.  The server averages each cluster's
+members — unweighted (paper Alg. 1 and code; ``weighting="samples"`` for n-weighting), full state with BN
+buffers (``num_batches_tracked``: max); a cluster nobody picked keeps its model.  Evaluation: a client
+picks its cluster by the lowest loss on its training data and is evaluated with that model.
+
+Client cost: K forward passes over the training data (counted in ``flops``) plus one model's training.
+Diagnostic: ``ari`` between the clients' latest cluster choices and the true groups (clients never sampled
+are left out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
+from fedfuse.algorithms.fedmerge import init_globals, model_params
+from fedfuse.engine.client import task_loss
+from fedfuse.fusion.average import weighted_average
+from fedfuse.types import ClientData, Message, Split, TensorDict
+
+_FWD_CACHE: dict[tuple, float] = {}
+
+
+def pack(states: Sequence[Mapping[str, torch.Tensor]]) -> TensorDict:
+    """Several state dicts in one message: key ``m{j}/{name}``."""
+    return {f"m{j}/{k}": v for j, s in enumerate(states) for k, v in s.items()}
+
+
+def unpack(tensors: Mapping[str, torch.Tensor], count: int) -> list[TensorDict]:
+    out: list[TensorDict] = [{} for _ in range(count)]
+    for key, v in tensors.items():
+        j, _, name = key.partition("/")
+        out[int(j[1:])][name] = v
+    return out
+
+
+def forward_flops_per_sample(model: nn.Module, x: torch.Tensor, key: tuple = ()) -> float:
+    """Forward-only FLOPs of one sample (``torch.utils.flop_counter``), memoised per architecture/shape."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    xb = x[:8]
+    ck = (key, type(model).__name__, tuple(xb.shape[1:]), sum(p.numel() for p in model.parameters()))
+    if ck not in _FWD_CACHE:
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            model(xb)
+        _FWD_CACHE[ck] = counter.get_total_flops() / max(int(xb.shape[0]), 1)
+    return _FWD_CACHE[ck]
+
+
+@torch.no_grad()
+def per_sample_losses(model: nn.Module, split: Split, batch_size: int = 512) -> torch.Tensor:
+    """Cross-entropy of every sample of ``split`` under ``model`` in eval mode (float64 vector)."""
+    model.eval()
+    parts = [task_loss(model(split.x[s : s + batch_size]), split.y[s : s + batch_size], reduction="none")
+             for s in range(0, len(split), batch_size)]
+    return torch.cat(parts).to(torch.float64) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def pick_cluster(losses: Sequence[float]) -> int:
+    """Index of the lowest loss (first on ties)."""
+    return int(torch.tensor(list(losses), dtype=torch.float64).argmin())
+
+
+class IFCA(Algorithm):
+    name = "ifca"
+    description = "IFCA: K cluster models; each client trains the one with the lowest loss on its data"
+    personalized = True
+
+    @dataclass
+    class Options:
+        k: int = 5
+        weighting: str = "uniform"  # uniform (paper/code) | samples
+
+    def init_state(self) -> ServerState:
+        if self.opt.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.opt.k}")
+        if self.opt.weighting not in ("uniform", "samples"):
+            raise ValueError(f"weighting={self.opt.weighting!r}; choose uniform or samples")
+        return {"models": init_globals(self.ctx, self.opt.k, "ifca-init"), "assign": [-1] * self.ctx.num_clients}
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        msg = Message(pack(state["models"]), {"k": len(state["models"])})
+        return {c: msg for c in clients}
+
+    def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
+        msg = Message(pack(state["models"]), {"k": len(state["models"])})
+        return {c: msg for c in clients}
+
+    def choose(self, payload: Message, data: ClientData) -> tuple[int, list[float], list[TensorDict]]:
+        states = unpack(payload.tensors, int(payload.meta["k"]))
+        split = data.train if len(data.train) else data.val
+        losses = []
+        for s in states:
+            model = self.ctx.load(s)
+            ls = per_sample_losses(model, split, self.ctx.eval_batch_size)
+            losses.append(float(ls.mean()) if ls.numel() else 0.0)
+        return pick_cluster(losses), losses, states
+
+    def fit(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> tuple[Message, ClientState]:
+        j, losses, states = self.choose(payload, data)
+        model, meta = self.train_payload(Message(states[j]), data, gen)
+        if len(data.train):
+            meta["flops"] += len(states) * len(data.train) * forward_flops_per_sample(
+                model, data.train.x, key=(self.ctx.model_name,))
+        meta.update(cluster=j, cluster_losses=losses)
+        return Message(state_of(model), meta), client_state
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        models = list(state["models"])
+        assign = list(state["assign"])
+        for c, r in results.items():
+            assign[c] = int(r.meta["cluster"])
+        for j in range(len(models)):
+            members = [results[c] for c in sorted(results) if int(results[c].meta["cluster"]) == j]
+            if not members:
+                continue  # nobody picked cluster j: it keeps its model
+            w = [1.0] * len(members) if self.opt.weighting == "uniform" else \
+                [float(r.meta["num_examples"]) for r in members]
+            models[j] = weighted_average([r.tensors for r in members], w, base=models[j])
+        return {**state, "models": models, "assign": assign}
+
+    def global_model(self, state: ServerState) -> None:
+        return None
+
+    def server_parameters(self, state: ServerState) -> int:
+        return len(state["models"]) * model_params(self.ctx)
+
+    def evaluate(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> dict[str, float]:
+        j, _, states = self.choose(payload, data)
+        return evaluate_splits(self.ctx.load(states[j]), data, self.ctx.eval_batch_size)
+
+    def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
+        from sklearn.metrics import adjusted_rand_score
+
+        groups = self.ctx.client_groups
+        known = [c for c, a in enumerate(state["assign"]) if a >= 0]
+        if not groups or len(known) < 2:
+            return {"ari": None}
+        return {"ari": float(adjusted_rand_score([groups[c] for c in known], [state["assign"][c] for c in known]))}

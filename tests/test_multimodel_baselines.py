@@ -1,0 +1,180 @@
+"""IFCA, FedEM and pFedMoE: the math (cluster choice, EM responsibilities, what travels and is averaged),
+their client-cost accounting, and determinism."""
+
+import pytest
+import torch
+
+from fedfuse.algorithms.base import RoundInfo
+from fedfuse.algorithms.fedem import e_step
+from fedfuse.algorithms.ifca import pack, per_sample_losses, pick_cluster, unpack
+from fedfuse.config import RunConfig, apply
+from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.fusion.average import weighted_average
+from fedfuse.rng import torch_generator
+from fedfuse.types import Message
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread is much faster than two on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def cfg_for(algorithm: str, **kw) -> RunConfig:
+    base = dict(
+        dataset="digits", partition="label-cluster", model="mlp", clients=6, clients_per_round=3, rounds=2,
+        batch_size=32, lr=0.1, local_epochs=1, seed=7, out=None, plots=False, algorithm=algorithm,
+        model_options={"widths": [16]}, partition_options={"clusters": 3},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+def nparams(exp: Experiment) -> int:
+    return sum(p.numel() for p in exp.ctx.model().parameters())
+
+
+def nbytes(exp: Experiment) -> int:
+    return sum(t.numel() * t.element_size() for t in exp.ctx.model().state_dict().values())
+
+
+# ---- FedEM ----------------------------------------------------------------------------------------------
+
+
+def test_fedem_responsibilities_hand_case_and_simplex():
+    losses = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 2.0]])  # M=2 learners × n=3 samples
+    pi = torch.tensor([0.5, 0.5])
+    q, new_pi = e_step(losses, pi)
+    e = torch.exp(torch.tensor(-1.0, dtype=torch.float64))
+    torch.testing.assert_close(q[0], torch.stack([1 / (1 + e), e / (1 + e)]))
+    torch.testing.assert_close(q[2], torch.tensor([0.5, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(new_pi, q.mean(0))
+    q2, pi2 = e_step(torch.rand(4, 50) * 5, torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    torch.testing.assert_close(q2.sum(1), torch.ones(50, dtype=torch.float64))
+    assert bool((q2 >= 0).all()) and float(pi2.sum()) == pytest.approx(1.0)
+    # the prior matters: equal losses give q = π
+    q3, _ = e_step(torch.zeros(2, 3), torch.tensor([0.25, 0.75]))
+    torch.testing.assert_close(q3, torch.tensor([[0.25, 0.75]] * 3, dtype=torch.float64))
+
+
+def test_fedem_accounting_and_aggregation():
+    M = 3
+    exp = Experiment(cfg_for("fedem", algorithm_options={"m": M}))
+    algo = exp.algo
+    state = algo.init_state()
+    assert not torch.equal(state["learners"][0]["fc.weight"], state["learners"][1]["fc.weight"])  # independent
+    payloads = algo.configure_fit(state, RoundInfo(0, 1), [0, 4])
+    assert payloads[0].nbytes == M * nbytes(exp)
+    results, cstates = {}, {}
+    for c in (0, 4):
+        results[c], cstates[c] = algo.fit(payloads[c], algo.init_client_state(c), exp.fed.clients[c],
+                                          torch_generator(1, c))
+    r = results[0]
+    assert r.nbytes == M * nbytes(exp) and r.meta["trained_params"] == M * nparams(exp)
+    n = len(exp.fed.clients[0].train)
+    assert r.meta["samples"] == M * n  # every learner trains on every sample
+    fa = Experiment(cfg_for("fedavg"))
+    fa_meta = fa.algo.fit(Message(fa.algo.init_state()["global"]), None, fa.fed.clients[0], torch_generator(1, 0))[0]
+    assert r.meta["flops"] > M * fa_meta.meta["flops"]  # M trainings + M E-step forward passes
+    pi = cstates[0]["pi"]
+    assert float(pi.sum()) == pytest.approx(1.0) and not torch.allclose(pi, torch.full((M,), 1 / M,
+                                                                                     dtype=torch.float64))
+    new = algo.aggregate_fit(state, RoundInfo(0, 1), results)
+    for m in range(M):
+        expect = weighted_average([unpack(results[c].tensors, M)[m] for c in (0, 4)],
+                                  [results[c].meta["num_examples"] for c in (0, 4)])
+        for k, v in expect.items():
+            torch.testing.assert_close(new["learners"][m][k], v)
+    assert algo.server_parameters(new) == M * nparams(exp)
+
+
+def test_fedem_stale_average_includes_unsampled_clients():
+    exp = Experiment(cfg_for("fedem", algorithm_options={"m": 2, "stale_average": True}))
+    algo = exp.algo
+    state = algo.init_state()
+    p = algo.configure_fit(state, RoundInfo(0, 1), [1])[1]
+    res = {1: algo.fit(p, None, exp.fed.clients[1], torch_generator(0, 1))[0]}
+    new = algo.aggregate_fit(state, RoundInfo(0, 1), res)
+    n1, N = float(len(exp.fed.clients[1].train)), float(exp.ctx.client_sizes.sum())
+    k = "fc.bias"
+    expect = (N - n1) / N * state["learners"][0][k] + n1 / N * unpack(res[1].tensors, 2)[0][k]
+    torch.testing.assert_close(new["learners"][0][k], expect)
+
+
+# ---- IFCA -----------------------------------------------------------------------------------------------
+
+
+def test_ifca_picks_the_lowest_loss_cluster_and_untouched_clusters_keep_their_model():
+    exp = Experiment(cfg_for("ifca", algorithm_options={"k": 3}))
+    algo, data = exp.algo, exp.fed.clients[2]
+    state = algo.init_state()
+    # make cluster 1 the obvious choice: a head bias that favours the client's own labels
+    state["models"][1]["fc.bias"] = torch.full_like(state["models"][1]["fc.bias"], -5.0)
+    state["models"][1]["fc.bias"][data.train.y.unique()] = 5.0
+    losses = [float(per_sample_losses(exp.ctx.load(s), data.train).mean()) for s in state["models"]]
+    assert pick_cluster(losses) == 1
+    payload = algo.configure_fit(state, RoundInfo(0, 1), [2])[2]
+    assert payload.nbytes == 3 * nbytes(exp)  # all K models go down
+    res, _ = algo.fit(payload, None, data, torch_generator(0, 2))
+    assert res.meta["cluster"] == 1 and res.meta["cluster_losses"] == pytest.approx(losses)
+    assert res.nbytes == nbytes(exp)  # one model comes back
+    new = algo.aggregate_fit(state, RoundInfo(0, 1), {2: res})
+    for j in (0, 2):
+        for k, v in state["models"][j].items():
+            assert torch.equal(new["models"][j][k], v)
+    for k, v in res.tensors.items():
+        assert torch.equal(new["models"][1][k], v)
+    assert new["assign"][2] == 1 and pick_cluster([0.3, 0.1, 0.1]) == 1  # ties → lowest index
+    packed = pack(state["models"])
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(unpack(packed, 3), state["models"]) for k in a)
+
+
+def test_ifca_uniform_vs_sample_weighting():
+    for weighting in ("uniform", "samples"):
+        exp = Experiment(cfg_for("ifca", algorithm_options={"k": 1, "weighting": weighting}))
+        algo = exp.algo
+        state = algo.init_state()
+        p = algo.configure_fit(state, RoundInfo(0, 1), [0, 3])
+        res = {c: algo.fit(p[c], None, exp.fed.clients[c], torch_generator(0, c))[0] for c in (0, 3)}
+        new = algo.aggregate_fit(state, RoundInfo(0, 1), res)
+        w = [1.0, 1.0] if weighting == "uniform" else [res[c].meta["num_examples"] for c in (0, 3)]
+        expect = weighted_average([res[0].tensors, res[3].tensors], w)
+        torch.testing.assert_close(new["models"][0]["fc.weight"], expect["fc.weight"])
+
+
+# ---- pFedMoE --------------------------------------------------------------------------------------------
+
+
+def test_pfedmoe_only_the_global_expert_travels_and_costs_show():
+    exp = Experiment(cfg_for("pfedmoe"))
+    algo = exp.algo
+    state = algo.init_state()
+    head = set(exp.ctx.model().head_keys())
+    assert set(state["expert"]) == set(exp.ctx.model().state_dict()) - head
+    p = algo.configure_fit(state, RoundInfo(0, 1), [0])[0]
+    res, cs = algo.fit(p, None, exp.fed.clients[0], torch_generator(0, 0))
+    assert set(res.tensors) == set(state["expert"]) and res.nbytes == p.nbytes
+    extractor = nparams(exp) - sum(v.numel() for k, v in exp.ctx.model().named_parameters() if k in head)
+    gate = (64 + 1) * 2  # linear gate on the flattened 8x8 digit
+    assert res.meta["trained_params"] == 2 * extractor + (nparams(exp) - extractor) + gate
+    assert set(cs) == {"local", "gate"}
+    assert not torch.equal(cs["local"]["fc.weight"], algo._local_init(0)["local"]["fc.weight"])  # trained
+    fa = Experiment(cfg_for("fedavg"))
+    fa_res = fa.algo.fit(Message(fa.algo.init_state()["global"]), None, fa.fed.clients[0], torch_generator(0, 0))[0]
+    assert res.meta["flops"] > fa_res.meta["flops"]
+    new = algo.aggregate_fit(state, RoundInfo(0, 1), {0: res})
+    assert all(torch.equal(new["expert"][k], res.tensors[k]) for k in res.tensors)
+    assert algo.server_parameters(new) == extractor
+
+
+@pytest.mark.parametrize("algorithm", ["ifca", "fedem", "pfedmoe"])
+def test_same_seed_identical_metrics(algorithm):
+    a = Experiment(cfg_for(algorithm))
+    a.run()
+    b = Experiment(cfg_for(algorithm), fed=a.fed)
+    b.run()
+    assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
+    assert a.history[-1]["personal_accuracy"] is not None
