@@ -1,0 +1,222 @@
+"""HeteroFL (Diao, Ding & Tarokh, ICLR 2021): clients train the *first* ⌈μK⌉ units of every hidden layer.
+
+As in the spec (``../shared/specs/msfusion.md``) and the authors' code (``diaoenmao/HeteroFL``):
+
+* static sub-models: the first ⌈μ_n K_i⌉ units of every hidden group (:func:`fedfuse.fusion.slicing.static_indices`),
+  built as real smaller modules;
+* aggregation: every element of the global model is the **unweighted** average over the clients holding it;
+  elements nobody holds keep their value; the classifier's rows (weight and bias) of class y are averaged only
+  over the clients whose training data contains y ("label split");
+* masked cross-entropy: logits of classes absent from the client's data are set to 0 during training (the
+  code's ``masked_fill(label_mask == 0, 0)``);
+* static BN (``norm="bn-static"`` models: no running statistics during training); before an evaluation
+  (every ``stats_every`` rounds — set it to the run's ``eval_every`` — and at the last round) a second stage
+  recomputes the global model's BN statistics: every client runs the full global model over its training data
+  (BN momentum None = cumulative averages) and the server averages the clients' statistics weighted by their
+  number of batches.  The authors' code does this centrally on the pooled training set; the result is the
+  same cumulative average over all batches.  This pass costs one full-model download per client (counted);
+* Scaler: the output of every sliced hidden layer (conv / linear whose output units are split) is divided by μ
+  during training only (identity at evaluation).
+
+LMs (``task="lm"``) have no label split or masking.  The learning-rate schedule follows MSfusion's (the paper
+keeps it uniform across its baselines): CyclicLR between ``lr_min`` and ``lr_max``, or ``constant``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.algorithms.msfusion import cyclic_lr
+from fedfuse.engine.client import train_local
+from fedfuse.fusion.slicing import (
+    Selection,
+    SliceSpec,
+    combine,
+    load_submodel,
+    slice_spec,
+    slice_state,
+    state_bytes,
+    static_indices,
+)
+from fedfuse.types import ClientData, Message, TensorDict
+
+
+def has_bn(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def bn_statistics(model: nn.Module, x: torch.Tensor, batch_size: int) -> tuple[TensorDict, int]:
+    """Cumulative (momentum=None) BN running statistics of ``model`` over ``x``; returns (buffers, batches)."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [(m.momentum, m.track_running_stats) for m in bns]
+    for m in bns:
+        m.momentum = None
+        m.track_running_stats = True
+        m.reset_running_stats()
+    model.train()
+    batches = 0
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            model(x[start : start + batch_size])
+            batches += 1
+    for m, (mom, trk) in zip(bns, saved):
+        m.momentum, m.track_running_stats = mom, trk
+    stats = {k: v.detach().clone() for k, v in model.state_dict().items()
+             if k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+    return stats, batches
+
+
+class HeteroFL(Algorithm):
+    name = "heterofl"
+    description = "HeteroFL: static first-k width slices, holder averaging, label-split head, static BN, Scaler"
+
+    @dataclass
+    class Options:
+        mu: float = 0.25
+        mu_list: list[float] = field(default_factory=list)  # per-client μ_n (cycled over client ids)
+        scaler: bool = True
+        masked_ce: bool = True
+        label_split: bool = True
+        sbn: bool = True  # recompute BN statistics of the global model before evaluation
+        stats_every: int = 10  # rounds between BN recomputations (set = the run's eval_every)
+        lr_schedule: str = "cyclic"  # cyclic | constant
+        lr_min: float = 0.001
+        lr_max: float = 0.0012
+
+    def __init__(self, ctx, options=None) -> None:
+        super().__init__(ctx, options)
+        self._full = ctx.model({})
+        self.spec: SliceSpec = slice_spec(self._full)
+        self.shapes = {k: tuple(v.shape) for k, v in self._full.state_dict().items()}
+        self._bn = has_bn(self._full) and getattr(self._full, "norm", "bn") == "bn-static"
+
+    # ---- index sets --------------------------------------------------------------------------------
+    def mu_of(self, n: int) -> float:
+        mus = list(self.opt.mu_list or [])
+        return float(mus[n % len(mus)]) if mus else float(self.opt.mu)
+
+    def selection(self, n: int, r: int) -> Selection:
+        mu = self.mu_of(n)
+        return {g: static_indices(k, mu) for g, k in self.spec.groups.items()}
+
+    # ---- server --------------------------------------------------------------------------------------
+    def init_state(self) -> ServerState:
+        return {**super().init_state(), "bn_stats": None}
+
+    def select_clients(self, info: RoundInfo, rng: np.random.Generator) -> list[int]:
+        if self.ctx.clients_per_round >= self.ctx.num_clients:
+            return list(range(self.ctx.num_clients))
+        return super().select_clients(info, rng)
+
+    def stats_round(self, info: RoundInfo) -> bool:
+        return bool(self.opt.sbn and self._bn and
+                    ((info.index + 1) % max(int(self.opt.stats_every), 1) == 0 or info.index + 1 == info.total))
+
+    def num_stages(self, state: ServerState, info: RoundInfo) -> int:
+        return 2 if self.stats_round(info) else 1
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        if info.stage == 1:  # BN statistics pass on the full global model
+            msg = Message(self.with_bn_buffers(state["global"]), {"stage": "bn-stats"})
+            return {c: msg for c in clients}
+        out = {}
+        for c in clients:
+            sel = self.selection(c, info.index)
+            out[c] = Message(slice_state(state["global"], self.spec, sel),
+                             {"round": info.index, "total": info.total, "sel": {g: v.tolist() for g, v in sel.items()}})
+        return out
+
+    def with_bn_buffers(self, g: TensorDict) -> TensorDict:
+        """The global state plus fresh BN buffers (for the ``norm="bn"`` twin of a bn-static model)."""
+        twin = self.ctx.model({"model_options": {"norm": "bn"}})
+        out = dict(g)
+        for k, v in twin.state_dict().items():
+            if k not in out:
+                out[k] = torch.zeros_like(v) if not k.endswith("running_var") else torch.ones_like(v)
+        return out
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        if not results:
+            return state
+        if info.stage == 1:
+            w = np.array([float(r.meta["batches"]) for r in results.values()])
+            keys = next(iter(results.values())).tensors.keys()
+            stats = {}
+            for k in keys:
+                vs = [r.tensors[k] for r in results.values()]
+                if vs[0].is_floating_point():
+                    stats[k] = sum(float(wi) * v for wi, v in zip(w / w.sum(), vs))
+                else:
+                    stats[k] = torch.stack(vs).sum(0)  # total batches seen
+            return {**state, "bn_stats": stats}
+        sources, restrict = [], []
+        head = self.head_keys()
+        for msg in results.values():
+            sel = {g: torch.tensor(v, dtype=torch.long) for g, v in msg.meta["sel"].items()}
+            sources.append((msg.tensors, sel))
+            if self.opt.label_split and self.ctx.task == "classification" and head:
+                classes = torch.tensor(msg.meta["classes"], dtype=torch.long)
+                restrict.append({k: [classes] + [None] * (len(self.shapes[k]) - 1) for k in head})
+            else:
+                restrict.append(None)
+        glob, _ = combine(state["global"], self.spec.full_selection(), self.spec, self.shapes, sources, restrict)
+        return {**state, "global": glob, "bn_stats": None}
+
+    def head_keys(self) -> list[str]:
+        return [k for k in self._full.head_keys() if k in self.shapes and len(self.shapes[k]) >= 1]
+
+    def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]] | None:
+        if state.get("bn_stats"):
+            return {**state["global"], **state["bn_stats"]}, {"model_options": {"norm": "bn"}}
+        return state["global"], {}
+
+    # ---- client --------------------------------------------------------------------------------------
+    def fit(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> tuple[Message, ClientState]:
+        if payload.meta.get("stage") == "bn-stats":
+            model = self.ctx.load(payload.tensors, {"model_options": {"norm": "bn"}})
+            stats, batches = bn_statistics(model, data.train.x, self.ctx.train.batch_size)
+            return Message(stats, {"batches": batches, "num_examples": len(data.train)}), client_state
+        r, total = int(payload.meta["round"]), int(payload.meta["total"])
+        sel = {g: torch.tensor(v, dtype=torch.long) for g, v in payload.meta["sel"].items()}
+        mu = self.mu_of(data.cid)
+        model = load_submodel(self._full, self.spec, payload.tensors, sel, tag=f"{self.name}-train")
+        hooks = []
+        if self.opt.scaler and mu != 1.0:
+            hooks += self.scaler_hooks(model, mu)
+        classes = sorted(int(c) for c in torch.unique(data.train.y).tolist()) if self.ctx.task == "classification" \
+            else []
+        if self.opt.masked_ce and classes and self.ctx.task == "classification":
+            mask = torch.zeros(self.ctx.num_classes, dtype=torch.bool, device=data.train.y.device)
+            mask[classes] = True
+            hooks.append(model.head.register_forward_hook(
+                lambda m, i, o: o.masked_fill(~mask, 0.0) if m.training else o))
+        lr = (cyclic_lr(r, total, self.opt.lr_min, self.opt.lr_max) if self.opt.lr_schedule == "cyclic"
+              else self.ctx.train.lr)
+        try:
+            stats = train_local(model, data.train, self.ctx.train, gen, lr=lr)
+        finally:
+            for h in hooks:
+                h.remove()
+        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+        new = state_of(model)
+        meta.update({"sel": payload.meta["sel"], "classes": classes, "submodel_bytes": state_bytes(new), "lr": lr})
+        return Message(new, meta), client_state
+
+    def scaler_hooks(self, model: nn.Module, mu: float) -> list:
+        """HeteroFL's Scaler: divide every split hidden layer's output by μ in training mode."""
+        hooks = []
+        for name, module in model.named_modules():
+            key = name + ".weight"
+            if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)) and key in self.spec.dims:
+                d = self.spec.dims[key]
+                if d and d[0] is not None:
+                    hooks.append(module.register_forward_hook(lambda m, i, o: o / mu if m.training else o))
+        return hooks

@@ -1,0 +1,327 @@
+"""MSfusion (2024): collaborative training of a large model by peers that each train a *slice* of it.
+
+Paper: "MSfusion: A Dynamic Model Splitting Approach for Resource-Constrained Machines to Collaboratively
+Train Larger Models" (§4.1 DSS Eq. 3-4, §4.2 overlap aggregation Eq. 5 and dynamic overlap Eq. 6, §4.3
+contrastive objective Eq. 7-8, Algorithm 1, App. A.2).  No public code exists; this is a reading of the paper.
+
+Per round r, participant n (all N participants active, no central server):
+
+1. **DSS** (Eq. 3-4): in every hidden unit group i of size K_i it holds the ⌊μ_n K_i⌋ consecutive units from
+   G_{n,i,r} = ⌊n·K_i·c/N⌋ + r·ζ (mod K_i, wrapping).  ``c`` follows Eq. 6, updated when r mod 10 = 0:
+   c = c0·(1 − (r/R)·p).  Input and output layers are never split (see :mod:`fedfuse.fusion.slicing`).
+2. **Overlap aggregation** (Eq. 5): every element of its round-r sub-model becomes the average over itself and
+   the *connected* peers (``topology`` full | ring) holding it.  Interpretation: "holding" = having a trained
+   value for it, i.e. having held it in round r−1.  So each peer m sends n exactly the elements of its trained
+   round-(r−1) sub-model that lie in n's round-r sub-model — the overlap *and* the round-gap parameters ζ brings
+   in (Algorithm 1's "receive round gap model parameter") travel in one message.  An element no connected peer
+   and not n itself trained keeps its value of the common initial model W⁰ (known to all by consensus).
+3. **Local training** of the aggregated sub-model w*_n (a real smaller ``nn.Module``) for one epoch with
+   L = CE + λ·ℓ_con (Eq. 8).  Interpretation of Algorithm 1 (MOON-style): the model being trained starts from
+   w*_n; z* comes from w*_n frozen; z^{r−1} from n's trained sub-model of the previous round (frozen), both
+   restricted to the penultimate units common to the current and previous sub-model (LMs: the unsplit
+   d_model representation of every token).  Eq. 7 uses the plain dot product ``similarity="dot"`` (paper);
+   ``"cosine"`` is MOON's code choice.  ℓ_con = softplus((ẑ·z^{r−1} − ẑ·z*)/τ), the stable form of Eq. 7.
+4. Learning rate: CyclicLR between ``lr_min`` and ``lr_max`` with one triangular cycle over all rounds
+   (App. A.2.2); ``lr_schedule="constant"`` uses the run's ``lr``.
+
+Simulation mapping onto the engine's hooks: ``fit`` returns ``peer/{m}/...`` (what n sends to peer m for the
+next round) and ``own/...`` (its whole trained sub-model, collected by the *simulation* only to assemble the
+global full model for evaluation — the paper's "Global Model Combination", not needed for training).  The
+``exchange`` hook routes the peer tensors and counts them as ``bytes_peer`` (the protocol's traffic, each
+transmission once); the next round's ``configure_fit`` delivers each participant its mailbox, so
+``bytes_down`` = bytes received from peers.  ``bytes_up`` therefore also contains the simulation-only
+``own/`` collection; use ``bytes_peer`` (and the diagnostic ``peer_bytes_per_participant``) for MSfusion's
+communication.  The assembled global model averages each element over the participants that hold it;
+elements nobody holds keep their last value.  ``num_batches_tracked`` takes the max.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.engine.client import train_local
+from fedfuse.fusion.slicing import (
+    Selection,
+    SliceSpec,
+    combine,
+    dss_indices,
+    intersect_selection,
+    load_submodel,
+    overlap_fraction,
+    overlap_part,
+    slice_spec,
+    slice_state,
+    state_bytes,
+)
+from fedfuse.types import ClientData, Message, TensorDict
+
+
+def cyclic_lr(r: int, total: int, lr_min: float, lr_max: float) -> float:
+    """Triangular CyclicLR with one cycle over ``total`` rounds: lr_min → lr_max (mid-training) → lr_min."""
+    if total <= 1:
+        return lr_min
+    x = abs(2.0 * r / total - 1.0)
+    return lr_min + (lr_max - lr_min) * (1.0 - x)
+
+
+def contrastive_loss(z: torch.Tensor, z_agg: torch.Tensor, z_prev: torch.Tensor, tau: float = 0.5,
+                     similarity: str = "dot") -> torch.Tensor:
+    """Eq. 7 averaged over samples: −log(e^{ẑ·z*/τ} / (e^{ẑ·z*/τ} + e^{ẑ·z^{r−1}/τ})).
+
+    Inputs are (B, D) (or (B, L, D), flattened to tokens).  ``similarity="cosine"`` normalises the vectors.
+    """
+    z, z_agg, z_prev = (t.reshape(-1, t.shape[-1]) for t in (z, z_agg, z_prev))
+    if similarity == "cosine":
+        pos, neg = F.cosine_similarity(z, z_agg, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)
+    elif similarity == "dot":
+        pos, neg = (z * z_agg).sum(-1), (z * z_prev).sum(-1)
+    else:
+        raise ValueError(f"similarity={similarity!r}; choose dot or cosine")
+    return F.softplus((neg - pos) / tau).mean()
+
+
+def neighbours(n: int, num: int, topology: str) -> list[int]:
+    """Connected participants of ``n``: everyone (``full``) or index neighbours n±1 mod N (``ring``)."""
+    if topology == "full":
+        return [m for m in range(num) if m != n]
+    if topology == "ring":
+        return sorted({(n - 1) % num, (n + 1) % num} - {n})
+    raise ValueError(f"topology={topology!r}; choose full or ring")
+
+
+_FWD_FLOPS: dict[tuple, float] = {}
+
+
+def forward_flops_per_sample(model: nn.Module, x: torch.Tensor) -> float:
+    """Forward FLOPs per sample (measured once per architecture and input shape)."""
+    xb = x[:4]
+    key = (type(model).__name__, tuple(xb.shape[1:]), sum(p.numel() for p in model.parameters()))
+    if key not in _FWD_FLOPS:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(xb)
+        _FWD_FLOPS[key] = counter.get_total_flops() / max(int(xb.shape[0]), 1)
+    return _FWD_FLOPS[key]
+
+
+class MSfusion(Algorithm):
+    name = "msfusion"
+    description = "MSfusion: double-shifting width splits, peer overlap aggregation, dynamic overlap, contrastive"
+
+    @dataclass
+    class Options:
+        mu: float = 0.25  # split ratio μ (fraction of every hidden layer's units)
+        mu_list: list[float] = field(default_factory=list)  # per-participant μ_n (heterogeneous, App. A.2.4)
+        topology: str = "full"  # full | ring
+        c0: float = 1.0  # initial overlap control
+        p: float = 0.75  # final-stage parameter of Eq. 6
+        dynamic: bool = True  # Eq. 6; False keeps c = c0
+        update_every: int = 10  # c is updated when r mod update_every == 0
+        zeta: int = 1  # inter-round shift ζ
+        contrastive: bool = True
+        tau: float = 0.5
+        lam: float = 1.0
+        similarity: str = "dot"  # dot (Eq. 7) | cosine (MOON code)
+        lr_schedule: str = "cyclic"  # cyclic (App. A.2.2) | constant (the run's lr)
+        lr_min: float = 0.001
+        lr_max: float = 0.0012
+
+    def __init__(self, ctx, options=None) -> None:
+        super().__init__(ctx, options)
+        self._full = ctx.model({})
+        self.spec: SliceSpec = slice_spec(self._full)
+        self.shapes = {k: tuple(v.shape) for k, v in self._full.state_dict().items()}
+        self._w0: TensorDict | None = None
+
+    # ---- consensus quantities (every participant can compute them) ---------------------------------
+    def mu_of(self, n: int) -> float:
+        mus = list(self.opt.mu_list or [])
+        return float(mus[n % len(mus)]) if mus else float(self.opt.mu)
+
+    def overlap_control(self, r: int, total: int) -> float:
+        """c of Eq. 6, updated every ``update_every`` rounds (held constant in between)."""
+        if not self.opt.dynamic:
+            return float(self.opt.c0)
+        ru = (r // self.opt.update_every) * self.opt.update_every
+        return float(self.opt.c0) * (1.0 - (ru / max(total, 1)) * float(self.opt.p))
+
+    def selection(self, n: int, r: int, total: int) -> Selection:
+        c, num = self.overlap_control(r, total), self.ctx.num_clients
+        return {g: dss_indices(k, self.mu_of(n), n, num, c, r, self.opt.zeta) for g, k in self.spec.groups.items()}
+
+    def initial_state(self) -> TensorDict:
+        """W⁰: the common initial full model (same seed as :meth:`init_state`)."""
+        if self._w0 is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.ctx.seed)
+                self._w0 = state_of(self.ctx.build())
+        return self._w0
+
+    # ---- server-side bookkeeping -----------------------------------------------------------------
+    def init_state(self) -> ServerState:
+        return {"global": {k: v.clone() for k, v in self.initial_state().items()}, "mailbox": {}, "diag": {}}
+
+    def select_clients(self, info: RoundInfo, rng: np.random.Generator) -> list[int]:
+        return list(range(self.ctx.num_clients))  # every participant is active every round
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        out = {}
+        for c in clients:
+            box = state.get("mailbox", {}).get(c, {})
+            senders = sorted({int(k.split("/", 1)[0]) for k in box})
+            out[c] = Message(dict(box), {"round": info.index, "total": info.total, "senders": senders})
+        return out
+
+    def exchange(self, info: RoundInfo, results: dict[int, Message]) -> tuple[dict[int, Message], int]:
+        """Route every ``peer/{m}/key`` tensor of sender n to m's mailbox as ``mail/{n}/key``."""
+        moved = 0
+        routed: dict[int, TensorDict] = {c: {} for c in results}
+        for n, msg in results.items():
+            for k, v in msg.tensors.items():
+                if k.startswith("peer/"):
+                    _, m, key = k.split("/", 2)
+                    routed.setdefault(int(m), {})[f"mail/{n}/{key}"] = v
+                    moved += v.numel() * v.element_size()
+        out = {}
+        for c, msg in results.items():
+            own = {k: v for k, v in msg.tensors.items() if k.startswith("own/")}
+            out[c] = Message({**own, **routed.get(c, {})}, dict(msg.meta))
+        return out, int(moved)
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        full_sel = self.spec.full_selection()
+        subs, sels = [], {}
+        mailbox: dict[int, TensorDict] = {}
+        for c, msg in results.items():
+            own = {k[4:]: v for k, v in msg.tensors.items() if k.startswith("own/")}
+            sel = {g: torch.tensor(v, dtype=torch.long) for g, v in msg.meta["sel"].items()}
+            subs.append((own, sel))
+            sels[c] = sel
+            mailbox[c] = {k[5:]: v for k, v in msg.tensors.items() if k.startswith("mail/")}
+        glob, _ = combine(state["global"], full_sel, self.spec, self.shapes, subs)
+        n = len(results)
+        order = sorted(results)
+        cover, adj = [], []
+        for g, k in self.spec.groups.items():
+            held = torch.zeros(k, dtype=torch.bool)
+            for c in order:
+                held[sels[c][g]] = True
+            cover.append(float(held.float().mean()))
+            for i, c in enumerate(order):
+                if n > 1:
+                    adj.append(overlap_fraction(sels[c][g], sels[order[(i + 1) % n]][g]))
+        metas = [results[c].meta for c in order]
+        diag = {
+            "overlap_c": self.overlap_control(info.index, info.total),
+            "coverage": float(np.mean(cover)) if cover else 1.0,
+            "adjacent_overlap": float(np.mean(adj)) if adj else 0.0,
+            "peer_bytes_per_participant": float(np.mean([m["peer_bytes"] for m in metas])),
+            "full_submodel_bytes_per_participant": float(np.mean([m["submodel_bytes"] for m in metas])),
+            "flops_per_participant": float(np.mean([m["flops"] for m in metas])),
+            "trained_params_per_participant": float(np.mean([m["trained_params"] for m in metas])),
+            "split_ratio_params": float(np.mean([m["trained_params"] for m in metas]))
+            / max(sum(p.numel() for p in self._full.parameters()), 1),
+            "fallback_elements": int(sum(m["fallback_elements"] for m in metas)),
+        }
+        return {**state, "global": glob, "mailbox": mailbox, "diag": diag}
+
+    def server_parameters(self, state: ServerState) -> int:
+        return 0  # no central server: the full model is assembled only for evaluation
+
+    def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
+        return dict(state.get("diag", {}))
+
+    # ---- participant side --------------------------------------------------------------------------
+    def aggregate_local(
+        self, n: int, r: int, total: int, client_state: ClientState, payload: Message
+    ) -> tuple[TensorDict, Selection, int]:
+        """Eq. 5 at participant n: its round-r sub-model w*_n from its own previous values and the peers'."""
+        sel = self.selection(n, r, total)
+        base = slice_state(self.initial_state(), self.spec, sel)
+        sources = []
+        if client_state is not None:
+            sources.append((client_state["sub"], client_state["sel"]))
+        for s in payload.meta.get("senders", []):
+            prefix = f"{s}/"
+            tensors = {k[len(prefix):]: v for k, v in payload.tensors.items() if k.startswith(prefix)}
+            sources.append((tensors, intersect_selection(self.selection(s, r - 1, total), sel)))
+        w_star, counts = combine(base, sel, self.spec, self.shapes, sources)
+        fallback = 0 if client_state is None else int(sum(int((c == 0).sum()) for c in counts.values()))
+        return w_star, sel, fallback
+
+    def fit(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> tuple[Message, ClientState]:
+        r, total, n = int(payload.meta["round"]), int(payload.meta["total"]), data.cid
+        w_star, sel, fallback = self.aggregate_local(n, r, total, client_state, payload)
+        model = load_submodel(self._full, self.spec, w_star, sel, tag="train")
+        lr = (cyclic_lr(r, total, self.opt.lr_min, self.opt.lr_max) if self.opt.lr_schedule == "cyclic"
+              else self.ctx.train.lr)
+        extra, hook, frozen = None, None, []
+        if self.opt.contrastive and client_state is not None:
+            agg = load_submodel(self._full, self.spec, w_star, sel, tag="aggregated").eval()
+            prev = load_submodel(self._full, self.spec, client_state["sub"], client_state["sel"], tag="prev").eval()
+            frozen = [agg, prev]
+            pos_cur, pos_prev = self.common_positions(sel, client_state["sel"])
+            captured: dict[str, torch.Tensor] = {}
+            hook = model.head.register_forward_hook(lambda m, i, o: captured.__setitem__("z", i[0]))
+            tau, lam, sim = float(self.opt.tau), float(self.opt.lam), self.opt.similarity
+
+            def extra(m: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+                with torch.no_grad():
+                    z_agg, z_prev = agg.features(x), prev.features(x)
+                z = captured["z"]
+                return lam * contrastive_loss(z[..., pos_cur], z_agg[..., pos_cur], z_prev[..., pos_prev], tau, sim)
+
+        try:
+            stats = train_local(model, data.train, self.ctx.train, gen, extra_loss=extra, lr=lr)
+        finally:
+            if hook is not None:
+                hook.remove()
+        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+        if frozen and stats.samples:
+            meta["flops"] += sum(forward_flops_per_sample(f, data.train.x) for f in frozen) * stats.samples
+        new = state_of(model)
+        tensors = {f"own/{k}": v for k, v in new.items()}
+        peer = 0
+        if r + 1 < total:
+            for m in neighbours(n, self.ctx.num_clients, self.opt.topology):
+                part = overlap_part(new, sel, self.selection(m, r + 1, total), self.spec, self.shapes)
+                peer += state_bytes(part)
+                tensors.update({f"peer/{m}/{k}": v for k, v in part.items()})
+        meta.update({
+            "sel": {g: v.tolist() for g, v in sel.items()},
+            "peer_bytes": peer,
+            "submodel_bytes": state_bytes(new),
+            "fallback_elements": fallback,
+            "lr": lr,
+        })
+        return Message(tensors, meta), {"sub": new, "sel": sel}
+
+    def common_positions(self, cur: Selection, prev: Selection) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions, in the current and in the previous sub-model's representation, of their common units."""
+        g = self.spec.feature_group
+        if g is None:  # unsplit representation (transformer LM: d_model)
+            d = self._full.head.in_features
+            return torch.arange(d), torch.arange(d)
+        common = cur[g][torch.isin(cur[g], prev[g])]
+        where_prev = {int(v): i for i, v in enumerate(prev[g].tolist())}
+        where_cur = {int(v): i for i, v in enumerate(cur[g].tolist())}
+        pc = torch.tensor([where_cur[int(v)] for v in common], dtype=torch.long)
+        pp = torch.tensor([where_prev[int(v)] for v in common], dtype=torch.long)
+        return pc, pp
+
+
+def expected_overlap(mu: float, num: int, c: float) -> float:
+    """δ = 1 − c/(μN) (§4.2), the overlap fraction of adjacent participants (0 when c ≥ μN)."""
+    return max(0.0, 1.0 - c / (mu * num)) if mu * num > 0 else 0.0
+
+
+__all__ = ["MSfusion", "contrastive_loss", "cyclic_lr", "expected_overlap", "neighbours"]

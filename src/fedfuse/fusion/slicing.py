@@ -1,0 +1,448 @@
+"""Width slicing: hidden-unit index sets, sub-model extraction / write-back, and holder-averaging.
+
+A *unit group* is a set of hidden units that must be selected together: the output neurons of an MLP layer,
+the filters of a conv layer, the channels of a ResNet stage's residual stream (the stem, every block output
+and every shortcut of a stage share one group so the additions stay consistent), the per-head units of an
+attention layer (the same within-head positions in every head of Q, K, V and the input columns of the output
+projection), or the hidden units of a transformer feed-forward net.  Input and output layers are never split;
+a layer's input dimension follows the previous group's selection.
+
+:func:`slice_spec` describes, for every state-dict key (parameters *and* buffers), which group indexes each
+tensor dimension.  A selection is ``{group: LongTensor of global unit indices}``; from it
+:func:`dim_indices` gives the global index list of every dimension of every tensor (unsliced dimensions get
+``arange``).  All fusion operators below are pure functions on named tensors built on one primitive,
+:func:`accumulate`, which scatters a source tensor (with its global index lists) into a target tensor
+(with its own index lists), adding where both hold an element.
+
+BatchNorm: ``running_mean`` / ``running_var`` are per-channel and are sliced, written back and averaged exactly
+like the channel's weights.  ``num_batches_tracked`` is a scalar counter: every operator takes the **max** over
+the holders (never an average of integers); an element nobody holds keeps its previous value.
+
+Sub-models are real, smaller ``nn.Module`` s (:func:`build_submodel`): the FLOPs and memory of local training
+shrink.  The model classes have no per-layer width option, so the builder here deep-copies a full model once
+per width signature and swaps every tensor for one of the sliced shape (the cached skeleton is then only
+``load_state_dict``-ed).  Supported: ``MLP``, ``CNN`` (McMahan), ``ResNet`` (incl. resnet18) and
+``TransformerModel``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fedfuse.types import TensorDict
+
+# A tensor dimension is either unsliced (None) or (group, outer, inner): the dimension is laid out as
+# [outer][K_group][inner] (heads: outer = n_heads; a conv output flattened into a linear layer: inner = H·W).
+DimSpec = tuple[str, int, int] | None
+Selection = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """Unit groups (name -> size K) and, for every state key, the group of each dimension."""
+
+    groups: dict[str, int]
+    dims: dict[str, tuple[DimSpec, ...]]
+    feature_group: str | None  # the group of the penultimate representation (None: not sliced, e.g. LMs)
+
+    def full_selection(self) -> Selection:
+        return {g: torch.arange(k) for g, k in self.groups.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Index sets: DSS (MSfusion Eq. 3-4), static (HeteroFL), rolling (FedRolex)
+
+
+def split_size(k: int, mu: float, rounding: str = "floor") -> int:
+    """Units kept of a layer of ``k``: ⌊μK⌋ (MSfusion Eq. 4) or ⌈μK⌉ (HeteroFL); at least 1, at most K."""
+    raw = mu * k
+    n = math.floor(raw + 1e-9) if rounding == "floor" else math.ceil(raw - 1e-9)
+    return int(min(max(n, 1), k))
+
+
+def dss_start(k: int, n: int, num: int, c: float, r: int, zeta: int = 1) -> int:
+    """G_{n,i,r} = ⌊n·G_i⌋ + r·ζ mod K with G_i = K·c/N (Eq. 3); the floor is taken of n·G_i, not of G_i."""
+    return (math.floor(n * k * c / num + 1e-9) + r * zeta) % k
+
+
+def dss_indices(k: int, mu: float, n: int, num: int, c: float, r: int, zeta: int = 1) -> torch.Tensor:
+    """φ_{n,i}^{(r)} of Eq. 4: ⌊μ_n K⌋ consecutive indices from G_{n,i,r}, wrapping around K (Eq. 4 order)."""
+    start = dss_start(k, n, num, c, r, zeta)
+    return (start + torch.arange(split_size(k, mu, "floor"))) % k
+
+
+def static_indices(k: int, mu: float) -> torch.Tensor:
+    """HeteroFL: the first ⌈μK⌉ units."""
+    return torch.arange(split_size(k, mu, "ceil"))
+
+
+def rolling_indices(k: int, mu: float, t: int) -> torch.Tensor:
+    """FedRolex: ``roll(arange(K), t)[:⌈μK⌉]`` (the window's start moves down one unit per round, wraps)."""
+    return torch.roll(torch.arange(k), t % k)[: split_size(k, mu, "ceil")]
+
+
+def selection(spec: SliceSpec, fn) -> Selection:
+    """``{group: fn(K_group)}`` for every group of ``spec``."""
+    return {g: torch.as_tensor(fn(k), dtype=torch.long) for g, k in spec.groups.items()}
+
+
+def widths_of(sel: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    return {g: int(v.numel()) for g, v in sel.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model structure
+
+
+def slice_spec(model: nn.Module) -> SliceSpec:
+    """The unit groups of a sliceable fedfuse model (MLP, CNN, ResNet, TransformerModel)."""
+    from fedfuse.models.cnn import CNN
+    from fedfuse.models.mlp import MLP
+    from fedfuse.models.resnet import ResNet
+    from fedfuse.models.transformer import TransformerModel
+
+    groups: dict[str, int] = {}
+    dims: dict[str, tuple[DimSpec, ...]] = {}
+    state = model.state_dict()
+
+    def g(name: str, outer: int = 1, inner: int = 1) -> DimSpec:
+        return (name, outer, inner)
+
+    def add(prefix: str, out: DimSpec, inp: DimSpec) -> None:
+        """A linear/conv module: weight (out, in, ...), bias (out,)."""
+        w = state[prefix + ".weight"]
+        dims[prefix + ".weight"] = (out, inp) + (None,) * (w.dim() - 2)
+        if prefix + ".bias" in state:
+            dims[prefix + ".bias"] = (out,)
+
+    def add_norm(prefix: str, ch: DimSpec) -> None:
+        for key in state:
+            if key.startswith(prefix + ".") and key.count(".") == prefix.count(".") + 1:
+                dims[key] = () if key.endswith("num_batches_tracked") else (ch,)
+
+    if isinstance(model, MLP):
+        prev: DimSpec = None
+        for i, lin in enumerate(model.hidden):
+            groups[f"hidden.{i}"] = lin.out_features
+            add(f"hidden.{i}", g(f"hidden.{i}"), prev)
+            prev = g(f"hidden.{i}")
+        add("fc", None, prev)
+        feat = f"hidden.{len(model.hidden) - 1}"
+    elif isinstance(model, CNN):
+        c1, c2, hid = model.conv1.out_channels, model.conv2.out_channels, model.fc1.out_features
+        groups.update({"conv1": c1, "conv2": c2, "fc1": hid})
+        add("conv1", g("conv1"), None)
+        add("conv2", g("conv2"), g("conv1"))
+        add("fc1", g("fc1"), g("conv2", 1, model.fc1.in_features // c2))
+        add("fc", None, g("fc1"))
+        feat = "fc1"
+    elif isinstance(model, ResNet):
+        stem = model.conv1.out_channels
+        groups["stem"] = stem
+        add("conv1", g("stem"), None)
+        add_norm("bn1", g("stem"))
+        stream, stream_w = "stem", stem
+        for s in range(1, model.num_stages + 1):
+            stage = model.get_submodule(f"layer{s}")
+            width = stage[0].conv2.out_channels
+            # a stage keeps the stem's group when the stem feeds it without a projection
+            cur = stream if (width == stream_w and len(stage[0].shortcut) == 0) else f"layer{s}"
+            groups.setdefault(cur, width)
+            for b, block in enumerate(stage):
+                p = f"layer{s}.{b}"
+                mid = f"{p}.mid"
+                groups[mid] = block.conv1.out_channels
+                add(f"{p}.conv1", g(mid), g(stream))
+                add_norm(f"{p}.bn1", g(mid))
+                add(f"{p}.conv2", g(cur), g(mid))
+                add_norm(f"{p}.bn2", g(cur))
+                if len(block.shortcut):
+                    add(f"{p}.shortcut.0", g(cur), g(stream))
+                    add_norm(f"{p}.shortcut.1", g(cur))
+                stream, stream_w = cur, width
+        add("fc", None, g(stream))
+        feat = stream
+    elif isinstance(model, TransformerModel):
+        for b, block in enumerate(model.blocks):
+            att, ff = f"blocks.{b}.attn", f"blocks.{b}.ff"
+            h = block.attn.n_heads
+            groups[att] = block.attn.q_proj.out_features // h
+            groups[ff] = block.fc1.out_features
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                add(f"blocks.{b}.attn.{proj}", g(att, h), None)
+            add(f"blocks.{b}.attn.out_proj", None, g(att, h))
+            add(f"blocks.{b}.fc1", g(ff), None)
+            add(f"blocks.{b}.fc2", None, g(ff))
+        feat = None
+    else:
+        raise TypeError(f"width slicing supports MLP, CNN, ResNet and TransformerModel, not {type(model).__name__}")
+    for key in state:  # everything else (input layer, head, norms of the residual stream...) is unsliced
+        dims.setdefault(key, (None,) * state[key].dim())
+    return SliceSpec(groups, dims, feat)
+
+
+def expand(dim: DimSpec, sel: Mapping[str, torch.Tensor], size: int) -> torch.Tensor:
+    """Global indices along one tensor dimension of full size ``size`` for selection ``sel``."""
+    if dim is None:
+        return torch.arange(size)
+    group, outer, inner = dim
+    idx = sel[group].long()
+    k = size // (outer * inner)
+    o = torch.arange(outer).view(-1, 1, 1) * (k * inner)
+    i = torch.arange(inner).view(1, 1, -1)
+    return (o + idx.view(1, -1, 1) * inner + i).reshape(-1)
+
+
+def dim_indices(spec: SliceSpec, sel: Mapping[str, torch.Tensor], key: str, full_shape: Sequence[int]):
+    """Per-dimension global index lists of ``key`` under selection ``sel``."""
+    return [expand(d, sel, int(s)) for d, s in zip(spec.dims[key], full_shape)]
+
+
+def full_shapes(spec: SliceSpec, full: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in full.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure operators on named tensors
+
+
+def _take(t: torch.Tensor, pos: Sequence[torch.Tensor]) -> torch.Tensor:
+    for d, p in enumerate(pos):
+        t = t.index_select(d, p.to(t.device))
+    return t
+
+
+def slice_state(full: Mapping[str, torch.Tensor], spec: SliceSpec, sel: Mapping[str, torch.Tensor]) -> TensorDict:
+    """The sub-model's state: every tensor restricted to the selected units (copies)."""
+    return {k: _take(v, dim_indices(spec, sel, k, v.shape)).clone() for k, v in full.items()}
+
+
+def _positions(src_idx: torch.Tensor, tgt_idx: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (in source, in target) of the global indices both lists hold."""
+    where = torch.full((size,), -1, dtype=torch.long)
+    where[tgt_idx] = torch.arange(tgt_idx.numel())
+    tgt = where[src_idx]
+    keep = tgt >= 0
+    return torch.nonzero(keep).flatten(), tgt[keep]
+
+
+def accumulate(
+    total: torch.Tensor,
+    count: torch.Tensor,
+    src: torch.Tensor,
+    src_idx: Sequence[torch.Tensor],
+    tgt_idx: Sequence[torch.Tensor],
+    full_shape: Sequence[int],
+) -> None:
+    """Add ``src`` into ``total`` (and 1 into ``count``) where source and target hold the same global element.
+
+    Integer tensors (``num_batches_tracked``) take the max instead of a sum.
+    """
+    if not src.dim():  # a scalar (num_batches_tracked, or a 0-d parameter)
+        if total.is_floating_point():
+            total += src.to(total.dtype)
+        else:
+            total.copy_(torch.maximum(total, src.to(total.dtype)))
+        count += 1
+        return
+    spos, tpos = zip(*(_positions(s, t, n) for s, t, n in zip(src_idx, tgt_idx, full_shape)))
+    if any(p.numel() == 0 for p in spos):
+        return
+    vals = _take(src, spos).to(total.dtype)
+    grid = torch.meshgrid(*tpos, indexing="ij")
+    if total.is_floating_point():
+        total.index_put_(grid, vals, accumulate=True)
+    else:  # integer counters: max over holders (counters are >= 0, total starts at 0)
+        total[grid] = torch.maximum(total[grid], vals)
+    count.index_put_(grid, torch.ones_like(vals, dtype=count.dtype), accumulate=True)
+
+
+def combine(
+    base: Mapping[str, torch.Tensor],
+    base_sel: Mapping[str, torch.Tensor],
+    spec: SliceSpec,
+    shapes: Mapping[str, Sequence[int]],
+    sources: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]],
+    restrict: Sequence[Mapping[str, Sequence[torch.Tensor | None]] | None] | None = None,
+) -> tuple[TensorDict, TensorDict]:
+    """Element-wise unweighted average over the sources that hold each element of the target.
+
+    ``base`` is the target's current state (under selection ``base_sel``; full model: the full selection);
+    ``sources`` are ``(state, selection)`` pairs.  An element held by no source keeps its ``base`` value;
+    ``num_batches_tracked`` takes the max over holders.  ``restrict[j][key]`` may narrow source ``j``'s global
+    indices per dimension (``None`` = no narrowing), e.g. HeteroFL's classifier rows of the client's classes.
+    Returns (new state, holder counts).
+    """
+    out: TensorDict = {}
+    counts: TensorDict = {}
+    for key, b in base.items():
+        full_shape = shapes[key]
+        tgt = dim_indices(spec, base_sel, key, full_shape)
+        total = torch.zeros_like(b, dtype=b.dtype if not b.is_floating_point() else torch.float64)
+        cnt = torch.zeros(b.shape, dtype=torch.long, device=b.device)
+        for j, (st, sel) in enumerate(sources):
+            if key not in st:
+                continue
+            src = dim_indices(spec, sel, key, full_shape)
+            narrow = (restrict[j] or {}).get(key) if restrict else None
+            if narrow is not None:
+                src_t = st[key]
+                pos = []
+                for d, nar in enumerate(narrow):
+                    if nar is None:
+                        pos.append(torch.arange(src[d].numel()))
+                    else:
+                        keep = torch.isin(src[d], nar.long())
+                        pos.append(torch.nonzero(keep).flatten())
+                        src[d] = src[d][keep]
+                src_t = _take(src_t, pos)
+            else:
+                src_t = st[key]
+            accumulate(total, cnt, src_t, src, tgt, full_shape)
+        if b.is_floating_point():
+            avg = (total / cnt.clamp_min(1).to(total.dtype)).to(b.dtype)
+            out[key] = torch.where(cnt > 0, avg, b)
+        else:
+            out[key] = torch.where(cnt > 0, total.to(b.dtype), b)
+        counts[key] = cnt
+    return out, counts
+
+
+def write_back(
+    full: Mapping[str, torch.Tensor], sub: Mapping[str, torch.Tensor], spec: SliceSpec, sel: Mapping[str, torch.Tensor]
+) -> TensorDict:
+    """The full state with the sub-model's elements replaced (all other elements unchanged)."""
+    out: TensorDict = {}
+    for key, f in full.items():
+        t = f.clone()
+        pos = dim_indices(spec, sel, key, f.shape)
+        if f.dim():
+            t[torch.meshgrid(*pos, indexing="ij")] = sub[key].to(t.dtype)
+        else:
+            t = sub[key].clone()
+        out[key] = t
+    return out
+
+
+def overlap_part(
+    state: Mapping[str, torch.Tensor],
+    sel: Mapping[str, torch.Tensor],
+    other: Mapping[str, torch.Tensor],
+    spec: SliceSpec,
+    shapes: Mapping[str, Sequence[int]],
+) -> TensorDict:
+    """What a participant holding ``state`` (selection ``sel``) sends to a peer whose selection is ``other``:
+    the elements both hold (the product of the per-dimension intersections), in the sender's unit order.
+    Tensors with no common element are omitted; scalars (``num_batches_tracked``) are sent.
+    """
+    out: TensorDict = {}
+    for key, v in state.items():
+        if not v.dim():
+            out[key] = v.clone()
+            continue
+        src = dim_indices(spec, sel, key, shapes[key])
+        tgt = dim_indices(spec, other, key, shapes[key])
+        pos = [_positions(s, t, n)[0] for s, t, n in zip(src, tgt, shapes[key])]
+        if all(p.numel() for p in pos):
+            out[key] = _take(v, pos).clone()
+    return out
+
+
+def intersect_selection(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> Selection:
+    """Per group, the indices of ``a`` also in ``b`` (in ``a``'s order)."""
+    return {g: a[g][torch.isin(a[g], b[g])] for g in a}
+
+
+def overlap_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a ∩ b| / |a| for two index sets of one layer."""
+    return float(torch.isin(a, b).sum()) / max(int(a.numel()), 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real sub-models
+
+_SKELETONS: dict[str, nn.Module] = {}
+
+
+def _resize_module(module: nn.Module, name: str, shape: tuple[int, ...]) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    old = getattr(owner, attr)
+    new = torch.empty(shape, dtype=old.dtype, device=old.device)
+    if isinstance(old, nn.Parameter):
+        setattr(owner, attr, nn.Parameter(new, requires_grad=old.requires_grad))
+    else:
+        owner._buffers[attr] = new
+    if isinstance(owner, nn.Linear) and attr == "weight":
+        owner.out_features, owner.in_features = shape
+    elif isinstance(owner, nn.modules.conv._ConvNd) and attr == "weight":
+        owner.out_channels, owner.in_channels = shape[0], shape[1] * owner.groups
+    elif isinstance(owner, nn.modules.batchnorm._BatchNorm) and attr in ("weight", "running_mean"):
+        owner.num_features = shape[0]
+
+
+def build_submodel(full_model: nn.Module, spec: SliceSpec, widths: Mapping[str, int], tag: str = "") -> nn.Module:
+    """A (cached) module of the full model's architecture with every group ``g`` narrowed to ``widths[g]`` units.
+
+    Its state has exactly the shapes of :func:`slice_state`; load a sliced state into it with
+    ``load_state_dict``.  ``tag`` separates caches of different full architectures.
+    """
+    sig = json.dumps([tag, type(full_model).__name__, getattr(full_model, "options", {}),
+                      sorted(widths.items())], default=str)
+    if sig not in _SKELETONS:
+        sub = copy.deepcopy(full_model)
+        sel = {g: torch.arange(w) for g, w in widths.items()}
+        seen: set[int] = set()
+        for key, v in full_model.state_dict(keep_vars=True).items():
+            if id(v) in seen:  # tied weights: resize once
+                continue
+            seen.add(id(v))
+            shape = tuple(int(p.numel()) for p in dim_indices(spec, sel, key, v.shape))
+            if shape != tuple(v.shape):
+                _resize_module(sub, key, shape)
+        _SKELETONS[sig] = sub
+    return _SKELETONS[sig]
+
+
+def load_submodel(
+    full_model: nn.Module, spec: SliceSpec, sub_state: Mapping[str, torch.Tensor], sel: Mapping[str, torch.Tensor],
+    tag: str = "",
+) -> nn.Module:
+    """The cached sub-module for ``sel``'s widths with ``sub_state`` loaded (strict)."""
+    m = build_submodel(full_model, spec, widths_of(sel), tag)
+    m.load_state_dict(sub_state, strict=True)
+    return m
+
+
+def zero_unselected(
+    full: Mapping[str, torch.Tensor], spec: SliceSpec, sel: Mapping[str, torch.Tensor]
+) -> TensorDict:
+    """The full state with every unselected unit silenced: its weights, biases, BN affine parameters and
+    running mean set to 0 (running variance to 1).  With ReLU/BN(eval) networks the full model's forward then
+    equals the sub-model's forward (the identity tested in ``tests/test_slicing.py``)."""
+    out: TensorDict = {}
+    for key, f in full.items():
+        if not f.dim() or not f.is_floating_point():
+            out[key] = f.clone()
+            continue
+        keep = torch.zeros(f.shape, dtype=torch.bool)
+        pos = dim_indices(spec, sel, key, f.shape)
+        keep[torch.meshgrid(*pos, indexing="ij")] = True
+        fill = 1.0 if key.endswith("running_var") else 0.0
+        out[key] = torch.where(keep, f, torch.full_like(f, fill))
+    return out
+
+
+def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    return int(sum(v.numel() * v.element_size() for v in state.values()))
+
+
+def param_count(model: nn.Module) -> int:
+    return int(sum(p.numel() for p in model.parameters()))

@@ -1,0 +1,159 @@
+"""MSfusion: contrastive loss by hand, dynamic overlap, peer overlap aggregation on hand-built rings,
+byte accounting, equivalence with FedAvg at mu = 1, determinism."""
+
+import math
+
+import pytest
+import torch
+
+from fedfuse.algorithms.msfusion import contrastive_loss, cyclic_lr, expected_overlap, neighbours
+from fedfuse.config import RunConfig, apply
+from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.fusion.slicing import state_bytes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: tiny models on shared CPUs are much faster without OpenMP spinning."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def cfg(**kw):
+    base = dict(
+        dataset="digits", partition="iid", model="mlp", clients=3, clients_per_round=3, rounds=2, eval_every=1,
+        batch_size=64, local_epochs=1, lr=0.05, seed=1, plots=False, out=None, model_options={"widths": [8]},
+        algorithm="msfusion", dataset_options={"train_limit": 300, "test_limit": 100},
+    )
+    opts = {"mu": 0.5, "lr_schedule": "constant"}
+    opts.update(kw.pop("algorithm_options", {}))
+    base.update(kw)
+    base["algorithm_options"] = opts
+    return apply(RunConfig(), base)
+
+
+def test_contrastive_loss_by_hand():
+    z = torch.tensor([[1.0, 0.0], [0.5, -1.0]])
+    za = torch.tensor([[0.5, 0.5], [1.0, 1.0]])
+    zp = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    tau = 0.5
+    hand = []
+    for i in range(2):
+        a = float(z[i] @ za[i]) / tau
+        b = float(z[i] @ zp[i]) / tau
+        hand.append(-math.log(math.exp(a) / (math.exp(a) + math.exp(b))))
+    assert contrastive_loss(z, za, zp, tau).item() == pytest.approx(sum(hand) / 2, rel=1e-6)
+    cos = torch.nn.functional.cosine_similarity
+    a, b = cos(z, za, dim=-1) / tau, cos(z, zp, dim=-1) / tau
+    hand_cos = (-torch.log(a.exp() / (a.exp() + b.exp()))).mean()
+    assert contrastive_loss(z, za, zp, tau, "cosine").item() == pytest.approx(hand_cos.item(), rel=1e-6)
+    # per-token representations (B, L, D) are flattened to tokens
+    z3 = z.reshape(1, 2, 2)
+    assert contrastive_loss(z3, za.reshape(1, 2, 2), zp.reshape(1, 2, 2), tau).item() == pytest.approx(sum(hand) / 2)
+
+
+def test_cyclic_lr_and_dynamic_overlap():
+    assert cyclic_lr(0, 100, 0.001, 0.0012) == pytest.approx(0.001)
+    assert cyclic_lr(50, 100, 0.001, 0.0012) == pytest.approx(0.0012)
+    assert cyclic_lr(75, 100, 0.001, 0.0012) == pytest.approx(0.0011)
+    exp = Experiment(cfg())
+    algo = exp.algo
+    total = 100
+    assert algo.overlap_control(0, total) == 1.0
+    assert algo.overlap_control(9, total) == 1.0  # updated only when r mod 10 = 0
+    assert algo.overlap_control(10, total) == pytest.approx(1 - 0.1 * 0.75)
+    assert algo.overlap_control(99, total) == pytest.approx(1 - 0.9 * 0.75)
+    assert expected_overlap(0.5, 10, 1.0) == pytest.approx(0.8)
+    assert neighbours(0, 4, "ring") == [1, 3] and neighbours(1, 3, "full") == [0, 2]
+
+
+def hand_aggregate(algo, n, r, total, states, w0, nbrs):
+    """Eq. 5 by explicit loops for an MLP with one hidden layer (K units): each element of n's round-r sub-model
+    is the mean of the round-(r-1) trained values of {n} and its connected peers that held it."""
+    sel = algo.selection(n, r, total)["hidden.0"].tolist()
+    k = algo.spec.groups["hidden.0"]
+    holders = [n, *nbrs]
+
+    def val(s, key, unit):  # participant s's trained value of unit (row / column), or None
+        ssel = states[s]["sel"]["hidden.0"].tolist()
+        if unit not in ssel:
+            return None
+        t = states[s]["sub"][key]
+        j = ssel.index(unit)
+        return t[j] if key.startswith("hidden") else t[:, j]
+
+    out = {}
+    for key in ("hidden.0.weight", "hidden.0.bias", "fc.weight"):
+        rows = []
+        for unit in sel:
+            vals = [v for s in holders if (v := val(s, key, unit)) is not None]
+            if vals:
+                rows.append(torch.stack(vals).mean(0))
+            else:
+                w = w0[key]
+                rows.append(w[unit] if key.startswith("hidden") else w[:, unit])
+        out[key] = torch.stack(rows, dim=0 if key.startswith("hidden") else 1)
+    out["fc.bias"] = torch.stack([states[s]["sub"]["fc.bias"] for s in holders]).mean(0)
+    assert k >= len(sel)
+    return out
+
+
+@pytest.mark.parametrize("num,topology,mu", [(3, "ring", 0.5), (4, "ring", 0.25), (4, "full", 0.25)])
+def test_overlap_aggregation_matches_hand_average(num, topology, mu):
+    exp = Experiment(cfg(clients=num, clients_per_round=num, rounds=3,
+                         algorithm_options={"mu": mu, "topology": topology, "contrastive": False}))
+    exp._fresh()
+    exp._round(0)
+    algo = exp.algo
+    states = {c: exp.client_states[c] for c in range(num)}
+    payloads = algo.configure_fit(exp.state, type("I", (), {"index": 1, "total": 3})(), list(range(num)))
+    for n in range(num):
+        w_star, _, _ = algo.aggregate_local(n, 1, 3, states[n], payloads[n])
+        hand = hand_aggregate(algo, n, 1, 3, states, algo.initial_state(), neighbours(n, num, topology))
+        for key, v in hand.items():
+            torch.testing.assert_close(w_star[key], v, rtol=1e-6, atol=1e-7)
+        # a participant receives only from connected peers, and only elements inside its round-1 sub-model
+        assert set(payloads[n].meta["senders"]) <= set(neighbours(n, num, topology))
+        for k, t in payloads[n].tensors.items():
+            assert t.numel() <= w_star[k.split("/", 1)[1]].numel()
+
+
+def test_peer_bytes_counted_and_smaller_than_submodels():
+    exp = Experiment(cfg(clients=4, clients_per_round=4, rounds=3, model_options={"widths": [32, 32]},
+                         algorithm_options={"mu": 0.5, "topology": "ring"}))
+    exp.run()
+    h = exp.history
+    # round 1 sends for round 2; the last round sends nothing
+    assert h[0]["bytes_peer"] > 0 and h[-1]["bytes_peer"] == 0
+    # what peers received in round 2 equals what was routed in round 1
+    assert h[1]["bytes_down"] == h[0]["bytes_peer"]
+    d = h[0]
+    assert d["peer_bytes_per_participant"] == pytest.approx(d["bytes_peer"] / 4)
+    # ring, mu = 0.5, N = 4: two neighbours share half of the hidden units each, plus the unsplit fc bias
+    assert d["peer_bytes_per_participant"] < 2 * d["full_submodel_bytes_per_participant"]
+    assert d["coverage"] == 1.0 and d["adjacent_overlap"] == pytest.approx(1 - 1 / (0.5 * 4))
+    subs = exp.client_states[0]["sub"]
+    assert d["full_submodel_bytes_per_participant"] == state_bytes(subs)
+
+
+def test_mu_one_without_contrastive_is_uniform_fedavg():
+    a = Experiment(cfg(rounds=2, algorithm_options={"mu": 1.0, "contrastive": False}))
+    a.run()
+    fedavg = {**cfg(rounds=2).to_dict(), "algorithm": "fedavg", "algorithm_options": {"weighting": "uniform"}}
+    b = Experiment(apply(RunConfig(), fedavg))
+    b.run()
+    ga, gb = a.algo.global_model(a.state)[0], b.algo.global_model(b.state)[0]
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], rtol=1e-5, atol=1e-6)
+
+
+def test_same_seed_identical_metrics():
+    runs = []
+    for _ in range(2):
+        e = Experiment(cfg(rounds=2, algorithm_options={"mu": 0.5, "mu_list": [0.5, 0.25, 0.5]}))
+        e.run()
+        runs.append([strip_timing(r) for r in e.history])
+    assert runs[0] == runs[1]
+    assert runs[0][-1]["global_accuracy"] is not None
