@@ -32,11 +32,12 @@ def plot_curves(history: Sequence[Mapping[str, Any]], path: str | Path, title: s
 def plot_compare(histories: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, title: str = "") -> Path:
     """Overlaid curves of several runs (one line per label)."""
     fig, axes = plt.subplots(1, len(PANELS) + 1, figsize=(4.2 * (len(PANELS) + 1), 3.4))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(histories)}  # one colour per run in every panel
     for ax, (key, label) in zip(axes, PANELS):
         for name, hist in histories.items():
             xs, ys = _series(hist, key)
             if xs:
-                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=name or None)
+                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, color=colors[name], label=name or None)
         ax.set_xlabel("round")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -49,16 +50,16 @@ def plot_compare(histories: Mapping[str, Sequence[Mapping[str, Any]]], path: str
             if h.get("personal_accuracy") is not None
         ]
         if pts:
-            ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], label=name or None)
+            ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], color=colors[name], label=name or None)
     ax.set_xlabel("MiB communicated (total)")
     ax.set_ylabel("personalised accuracy")
     ax.grid(alpha=0.3)
-    if any(histories):
-        handles, labels = axes[0].get_legend_handles_labels()
-        if not labels:
-            handles, labels = axes[1].get_legend_handles_labels()
-        if labels:
-            fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False)
+    labels = [name for name in histories if name]
+    if labels:
+        from matplotlib.lines import Line2D
+
+        handles = [Line2D([], [], color=colors[n]) for n in labels]
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False)
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.08 if len(histories) > 1 else 0, 1, 1))
