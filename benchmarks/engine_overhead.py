@@ -94,12 +94,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = PyTorch default)")
+    p.add_argument("--models", default="mlp,cnn", help="which of mlp,cnn to time")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     fed = make_federation(args.data_dir)
     rows = []
+    chosen = set(args.models.split(","))
     for name, model, opts in (("MLP 784-200-200-10", "mlp", {"widths": [200, 200]}), ("McMahan CNN", "cnn", {})):
+        if model not in chosen:
+            continue
         eng, plain = [], []
         for _ in range(args.repeats):  # interleaved so machine noise hits both alike
             plain += plain_round_seconds(fed, model, opts, args.rounds)

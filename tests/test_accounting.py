@@ -37,3 +37,8 @@ def test_flop_counting_leaves_the_model_untouched():
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in m.parameters())
+
+
+def test_simulation_bookkeeping_tensors_are_not_counted():
+    msg = Message({"w": torch.zeros(10), "sim/own/w": torch.zeros(1000)})
+    assert msg.nbytes == 40

@@ -117,7 +117,7 @@ def test_overlap_aggregation_matches_hand_average(num, topology, mu):
         # a participant receives only from connected peers, and only elements inside its round-1 sub-model
         assert set(payloads[n].meta["senders"]) <= set(neighbours(n, num, topology))
         for k, t in payloads[n].tensors.items():
-            assert t.numel() <= w_star[k.split("/", 1)[1]].numel()
+            assert t.numel() <= w_star[k.split("/", 2)[2]].numel()
 
 
 def test_peer_bytes_counted_and_smaller_than_submodels():
@@ -127,8 +127,8 @@ def test_peer_bytes_counted_and_smaller_than_submodels():
     h = exp.history
     # round 1 sends for round 2; the last round sends nothing
     assert h[0]["bytes_peer"] > 0 and h[-1]["bytes_peer"] == 0
-    # what peers received in round 2 equals what was routed in round 1
-    assert h[1]["bytes_down"] == h[0]["bytes_peer"]
+    # no server: the simulation's relay (sim/ tensors) is not communication, the peer exchange is all of it
+    assert all(r["bytes_down"] == 0 and r["bytes_up"] == 0 for r in h)
     d = h[0]
     assert d["peer_bytes_per_participant"] == pytest.approx(d["bytes_peer"] / 4)
     # ring, mu = 0.5, N = 4: two neighbours share half of the hidden units each, plus the unsplit fc bias

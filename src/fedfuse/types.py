@@ -17,10 +17,15 @@ import torch
 TensorDict = dict[str, torch.Tensor]
 Task = Literal["classification", "lm"]
 
+#: Tensors named ``sim/...`` are simulation bookkeeping that would not cross a network in a deployment (a
+#: serverless algorithm's relay of peer messages already counted as peer bytes, sub-models collected only to
+#: assemble an evaluation model).  They travel with a Message but are not counted as communication.
+SIM_PREFIX = "sim/"
+
 
 def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    """Bytes needed to transmit ``tensors`` (dtype size × numel, no framing)."""
-    return int(sum(t.numel() * t.element_size() for t in tensors.values()))
+    """Bytes needed to transmit ``tensors`` (dtype size × numel, no framing); ``sim/`` entries excluded."""
+    return int(sum(t.numel() * t.element_size() for k, t in tensors.items() if not k.startswith(SIM_PREFIX)))
 
 
 @dataclass

@@ -24,14 +24,14 @@ Per round r, participant n (all N participants active, no central server):
 4. Learning rate: CyclicLR between ``lr_min`` and ``lr_max`` with one triangular cycle over all rounds
    (App. A.2.2); ``lr_schedule="constant"`` uses the run's ``lr``.
 
-Simulation mapping onto the engine's hooks: ``fit`` returns ``peer/{m}/...`` (what n sends to peer m for the
-next round) and ``own/...`` (its whole trained sub-model, collected by the *simulation* only to assemble the
+Simulation mapping onto the engine's hooks: ``fit`` returns ``sim/peer/{m}/...`` (what n sends to peer m for the
+next round) and ``sim/own/...`` (its whole trained sub-model, collected by the *simulation* only to assemble the
 global full model for evaluation — the paper's "Global Model Combination", not needed for training).  The
 ``exchange`` hook routes the peer tensors and counts them as ``bytes_peer`` (the protocol's traffic, each
-transmission once); the next round's ``configure_fit`` delivers each participant its mailbox, so
-``bytes_down`` = bytes received from peers.  ``bytes_up`` therefore also contains the simulation-only
-``own/`` collection; use ``bytes_peer`` (and the diagnostic ``peer_bytes_per_participant``) for MSfusion's
-communication.  The assembled global model averages each element over the participants that hold it;
+transmission once); the next round's ``configure_fit`` hands each participant its mailbox as ``sim/`` tensors.
+``sim/`` tensors are simulation bookkeeping and are not counted (see :data:`fedfuse.types.SIM_PREFIX`), so
+``bytes_down`` = ``bytes_up`` = 0 and ``bytes_peer`` is MSfusion's whole communication.
+The assembled global model averages each element over the participants that hold it;
 elements nobody holds keep their last value.  ``num_batches_tracked`` takes the max.
 """
 
@@ -176,22 +176,25 @@ class MSfusion(Algorithm):
         for c in clients:
             box = state.get("mailbox", {}).get(c, {})
             senders = sorted({int(k.split("/", 1)[0]) for k in box})
-            out[c] = Message(dict(box), {"round": info.index, "total": info.total, "senders": senders})
+            meta = {"round": info.index, "total": info.total, "senders": senders}
+            out[c] = Message({f"sim/{k}": v for k, v in box.items()}, meta)
         return out
 
     def exchange(self, info: RoundInfo, results: dict[int, Message]) -> tuple[dict[int, Message], int]:
-        """Route every ``peer/{m}/key`` tensor of sender n to m's mailbox as ``mail/{n}/key``."""
+        """Route every ``sim/peer/{m}/key`` tensor of sender n to m's mailbox as ``sim/mail/{n}/key``.
+
+        The transmission is counted once, here, as peer bytes; the ``sim/`` relay is not counted again."""
         moved = 0
         routed: dict[int, TensorDict] = {c: {} for c in results}
         for n, msg in results.items():
             for k, v in msg.tensors.items():
-                if k.startswith("peer/"):
-                    _, m, key = k.split("/", 2)
-                    routed.setdefault(int(m), {})[f"mail/{n}/{key}"] = v
+                if k.startswith("sim/peer/"):
+                    _, _, m, key = k.split("/", 3)
+                    routed.setdefault(int(m), {})[f"sim/mail/{n}/{key}"] = v
                     moved += v.numel() * v.element_size()
         out = {}
         for c, msg in results.items():
-            own = {k: v for k, v in msg.tensors.items() if k.startswith("own/")}
+            own = {k: v for k, v in msg.tensors.items() if k.startswith("sim/own/")}
             out[c] = Message({**own, **routed.get(c, {})}, dict(msg.meta))
         return out, int(moved)
 
@@ -200,11 +203,11 @@ class MSfusion(Algorithm):
         subs, sels = [], {}
         mailbox: dict[int, TensorDict] = {}
         for c, msg in results.items():
-            own = {k[4:]: v for k, v in msg.tensors.items() if k.startswith("own/")}
+            own = {k[8:]: v for k, v in msg.tensors.items() if k.startswith("sim/own/")}
             sel = {g: torch.tensor(v, dtype=torch.long) for g, v in msg.meta["sel"].items()}
             subs.append((own, sel))
             sels[c] = sel
-            mailbox[c] = {k[5:]: v for k, v in msg.tensors.items() if k.startswith("mail/")}
+            mailbox[c] = {k[9:]: v for k, v in msg.tensors.items() if k.startswith("sim/mail/")}
         glob, _ = combine(state["global"], full_sel, self.spec, self.shapes, subs)
         n = len(results)
         order = sorted(results)
@@ -249,7 +252,7 @@ class MSfusion(Algorithm):
         if client_state is not None:
             sources.append((client_state["sub"], client_state["sel"]))
         for s in payload.meta.get("senders", []):
-            prefix = f"{s}/"
+            prefix = f"sim/{s}/"
             tensors = {k[len(prefix):]: v for k, v in payload.tensors.items() if k.startswith(prefix)}
             sources.append((tensors, intersect_selection(self.selection(s, r - 1, total), sel)))
         w_star, counts = combine(base, sel, self.spec, self.shapes, sources)
@@ -289,13 +292,13 @@ class MSfusion(Algorithm):
         if frozen and stats.samples:
             meta["flops"] += sum(forward_flops_per_sample(f, data.train.x) for f in frozen) * stats.samples
         new = state_of(model)
-        tensors = {f"own/{k}": v for k, v in new.items()}
+        tensors = {f"sim/own/{k}": v for k, v in new.items()}
         peer = 0
         if r + 1 < total:
             for m in neighbours(n, self.ctx.num_clients, self.opt.topology):
                 part = overlap_part(new, sel, self.selection(m, r + 1, total), self.spec, self.shapes)
                 peer += state_bytes(part)
-                tensors.update({f"peer/{m}/{k}": v for k, v in part.items()})
+                tensors.update({f"sim/peer/{m}/{k}": v for k, v in part.items()})
         meta.update({
             "sel": {g: v.tolist() for g, v in sel.items()},
             "peer_bytes": peer,

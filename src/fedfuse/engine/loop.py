@@ -230,7 +230,8 @@ class Experiment:
             comm_params += [sum(t.numel() for t in p.tensors.values()) for p in payloads.values()]
             for res in results.values():
                 flops += float(res.meta.get("flops", 0.0))
-                trained_params.append(int(res.meta.get("trained_params", 0)))
+                if "trained_params" in res.meta:  # stages without training (e.g. BN statistics) do not count
+                    trained_params.append(int(res.meta["trained_params"]))
                 n = int(res.meta.get("samples", 0))
                 train_loss += float(res.meta.get("train_loss", 0.0)) * n
                 train_n += n

@@ -102,7 +102,7 @@ def row(label: str, summary: dict, history: list[dict], **cols: Any) -> dict[str
            "FLOPs/participant/round": (fin.get("client_flops") or 0) / n / rounds,
            "trained params/participant": history[0].get("optimised_parameters_per_client") if history else None}
     if trained:  # msfusion: protocol bytes = peer exchange
-        out["bytes/participant/round"] = (fin.get("total_bytes_peer") or 0) / n / max(rounds - 1, 1)
+        out["bytes/participant/round"] = (fin.get("bytes_peer") or 0) / n / max(rounds - 1, 1)
         out["full sub-model bytes"] = trained[-1]["full_submodel_bytes_per_participant"]
     else:
         out["bytes/participant/round"] = ((fin.get("bytes_down") or 0) + (fin.get("bytes_up") or 0)) / n / rounds
