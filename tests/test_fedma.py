@@ -13,15 +13,6 @@ from fedfuse.fusion.permute import permute_all, random_permutations, transformer
 from fedfuse.types import Message
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg(algorithm, clients=3, rounds=1, model="mlp", model_options=None, **kw):
     base = dict(
         algorithm=algorithm, dataset="digits", partition="dirichlet", model=model, clients=clients,

@@ -27,14 +27,6 @@ from fedfuse.rng import torch_generator
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is much faster than two on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def cfg_for(tmp_path, **kw) -> RunConfig:
     base = dict(

@@ -30,15 +30,6 @@ from fedfuse.rng import derive_seed, numpy_rng, torch_generator
 from fedfuse.types import Message
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg_for(tmp_path=None, **kw) -> RunConfig:
     base = dict(
         algorithm="fedmr", dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=3,

@@ -20,15 +20,6 @@ from fedfuse.rng import numpy_rng
 from fedfuse.types import Message, Split
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg_for(**kw) -> RunConfig:
     base = dict(
         dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=4, rounds=3,

@@ -13,15 +13,6 @@ from fedfuse.models import build_model
 from fedfuse.types import Message
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: tiny models on shared CPUs are much faster without OpenMP spinning."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg(algorithm="heterofl", **kw):
     base = dict(
         dataset="digits", partition="shards", partition_options={"classes_per_client": 3}, model="mlp", clients=3,

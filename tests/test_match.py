@@ -19,15 +19,6 @@ from fedfuse.fusion.permute import Member, PermGroup, chain_spec, permute_all, r
 from fedfuse.models import build_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("metric", ["l1", "l2"])
 def test_hungarian_recovers_a_permutation(metric):
     rng = np.random.default_rng(0)

@@ -12,15 +12,6 @@ from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.fusion.slicing import state_bytes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: tiny models on shared CPUs are much faster without OpenMP spinning."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg(**kw):
     base = dict(
         dataset="digits", partition="iid", model="mlp", clients=3, clients_per_round=3, rounds=2, eval_every=1,

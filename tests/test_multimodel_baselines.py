@@ -14,15 +14,6 @@ from fedfuse.rng import torch_generator
 from fedfuse.types import Message
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is much faster than two on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg_for(algorithm: str, **kw) -> RunConfig:
     base = dict(
         dataset="digits", partition="label-cluster", model="mlp", clients=6, clients_per_round=3, rounds=2,

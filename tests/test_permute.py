@@ -18,15 +18,6 @@ from fedfuse.fusion.permute import (
 from fedfuse.models import build_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared 2-core machine they only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _randomise_bn(model: torch.nn.Module, gen: torch.Generator) -> None:
     """Non-trivial BN affine parameters and running statistics, so a wrong permutation would show."""
     with torch.no_grad():

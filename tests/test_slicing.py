@@ -20,16 +20,6 @@ from fedfuse.fusion.slicing import (
 )
 from fedfuse.models import build_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: tiny models on shared CPUs are much faster without OpenMP spinning."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 MODELS = [
     ("mlp", (20,), {"widths": [12, 10]}, "classification"),
     ("cnn", (1, 8, 8), {"channels": [6, 8], "hidden": 16}, "classification"),

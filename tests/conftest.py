@@ -1,0 +1,13 @@
+"""Shared test settings."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """The test models are tiny: one intra-op thread is faster than OpenMP spinning on a small shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
