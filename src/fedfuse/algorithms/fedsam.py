@@ -24,7 +24,7 @@ from torch import nn
 
 from fedfuse.algorithms.base import ClientState, state_of
 from fedfuse.algorithms.fedavg import FedAvg
-from fedfuse.engine.client import TrainConfig, TrainStats, make_optimizer, task_loss
+from fedfuse.engine.client import GradHook, TrainConfig, TrainStats, task_loss, train_local
 from fedfuse.types import ClientData, Message, Split
 
 
@@ -53,6 +53,32 @@ def sam_perturbation(
     return eps
 
 
+def sam_step(model: nn.Module, rho: float, adaptive: bool = False, eta: float = 0.01) -> GradHook:
+    """A ``train_local`` hook that replaces the gradient at w by the gradient at w + ε (SAM / ASAM).
+
+    BN buffers touched by the perturbed forward pass are restored, so statistics come from the unperturbed pass.
+    """
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    bn_buffers = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+
+    def step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        eps = sam_perturbation(named, rho, adaptive, eta)
+        saved = [b.detach().clone() for b in bn_buffers]
+        with torch.no_grad():
+            for p, e in zip(params, eps):
+                p.add_(e)
+        m.zero_grad(set_to_none=True)
+        task_loss(m(x), y).backward()
+        with torch.no_grad():
+            for p, e in zip(params, eps):
+                p.sub_(e)
+            for b, v in zip(bn_buffers, saved):
+                b.copy_(v)
+
+    return step
+
+
 def train_sam(
     model: nn.Module,
     data: Split,
@@ -63,46 +89,8 @@ def train_sam(
     adaptive: bool = False,
     eta: float = 0.01,
 ) -> TrainStats:
-    """Local (A)SAM training; batching identical to :func:`fedfuse.engine.client.train_local`."""
-    model.train()
-    n = len(data)
-    stats = TrainStats()
-    if n == 0:
-        return stats
-    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    opt = make_optimizer(params, cfg)
-    bs = min(cfg.batch_size, n)
-    bn_buffers = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
-    for _ in range(cfg.local_epochs):
-        perm = torch.randperm(n, generator=generator).to(data.x.device)
-        for start in range(0, n, bs):
-            idx = perm[start : start + bs]
-            x, y = data.x[idx], data.y[idx]
-            loss = task_loss(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            eps = sam_perturbation(named, rho, adaptive, eta)
-            saved = [b.detach().clone() for b in bn_buffers]
-            with torch.no_grad():
-                for p, e in zip(params, eps):
-                    p.add_(e)
-            opt.zero_grad(set_to_none=True)
-            task_loss(model(x), y).backward()
-            with torch.no_grad():
-                for p, e in zip(params, eps):
-                    p.sub_(e)
-                for b, s in zip(bn_buffers, saved):
-                    b.copy_(s)
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            stats.steps += 1
-            stats.samples += int(idx.numel())
-            stats.loss_sum += float(loss.detach()) * int(idx.numel())
-            if cfg.max_steps and stats.steps >= cfg.max_steps:
-                return stats
-    return stats
+    """Local (A)SAM training: :func:`fedfuse.engine.client.train_local` with the SAM gradient hook."""
+    return train_local(model, data, cfg, generator, before_step=sam_step(model, rho, adaptive, eta))
 
 
 class FedSAM(FedAvg):

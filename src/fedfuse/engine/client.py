@@ -18,6 +18,7 @@ from torch import nn
 from fedfuse.types import Split
 
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+GradHook = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,15 @@ def train_local(
     params: Iterable[torch.nn.Parameter] | None = None,
     epochs: int | None = None,
     lr: float | None = None,
+    before_step: GradHook | None = None,
 ) -> TrainStats:
     """Mini-batch training of ``model`` on ``data`` in place.
 
     Batches are drawn by a permutation from ``generator`` each epoch (so the order is reproducible and
     independent of any global RNG).  ``extra_loss(model, x, y, logits)`` adds a term (FedProx, contrastive
     losses...).  ``params`` restricts the optimised parameters (FedMA freezes lower layers).
+    ``before_step(model, x, y)`` runs after the backward pass and before clipping and the optimiser step; it
+    may replace the gradients (SAM's second pass).
     """
     model.train()
     n = len(data)
@@ -98,6 +102,8 @@ def train_local(
             total = loss if extra_loss is None else loss + extra_loss(model, x, y, logits)
             opt.zero_grad(set_to_none=True)
             total.backward()
+            if before_step is not None:
+                before_step(model, x, y)
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
             opt.step()
