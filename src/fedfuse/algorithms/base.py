@@ -71,6 +71,7 @@ class RunContext:
     eval_batch_size: int = 512
     client_groups: list[int] | None = None
     out_dir: Path | None = None  # where the run writes (diagnostic plots); None when not writing
+    eval_every: int = 1  # the loop evaluates every this many rounds (and at the last round)
     _cache: dict[str, nn.Module] = field(default_factory=dict, repr=False)
 
     def build(self, overrides: Mapping[str, Any] | None = None) -> nn.Module:

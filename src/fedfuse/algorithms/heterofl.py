@@ -10,7 +10,7 @@ As in the spec (``../shared/specs/msfusion.md``) and the authors' code (``diaoen
 * masked cross-entropy: logits of classes absent from the client's data are set to 0 during training (the
   code's ``masked_fill(label_mask == 0, 0)``);
 * static BN (``norm="bn-static"`` models: no running statistics during training); before an evaluation
-  (every ``stats_every`` rounds — set it to the run's ``eval_every`` — and at the last round) a second stage
+  (every ``stats_every`` rounds — by default the run's ``eval_every`` — and at the last round) a second stage
   recomputes the global model's BN statistics: every client runs the full global model over its training data
   (BN momentum None = cumulative averages) and the server averages the clients' statistics weighted by their
   number of batches.  The authors' code does this centrally on the pooled training set; the result is the
@@ -84,7 +84,7 @@ class HeteroFL(Algorithm):
         masked_ce: bool = True
         label_split: bool = True
         sbn: bool = True  # recompute BN statistics of the global model before evaluation
-        stats_every: int = 10  # rounds between BN recomputations (set = the run's eval_every)
+        stats_every: int = 0  # rounds between BN recomputations; 0 = the run's eval_every
         lr_schedule: str = "cyclic"  # cyclic | constant
         lr_min: float = 0.001
         lr_max: float = 0.0012
@@ -116,7 +116,8 @@ class HeteroFL(Algorithm):
 
     def stats_round(self, info: RoundInfo) -> bool:
         return bool(self.opt.sbn and self._bn and
-                    ((info.index + 1) % max(int(self.opt.stats_every), 1) == 0 or info.index + 1 == info.total))
+                    ((info.index + 1) % (int(self.opt.stats_every) or self.ctx.eval_every) == 0
+                     or info.index + 1 == info.total))
 
     def num_stages(self, state: ServerState, info: RoundInfo) -> int:
         return 2 if self.stats_round(info) else 1

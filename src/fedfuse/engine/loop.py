@@ -64,6 +64,7 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
         device=device,
         eval_batch_size=cfg.eval_batch_size,
         client_groups=fed.groups(),
+        eval_every=cfg.eval_every,
     )
 
 
