@@ -180,7 +180,9 @@ class Algorithm:
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
-        raise NotImplementedError
+        """Default client step: train the received model locally and send back its full state."""
+        model, meta = self.train_payload(payload, data, gen)
+        return Message(state_of(model), meta), client_state
 
     def evaluate(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator

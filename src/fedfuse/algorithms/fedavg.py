@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
 from fedfuse.fusion.average import add_scaled, delta, weighted_average
-from fedfuse.types import ClientData, Message
+from fedfuse.types import Message
 
 
 class FedAvg(Algorithm):
@@ -25,12 +23,6 @@ class FedAvg(Algorithm):
         weighting: str = "samples"  # "samples" (n_i-weighted) | "uniform"
         int_policy: str = "max"  # num_batches_tracked: "max" | "sum" | "first"
         server_lr: float = 1.0
-
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        model, meta = self.train_payload(payload, data, gen)
-        return Message(state_of(model), meta), client_state
 
     def client_weights(self, results: dict[int, Message]) -> list[float]:
         if self.opt.weighting == "uniform":

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
 from fedfuse.fusion.average import clone_state, weighted_average
 from fedfuse.fusion.recombine import (
     assemble,
@@ -48,7 +48,7 @@ from fedfuse.fusion.recombine import (
     units_from_layers,
 )
 from fedfuse.rng import numpy_rng
-from fedfuse.types import ClientData, Federation, Message, TensorDict
+from fedfuse.types import Federation, Message, TensorDict
 
 
 def model_units(model: torch.nn.Module, granularity: str = "module", segments: int = 0) -> list[tuple[str, ...]]:
@@ -115,12 +115,6 @@ class FedMR(Algorithm):
         if len(clients) > len(slots):
             raise ValueError(f"{len(clients)} clients sampled but FedMR keeps {len(slots)} slots")
         return {c: Message(slots[i], {"slot": i}) for i, c in enumerate(sorted(clients))}
-
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        model, meta = self.train_payload(payload, data, gen)
-        return Message(state_of(model), meta), client_state
 
     def exchange(self, info: RoundInfo, results: dict[int, Message]) -> tuple[dict[int, Message], int]:
         """App. B secure recombination among the round's clients (recombination stage only)."""

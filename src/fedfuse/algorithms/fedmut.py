@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
 from fedfuse.fusion.average import clone_state, delta, weighted_average
 from fedfuse.rng import numpy_rng
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import Message, TensorDict
 
 
 def mutation_radius(t: int, r0: float = 0.3, bound: int = 50) -> float:
@@ -90,12 +89,6 @@ class FedMut(Algorithm):
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
         slots = state["slots"] or [state["global"]] * self.k
         return {c: Message(slots[i], {"slot": i}) for i, c in enumerate(sorted(clients))}
-
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        model, meta = self.train_payload(payload, data, gen)
-        return Message(state_of(model), meta), client_state
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         if not results:
