@@ -58,3 +58,22 @@ def _cell(v: Any) -> str:
 
 def pct(v: float | None) -> float | None:
     return None if v is None else round(100.0 * v, 2)
+
+
+def run_seeds(base: dict[str, Any], out: Path, seeds: Iterable[int], progress: bool = False,
+              **overrides: Any) -> list[tuple[dict, list[dict]]]:
+    """Run one configuration once per seed into ``out/seed<k>``; returns [(summary, history)] in seed order.
+
+    The seed sets everything (partition, initialisation, sampling, batches), so each seed is an
+    independent replicate of the whole experiment.
+    """
+    runs = []
+    for s in seeds:
+        runs.append(run_one(base, Path(out) / f"seed{s}", progress=progress, **{**overrides, "seed": int(s)}))
+    return runs
+
+
+def add_seed_argument(p: Any, default: str = "3") -> None:
+    """The ``--seeds`` flag shared by the reproductions: a count (``3`` → 0,1,2) or a list (``0,4,7``)."""
+    p.add_argument("--seeds", default=default,
+                   help=f"seeds to run: a count or a comma list (default {default}); tables show mean ± std")

@@ -1,0 +1,135 @@
+"""Statistics over seeds: mean ± std, final-window accuracy, rounds-to-target and paired tests.
+
+These are the numbers a comparison table reports.  Everything here is a pure function of per-round
+histories (lists of the dicts written to ``metrics.jsonl``) or of per-seed scalars, so tables built by the
+CLI, the Python API and the reproductions agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MeanStd:
+    """Mean, sample standard deviation (ddof = 1; 0 when n = 1) and count of a set of per-seed values."""
+
+    mean: float
+    std: float
+    n: int
+
+    def fmt(self, scale: float = 1.0, digits: int = 2) -> str:
+        """``"81.60 ± 1.20"``; the ± part is left out when n = 1."""
+        if self.n == 0 or math.isnan(self.mean):
+            return "—"
+        m = f"{self.mean * scale:.{digits}f}"
+        return m if self.n == 1 else f"{m} ± {self.std * scale:.{digits}f}"
+
+
+def mean_std(values: Sequence[float | None]) -> MeanStd:
+    """Mean ± sample std over the non-missing values (None and NaN are skipped)."""
+    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    n = len(vals)
+    if n == 0:
+        return MeanStd(float("nan"), float("nan"), 0)
+    m = sum(vals) / n
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
+    return MeanStd(m, sd, n)
+
+
+def evaluations(history: Sequence[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(round, value) for every round of ``history`` where ``key`` was measured."""
+    return [(int(h["round"]), float(h[key])) for h in history if h.get(key) is not None]
+
+
+def final_mean(history: Sequence[dict[str, Any]], key: str = "global_accuracy", last: int = 5) -> float | None:
+    """Mean of ``key`` over the last ``last`` evaluations (the "final accuracy" of a noisy FL curve)."""
+    ev = evaluations(history, key)[-max(1, last):]
+    return sum(v for _, v in ev) / len(ev) if ev else None
+
+
+def best_value(history: Sequence[dict[str, Any]], key: str = "global_accuracy") -> float | None:
+    ev = evaluations(history, key)
+    return max(v for _, v in ev) if ev else None
+
+
+def rounds_to_target(history: Sequence[dict[str, Any]], target: float, key: str = "global_accuracy") -> int | None:
+    """First round at which ``key`` reaches ``target`` (None if never)."""
+    for r, v in evaluations(history, key):
+        if v >= target:
+            return r
+    return None
+
+
+def cost_to_target(history: Sequence[dict[str, Any]], target: float, key: str = "global_accuracy",
+                   cost: str = "total_bytes") -> float | None:
+    """Cumulative cost (``total_bytes``, ``total_client_flops``, ...) when ``key`` first reaches ``target``."""
+    for h in history:
+        if h.get(key) is not None and float(h[key]) >= target:
+            return float(h[cost]) if h.get(cost) is not None else None
+    return None
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """A paired comparison of a method against a baseline over the same seeds."""
+
+    diff: float
+    p_value: float
+    n: int
+    test: str
+
+    def significant(self, alpha: float = 0.05) -> bool:
+        return self.n >= 2 and not math.isnan(self.p_value) and self.p_value < alpha
+
+    def mark(self, alpha: float = 0.05) -> str:
+        """``"*"`` when significant at ``alpha``, ``"(n.s.)"`` otherwise."""
+        return "*" if self.significant(alpha) else "(n.s.)"
+
+
+def paired_test(method: Sequence[float], baseline: Sequence[float], test: str = "t") -> PairedTest:
+    """Two-sided paired test over seeds: ``t`` (paired t-test) or ``wilcoxon`` (signed-rank).
+
+    Pairs where either side is missing are dropped.  With fewer than two pairs, or identical pairs, the
+    p-value is NaN (not significant): no claim can be made.
+    """
+    pairs = [(float(a), float(b)) for a, b in zip(method, baseline, strict=False)
+             if a is not None and b is not None and not (math.isnan(float(a)) or math.isnan(float(b)))]
+    n = len(pairs)
+    diffs = [a - b for a, b in pairs]
+    mean_diff = sum(diffs) / n if n else float("nan")
+    if n < 2 or (all(d == diffs[0] for d in diffs) and diffs[0] == 0.0):
+        return PairedTest(mean_diff, float("nan"), n, test)
+    from scipy import stats as sps
+
+    if test == "t":
+        if all(d == diffs[0] for d in diffs):  # zero variance, non-zero mean: t is infinite
+            return PairedTest(mean_diff, 0.0, n, test)
+        p = float(sps.ttest_rel([a for a, _ in pairs], [b for _, b in pairs]).pvalue)
+    elif test == "wilcoxon":
+        p = float(sps.wilcoxon(diffs).pvalue)
+    else:
+        raise ValueError(f"paired_test: test must be 't' or 'wilcoxon', got {test!r}")
+    return PairedTest(mean_diff, p, n, test)
+
+
+def parse_seeds(spec: str | int | Sequence[int]) -> list[int]:
+    """``"3"`` or ``3`` → [0, 1, 2]; ``"0,4,7"`` → [0, 4, 7]; a sequence is returned as a list."""
+    if isinstance(spec, int):
+        if spec < 1:
+            raise ValueError(f"seeds: a count must be >= 1, got {spec}")
+        return list(range(spec))
+    if not isinstance(spec, str):
+        return [int(s) for s in spec]
+    s = spec.strip()
+    if not s:
+        raise ValueError("seeds: empty")
+    try:
+        if "," not in s:
+            return parse_seeds(int(s))
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"seeds: expected a count (3) or a comma list (0,1,2), got {spec!r}") from e

@@ -1,0 +1,60 @@
+"""Statistics over seeds: hand-computed cases."""
+
+import math
+
+import pytest
+
+from fedfuse.stats import (
+    best_value,
+    cost_to_target,
+    final_mean,
+    mean_std,
+    paired_test,
+    parse_seeds,
+    rounds_to_target,
+)
+
+HIST = [
+    {"round": 1, "global_accuracy": 0.2, "total_bytes": 10.0},
+    {"round": 2, "global_accuracy": None, "total_bytes": 20.0},
+    {"round": 3, "global_accuracy": 0.6, "total_bytes": 30.0},
+    {"round": 4, "global_accuracy": 0.5, "total_bytes": 40.0},
+]
+
+
+def test_mean_std_hand_case():
+    ms = mean_std([1.0, 2.0, 3.0, None, float("nan")])
+    assert ms.n == 3 and ms.mean == pytest.approx(2.0) and ms.std == pytest.approx(1.0)
+    assert ms.fmt() == "2.00 ± 1.00"
+    assert mean_std([0.5]).fmt(scale=100) == "50.00"
+    assert mean_std([]).n == 0 and mean_std([]).fmt() == "—"
+
+
+def test_history_reductions():
+    assert final_mean(HIST, last=2) == pytest.approx(0.55)
+    assert final_mean(HIST, last=10) == pytest.approx((0.2 + 0.6 + 0.5) / 3)
+    assert best_value(HIST) == pytest.approx(0.6)
+    assert rounds_to_target(HIST, 0.55) == 3
+    assert rounds_to_target(HIST, 0.9) is None
+    assert cost_to_target(HIST, 0.55) == 30.0
+    assert final_mean([], last=3) is None
+
+
+def test_paired_test():
+    t = paired_test([0.8, 0.82, 0.81], [0.7, 0.71, 0.72])
+    assert t.n == 3 and t.diff == pytest.approx(0.1) and t.significant()
+    same = paired_test([0.5, 0.6], [0.5, 0.6])
+    assert math.isnan(same.p_value) and not same.significant() and same.mark() == "(n.s.)"
+    assert not paired_test([0.9], [0.1]).significant()  # one pair: no claim
+    noisy = paired_test([0.5, 0.9, 0.4], [0.6, 0.5, 0.55])
+    assert not noisy.significant()
+
+
+def test_parse_seeds():
+    assert parse_seeds("3") == [0, 1, 2]
+    assert parse_seeds(2) == [0, 1]
+    assert parse_seeds("0,4,7") == [0, 4, 7]
+    with pytest.raises(ValueError, match="seeds"):
+        parse_seeds("x")
+    with pytest.raises(ValueError, match="seeds"):
+        parse_seeds(0)
