@@ -271,6 +271,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 def _add_reproduce(sub) -> None:
     from fedfuse.reproduce import available
+    from fedfuse.reproduce.common import add_seed_argument
 
     rp = sub.add_parser("reproduce", help="re-run a paper comparison on real data (see docs/)")
     names = rp.add_subparsers(dest="name", required=True)
@@ -280,6 +281,7 @@ def _add_reproduce(sub) -> None:
         p.add_argument("--data-dir", default=None, help="where the datasets are (default: $FEDFUSE_DATA)")
         p.add_argument("--out", default=None, help="output directory")
         p.add_argument("--no-progress", action="store_true")
+        add_seed_argument(p)
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
         p.set_defaults(func=cmd_reproduce)
