@@ -80,8 +80,9 @@ def test_femnist_cnn_is_the_authors_architecture():
     assert m(torch.zeros(3, 1, 28, 28)).shape == (3, 62)
     assert model_units(m) == [("conv1.weight", "conv1.bias"), ("conv2.weight", "conv2.bias"),
                               ("fc1.weight", "fc1.bias"), ("fc.weight", "fc.bias")]
+    assert build_model("cnn-femnist", (1, 8, 8), 10).conv1.padding == (2, 2)  # small inputs: 'same' padding
     with pytest.raises(ValueError, match="too small"):
-        build_model("cnn-femnist", (1, 8, 8), 10)
+        build_model("cnn-femnist", (1, 8, 8), 10, padding=0)
 
 
 def test_tiny_grid_end_to_end(tmp_path, monkeypatch):
