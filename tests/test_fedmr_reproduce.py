@@ -109,3 +109,17 @@ def test_tiny_grid_end_to_end(tmp_path, monkeypatch):
     assert {r["method"] for r in res} == {"FedAvg", "FedMR two-stage"} and all(len(r["last5_mean"]) == 2 for r in res)
     monkeypatch.setattr(R, "run_one", lambda *a, **k: pytest.fail("finished runs must be reused"))
     assert R.run(args) == 0
+
+
+def test_a_run_claimed_by_a_live_process_is_skipped(tmp_path):
+    import os
+
+    d = tmp_path / "run"
+    assert not R._claimed_by_other(d)  # nothing there
+    d.mkdir()
+    (d / ".running").write_text(str(os.getpid()))
+    assert not R._claimed_by_other(d)  # our own claim
+    (d / ".running").write_text(str(os.getppid()))
+    assert R._claimed_by_other(d)  # a live other process
+    (d / ".running").write_text("999999999")
+    assert not R._claimed_by_other(d)  # a dead one: stale claim

@@ -186,9 +186,17 @@ def run(args: argparse.Namespace) -> int:
                 run_dir = out / setting / _slug(label) / f"seed{seed}"
                 if (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").exists():
                     continue  # finished earlier: reuse
+                if _claimed_by_other(run_dir):
+                    print(f"[fedmr] {setting} {label} seed {seed}: running in another process, skipped", flush=True)
+                    continue
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / ".running").write_text(str(os.getpid()))
                 t0 = time.perf_counter()
-                _, history = run_one(run_config(label, setting, seed, preset, data_dir), run_dir,
-                                           progress=not getattr(args, "no_progress", False))
+                try:
+                    _, history = run_one(run_config(label, setting, seed, preset, data_dir), run_dir,
+                                         progress=not getattr(args, "no_progress", False))
+                finally:
+                    (run_dir / ".running").unlink(missing_ok=True)
                 acc = final_mean(history)
                 print(f"[fedmr] {setting:15s} {label:16s} seed {seed}: last-5 mean "
                       f"{100 * acc if acc is not None else float('nan'):.2f} % ({time.perf_counter() - t0:.0f} s)",
@@ -197,6 +205,23 @@ def run(args: argparse.Namespace) -> int:
     text = write_tables(out, preset, time.perf_counter() - t_all)
     print(text)
     return 0
+
+
+def _claimed_by_other(run_dir: Path) -> bool:
+    """True when another live process of this machine is running ``run_dir`` (its ``.running`` holds a pid)."""
+    try:
+        pid = int((run_dir / ".running").read_text().strip())
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _load_history(run_dir: Path) -> list[dict[str, Any]]:
