@@ -477,12 +477,14 @@ def load_sweep(path: str | Path) -> dict[str, list[Result]]:
         groups.setdefault(h, []).append(r)
         keys[h] = k
     flat = {h: _flatten(k) for h, k in keys.items()}
-    varying = sorted({k for f in flat.values() for k in f if len({json.dumps(g.get(k), default=str)
-                                                                  for g in flat.values()}) > 1} - {"algorithm"})
+    # a key labels the groups when the groups that have it disagree on it (an option only FedProx has, at one
+    # value, does not)
+    varying = sorted(k for k in {k for f in flat.values() for k in f} - {"algorithm"}
+                     if len({json.dumps(f[k], default=str) for f in flat.values() if k in f}) > 1)
     out = {}
     for h, rs in groups.items():
-        label = " ".join([keys[h]["algorithm"], *(f"{k.split('.')[-1]}={_fmt_value(flat[h].get(k))}"
-                                                 for k in varying)])
+        label = " ".join([keys[h]["algorithm"], *(f"{k.split('.')[-1]}={_fmt_value(flat[h][k])}"
+                                                 for k in varying if k in flat[h])])
         out[label] = sorted(rs, key=lambda r: r.seed)
     return out
 
