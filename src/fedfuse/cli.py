@@ -33,6 +33,7 @@ FLAGS: dict[str, tuple[str, type]] = {
     "--device": ("device", str),
     "--eval-every": ("eval_every", int),
     "--threads": ("threads", int),
+    "--executor": ("executor", str),
 }
 
 
