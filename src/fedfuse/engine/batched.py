@@ -195,9 +195,7 @@ class BatchedExecutor(SequentialExecutor):
             if m is None:
                 task = task_loss(logits, y)
             else:
-                per = task_loss(logits, y, reduction="none")
-                if per.dim() > 1:
-                    per = per.reshape(per.shape[0], -1).mean(1)
+                per = task_loss(logits, y, reduction="none").reshape(y.shape[0], -1).mean(1)  # per sample
                 task = (per * m).sum() / m.sum().clamp_min(1)
             extra = term_values(terms, params, buffers, refs, x, y, logits, m)
             return (task if extra is None else task + extra), task
