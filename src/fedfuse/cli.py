@@ -33,6 +33,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--eval-every": ("eval_every", int, "evaluate every N rounds (the last round is always evaluated)"),
     "--threads": ("threads", int, "torch intra-op threads (0 = PyTorch's default; 1 is fastest for small models)"),
+    "--executor": ("executor", str, "where client work runs: sequential, batched, processes or auto"),
 }
 
 

@@ -42,6 +42,7 @@ class RunConfig:
     data_dir: str | None = None
     out: str | None = None
     device: str = "auto"
+    executor: str = "sequential"  # how clients run: sequential | batched | processes | auto (engine/executor.py)
     threads: int = 0  # torch intra-op threads; 0 = PyTorch's default (1 is often faster for small models)
     val_fraction: float = 0.1
     eval_every: int = 1
@@ -57,7 +58,8 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-CHOICES: dict[str, tuple[str, ...]] = {"optimizer": ("sgd", "adam")}
+CHOICES: dict[str, tuple[str, ...]] = {"optimizer": ("sgd", "adam"),
+                                       "executor": ("sequential", "batched", "processes", "auto")}
 POSITIVE = {"clients", "clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every",
             "checkpoint_every", "eval_batch_size"}
 
@@ -227,7 +229,7 @@ def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Check choices and ranges; return the config with ``model`` resolved.  Raises :class:`ConfigError`."""
-    for key in ("algorithm", "dataset", "partition", "model", "optimizer"):
+    for key in ("algorithm", "dataset", "partition", "model", "optimizer", "executor"):
         choices = _registry_choices(key)
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}: unknown value {getattr(cfg, key)!r}; choose one of: {', '.join(choices)}")

@@ -21,7 +21,7 @@ from fedfuse.algorithms import get_algorithm
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.config import RunConfig, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
-from fedfuse.engine.executor import Job, SequentialExecutor
+from fedfuse.engine.executor import Job, make_executor
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Federation, Message
 
@@ -102,7 +102,8 @@ class Experiment:
         self.ctx = build_context(self.cfg, self.fed, self.device)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.algo = build_algorithm(self.cfg, self.ctx)
-        self.executor = executor or SequentialExecutor(self.fed.clients, self.cfg.seed)
+        self.executor = executor or make_executor(self.cfg.executor, self.fed.clients, self.cfg.seed,
+                                                  threads=self.cfg.threads)
         self.progress = progress
         self.on_round = on_round
         self.out = Path(self.cfg.out) if self.cfg.out else None
@@ -149,6 +150,9 @@ class Experiment:
         self.totals = Totals(**ck["totals"])
         self.best = ck["best"]
         self.history = ck["history"]
+        restore = getattr(self.executor, "restore", None)  # auto: keep the executor the probe chose
+        if restore is not None:
+            restore(ck.get("executor"))
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
         (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -163,6 +167,7 @@ class Experiment:
             "best": self.best,
             "history": self.history,
             "config": self.cfg.to_dict(),
+            "executor": _describe(self.executor),
         }
         tmp = self.out / (CHECKPOINT + ".tmp")
         torch.save(ck, tmp)
@@ -202,6 +207,9 @@ class Experiment:
                 self.on_round(rec)
         if bar is not None:
             bar.close()
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
         summary = self.summary()
         if self.out:
             self._finish(summary)
@@ -221,7 +229,8 @@ class Experiment:
             info = RoundInfo(index=r, total=self.cfg.rounds, stage=stage)
             payloads = algo.configure_fit(self.state, info, clients)
             jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage)) for c in payloads]
-            outs = self.executor.map(algo.fit, jobs)
+            fit = getattr(self.executor, "fit", None)  # executors that own the loop run declared programs
+            outs = fit(algo, jobs) if fit is not None else self.executor.map(algo.fit, jobs)
             results: dict[int, Message] = {}
             for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
                 self.client_states[c] = cstate
@@ -313,6 +322,7 @@ class Experiment:
             "best": _block(self.best or final),
             "totals": dataclasses.asdict(self.totals),
             "wall_seconds": self.totals.wall_seconds,
+            "executor": _describe(self.executor),
         }
 
     def _finish(self, summary: dict[str, Any]) -> None:
@@ -328,6 +338,11 @@ class Experiment:
         finish = getattr(self.algo, "finish", None)
         if finish is not None:
             finish(self.state, self.fed, self.out)
+
+
+def _describe(executor: Any) -> str:
+    describe = getattr(executor, "describe", None)
+    return describe() if describe is not None else str(getattr(executor, "name", type(executor).__name__))
 
 
 def _block(rec: dict[str, Any]) -> dict[str, Any]:
