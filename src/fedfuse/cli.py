@@ -303,6 +303,9 @@ def make_parser() -> argparse.ArgumentParser:
     q.add_argument("--png", default=None, help="where to write the plot")
     q.set_defaults(func=cmd_partition)
     _add_reproduce(sub)
+    from fedfuse.adapters.cli import add_pretrain_parser
+
+    add_pretrain_parser(sub)
     li = sub.add_parser("list", help="list algorithms, datasets, partitions and models")
     li.add_argument("what", nargs="?", choices=["algorithms", "datasets", "partitions", "models"])
     li.set_defaults(func=cmd_list)
