@@ -193,10 +193,15 @@ class Sweep:
         if jobs > 1 and len(todo) > 1:
             done.update(_run_parallel(todo, jobs, list(log), list(callbacks), verbose))
         else:
-            from fedfuse.reproduce.common import federation_for
+            from fedfuse.config import resolve_device
+            from fedfuse.engine.loop import build_federation
 
+            fed_key, fed = None, None  # runs are ordered seed-major: consecutive runs share one federation
             for i, label, cfg, resume in todo:
-                res = _run_job(cfg, resume, progress, list(log), list(callbacks), fed=federation_for(cfg))
+                if _federation_key(cfg) != fed_key:
+                    fed = None  # free the previous one first
+                    fed_key, fed = _federation_key(cfg), build_federation(cfg, resolve_device(cfg.device))
+                res = _run_job(cfg, resume, progress, list(log), list(callbacks), fed=fed)
                 if verbose:
                     print(f"  done: {label} seed {cfg.seed}", file=sys.stderr)
                 done[i] = res
@@ -219,6 +224,12 @@ class Sweep:
 def run_dir_name(cfg: RunConfig) -> str:
     """``<algorithm>-<dataset>-s<seed>-<first 12 hex digits of the config hash>``."""
     return f"{cfg.algorithm}-{cfg.dataset}-s{cfg.seed}-{config_hash(cfg)[:12]}"
+
+
+def _federation_key(cfg: RunConfig) -> str:
+    """Everything that shapes a federation: runs with equal keys can share one."""
+    return json.dumps([cfg.dataset, cfg.data_dir, cfg.partition, cfg.clients, cfg.seed, cfg.val_fraction,
+                       cfg.partition_options, cfg.dataset_options, cfg.device], sort_keys=True, default=str)
 
 
 def _status(run_dir: Path, cfg: RunConfig) -> str:
