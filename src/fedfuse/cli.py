@@ -33,6 +33,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--eval-every": ("eval_every", int, "evaluate every N rounds (the last round is always evaluated)"),
     "--threads": ("threads", int, "torch intra-op threads (0 = PyTorch's default; 1 is fastest for small models)"),
+    "--executor": ("executor", str, "where client work runs: sequential, batched, processes or auto"),
 }
 
 
@@ -405,6 +406,9 @@ def make_parser() -> argparse.ArgumentParser:
     q.add_argument("--png", default=None, help="where to write the plot (default: partition-DATASET-PARTITION.png)")
     q.set_defaults(func=cmd_partition)
     _add_reproduce(sub)
+    from fedfuse.adapters.cli import add_pretrain_parser
+
+    add_pretrain_parser(sub)
     li = sub.add_parser("list", help="list algorithms, datasets, partitions and models",
                         description="List algorithms, datasets, partitions and models with one line each.")
     li.add_argument("what", nargs="?", choices=["algorithms", "datasets", "partitions", "models"],
