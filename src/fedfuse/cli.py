@@ -357,15 +357,22 @@ def _add_reproduce(sub) -> None:
         add_seed_argument(p)
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
-        for a in p._actions:  # a reproduction's own flag without help still gets a line pointing to its doc
-            if not a.help:
-                a.help = _REPRODUCE_HELP.get(a.dest, f"see docs/{name.split('-')[0]}.md")
-                if a.default not in (None, False, ""):
-                    a.help += " (default: %(default)s)"
+        _fill_help(p, f"see docs/{name.split('-')[0]}.md")
         p.set_defaults(func=cmd_reproduce)
 
 
-_REPRODUCE_HELP = {"seed": "seed of a single-seed run", "part": "which part of the reproduction to run"}
+_GENERIC_HELP = {"seed": "seed of a single-seed run", "part": "which part of the reproduction to run",
+                 "batch_size": "mini-batch size", "seq_len": "sequence length", "device": "cpu, cuda or cuda:N",
+                 "threads": "torch intra-op threads"}
+
+
+def _fill_help(p: argparse.ArgumentParser, fallback: str) -> None:
+    """A flag that a plug-in parser (reproduction, pretrain) registered without help still gets one line."""
+    for a in p._actions:
+        if not a.help:
+            a.help = _GENERIC_HELP.get(a.dest, fallback)
+            if a.default not in (None, False, ""):
+                a.help += " (default: %(default)s)"
 
 
 EPILOG = """examples:
@@ -409,6 +416,7 @@ def make_parser() -> argparse.ArgumentParser:
     from fedfuse.adapters.cli import add_pretrain_parser
 
     add_pretrain_parser(sub)
+    _fill_help(sub.choices["pretrain"], "see docs/lora.md")
     li = sub.add_parser("list", help="list algorithms, datasets, partitions and models",
                         description="List algorithms, datasets, partitions and models with one line each.")
     li.add_argument("what", nargs="?", choices=["algorithms", "datasets", "partitions", "models"],
