@@ -496,8 +496,16 @@ def load_sweep(path: str | Path) -> dict[str, list[Result]]:
     for h, rs in groups.items():
         label = " ".join([keys[h]["algorithm"], *(f"{k.split('.')[-1]}={_fmt_value(flat[h][k])}"
                                                  for k in varying if k in flat[h])])
+        if label in out:  # groups that differ only in a key the label cannot show: keep them apart
+            label = f"{label} #{h_short(h)}"
         out[label] = sorted(rs, key=lambda r: r.seed)
     return out
+
+
+def h_short(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:6]
 
 
 def _flatten(d: Mapping[str, Any]) -> dict[str, Any]:
