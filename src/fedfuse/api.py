@@ -165,7 +165,7 @@ class Result:
         return plot_metrics({self.config.algorithm: [self.history]}, metrics, path)
 
     def __repr__(self) -> str:
-        acc = self.final("global_accuracy") if self.config.algorithm else None
+        acc = self.final("global_accuracy")
         pers = self.final("personal_accuracy")
         parts = [f"{self.config.algorithm} on {self.config.dataset}", f"seed {self.config.seed}",
                  f"{len(self.history)} rounds"]

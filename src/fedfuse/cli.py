@@ -29,7 +29,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--optimizer": ("optimizer", str, "client optimizer: sgd or adam"),
     "--seed": ("seed", int, "seed of everything random: partition, initialisation, sampling, batches"),
     "--data-dir": ("data_dir", str, "directory holding the dataset files (default: $FEDFUSE_DATA)"),
-    "--out": ("out", str, "output directory (default: runs/<algorithm>-<dataset>-<time>)"),
+    "--out": ("out", str, "output directory (default: runs/<algorithm or compare>-<dataset>-<time>)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--eval-every": ("eval_every", int, "evaluate every N rounds (the last round is always evaluated)"),
     "--threads": ("threads", int, "torch intra-op threads (0 = PyTorch's default; 1 is fastest for small models)"),
