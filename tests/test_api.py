@@ -98,3 +98,13 @@ def test_discovery_lists_registries_and_show_matches_validation():
     assert all(o.help for o in cfg.options if o.name in ("rounds", "lr", "clients"))
     with pytest.raises(KeyError, match="known names"):
         show("nothing-like-this")
+
+
+def test_compare_with_out_writes_the_table_and_reuses_runs(tmp_path):
+    kw = dict(seeds=1, out=tmp_path / "c", plots=False, **SMALL)
+    t1 = fedfuse.compare(["fedavg", "local"], **kw)
+    assert (tmp_path / "c" / "compare.md").read_text().startswith("| label | n |")
+    assert t1.metric == "personal_accuracy"  # local has no global model
+    t2 = fedfuse.compare(["fedavg", "local"], **kw)
+    assert all(r.cached for rs in t2.results.values() for r in rs)
+    assert t2.frame()["final_mean"].tolist() == t1.frame()["final_mean"].tolist()

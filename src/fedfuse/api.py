@@ -240,6 +240,7 @@ def compare(algorithms: Sequence[str] | str | None = None, config: ConfigLike = 
     to the algorithms that have it).  ``per_algorithm`` gives options for one algorithm only, e.g.
     ``{"fedprox": {"mu": 0.1}}``.
 
+    With ``out``, the table (``compare.md/.csv/.json``) and the report are written there too.
     Runs are stored under ``store`` (default ``out/runs`` when ``out`` is given, otherwise in memory) in one
     directory per full-config hash: a finished run is loaded instead of rerun, an interrupted one resumes from
     its checkpoint, so an interrupted or extended sweep runs only what is missing (``rerun=True`` forces).
@@ -248,9 +249,11 @@ def compare(algorithms: Sequence[str] | str | None = None, config: ConfigLike = 
     from fedfuse.sweep import Sweep
 
     sw = Sweep.plan(algorithms, config, seeds=seeds, grid=grid, per_algorithm=per_algorithm, **options)
-    return sw.execute(out=out, store=store, jobs=jobs, rerun=rerun, progress=progress, log=log,
-                      callbacks=callbacks).table(baseline=baseline, metric=metric, last=last, target=target,
-                                                 test=test)
+    sw.execute(out=out, store=store, jobs=jobs, rerun=rerun, progress=progress, log=log, callbacks=callbacks)
+    table = sw.table(baseline=baseline, metric=metric, last=last, target=target, test=test)
+    if out is not None:
+        table.write(out, plots=sw.points[0].config.plots)
+    return table
 
 
 def sweep(grid: Mapping[str, Sequence[Any]], config: ConfigLike = None, /, **kwargs: Any) -> ResultTable:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import sys
 import time
 from pathlib import Path
@@ -228,27 +226,8 @@ def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
                log=_logs(args), verbose=True)
     table = sw.table(baseline=args.baseline, metric=args.metric, last=args.last, target=args.target,
                      test=args.test)
-    rows = table.display_rows()
-    with open(root / "compare.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    table.write(root, plots=base.plots)
     md = table.to_markdown()
-    (root / "compare.md").write_text(md + "\n")
-    (root / "compare.json").write_text(json.dumps(
-        {"metric": table.metric, "target": table.target, "baseline": table.baseline, "last": table.last,
-         "table": table.frame().reset_index().to_dict("records"), "runs": table.per_seed().to_dict("records")},
-        indent=2, default=str))
-    if base.plots:
-        from fedfuse.plots import plot_metrics
-        from fedfuse.report import write_report
-
-        fig = plot_metrics(table.histories(), path=root / "compare.png")
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
-        write_report(root, metric=args.metric, last=args.last, target=args.target, baseline=args.baseline,
-                     test=args.test)
     print(md)
     print(f"outputs in {root}" + (f" (report: {root / 'report.md'})" if base.plots else ""))
     return 0

@@ -442,6 +442,36 @@ class ResultTable:
                 for label, rs in self.results.items() for r in rs]
         return pd.DataFrame.from_records(recs)
 
+    def write(self, out: str | Path, *, plots: bool = True) -> Path:
+        """Write ``compare.md``, ``compare.csv``, ``compare.json`` and, with ``plots``, ``compare.png`` and the
+        report (``report.md`` / ``report.html``, which needs ``sweep.json`` from :meth:`Sweep.execute` or run
+        directories below ``out``).  Returns the Markdown table's path."""
+        import csv
+
+        root = Path(out)
+        root.mkdir(parents=True, exist_ok=True)
+        rows = self.display_rows()
+        with open(root / "compare.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        (root / "compare.md").write_text(self.to_markdown() + "\n")
+        (root / "compare.json").write_text(json.dumps(
+            {"metric": self.metric, "target": self.target, "baseline": self.baseline, "last": self.last,
+             "test": self.test, "table": self.frame().reset_index().to_dict("records"),
+             "runs": self.per_seed().to_dict("records")}, indent=2, default=str))
+        if plots:
+            import matplotlib.pyplot as plt
+
+            from fedfuse.plots import plot_metrics
+            from fedfuse.report import write_report
+
+            plt.close(plot_metrics(self.histories(), path=root / "compare.png"))
+            if (root / "sweep.json").exists() or any(root.rglob("metrics.jsonl")):
+                write_report(root, metric=self.metric, last=self.last, target=self.target, baseline=self.baseline,
+                             test=self.test)
+        return root / "compare.md"
+
     def histories(self) -> dict[str, list[list[dict[str, Any]]]]:
         return {label: [r.history for r in rs] for label, rs in self.results.items()}
 
