@@ -120,3 +120,24 @@ def test_table_marks_non_significant_and_single_seed():
     assert one.display_rows()[0]["final global acc (%)"] == "52.50"  # no ± for one seed (mean of all 4 rounds)
     with pytest.raises(ConfigError, match="baseline 'zz' is not a label"):
         ResultTable(res, baseline="zz")
+
+
+def test_lower_is_better_metrics_perplexity():
+    from fedfuse.stats import best_value, cost_to_target, rounds_to_target
+
+    hist = [{"round": r, "perplexity": p, "total_bytes": 10 * r} for r, p in ((1, 300.0), (2, 180.0), (3, 150.0))]
+    assert best_value(hist, "perplexity") == 150.0 and best_value(hist, "perplexity", lower=False) == 300.0
+    assert rounds_to_target(hist, 200.0, "perplexity") == 2 and cost_to_target(hist, 200.0, "perplexity") == 20
+    res = {}
+    for label, seed, scale in (("a", 0, 1.0), ("a", 1, 1.1), ("b", 0, 0.8), ("b", 1, 0.85)):
+        cfg = make_config(seed=seed)
+        h = [{"round": r, "perplexity": p * scale, "total_bytes_down": r} for r, p in ((1, 300.0), (2, 200.0))]
+        res.setdefault(label, []).append(Result(cfg, h, {}))
+    t = ResultTable(res, metric="perplexity", last=1)
+    assert t.lower and t.target == pytest.approx(210.0)  # worst mean final (210), 3 significant digits
+    a, b = t.rows
+    assert a.best.mean == pytest.approx(210.0) and b.final.mean == pytest.approx(165.0)
+    assert a.reached == 1 and b.reached == 2  # seed 1 of a ends at 220 > 210
+    row = t.display_rows()[1]
+    assert row["final perplexity"] == "165.00 ± 7.07" and row["vs a"].startswith("-45.00")
+    assert "lower is better" in t.to_markdown()

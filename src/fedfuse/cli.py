@@ -76,8 +76,8 @@ def _add_sweep_flags(p: argparse.ArgumentParser, compare: bool) -> None:
     g.add_argument("--baseline", default=None,
                    help="label every other is compared with by a paired test over seeds (default: the first)")
     g.add_argument("--metric", default="auto",
-                   help="accuracy the table compares (auto: global_accuracy when every run has a global model, "
-                        "else personal_accuracy)")
+                   help="metric the table compares (auto: global_accuracy when every run has a global model, "
+                        "else personal_accuracy; losses and perplexity count as lower-is-better)")
     g.add_argument("--last", type=int, default=5, help="final accuracy = mean of the last K evaluations (default 5)")
     g.add_argument("--target", type=float, default=None,
                    help="accuracy (0-1) for the rounds/MB/GFLOPs-to-target columns (default: the lowest mean "

@@ -51,24 +51,41 @@ def final_mean(history: Sequence[dict[str, Any]], key: str = "global_accuracy", 
     return sum(v for _, v in ev) / len(ev) if ev else None
 
 
-def best_value(history: Sequence[dict[str, Any]], key: str = "global_accuracy") -> float | None:
+def lower_is_better(key: str) -> bool:
+    """Losses and perplexities improve downwards; accuracies (and anything else) upwards."""
+    return "loss" in key or "perplexity" in key
+
+
+def _reached(value: float, target: float, lower: bool) -> bool:
+    return value <= target if lower else value >= target
+
+
+def best_value(history: Sequence[dict[str, Any]], key: str = "global_accuracy",
+               lower: bool | None = None) -> float | None:
+    """Best evaluation of ``key``: the maximum, or the minimum for a loss/perplexity (``lower`` overrides)."""
     ev = evaluations(history, key)
-    return max(v for _, v in ev) if ev else None
+    if not ev:
+        return None
+    lower = lower_is_better(key) if lower is None else lower
+    return (min if lower else max)(v for _, v in ev)
 
 
-def rounds_to_target(history: Sequence[dict[str, Any]], target: float, key: str = "global_accuracy") -> int | None:
-    """First round at which ``key`` reaches ``target`` (None if never)."""
+def rounds_to_target(history: Sequence[dict[str, Any]], target: float, key: str = "global_accuracy",
+                     lower: bool | None = None) -> int | None:
+    """First round at which ``key`` reaches ``target`` (>= it; <= it for a loss/perplexity); None if never."""
+    lower = lower_is_better(key) if lower is None else lower
     for r, v in evaluations(history, key):
-        if v >= target:
+        if _reached(v, target, lower):
             return r
     return None
 
 
 def cost_to_target(history: Sequence[dict[str, Any]], target: float, key: str = "global_accuracy",
-                   cost: str = "total_bytes") -> float | None:
+                   cost: str = "total_bytes", lower: bool | None = None) -> float | None:
     """Cumulative cost (``total_bytes``, ``total_client_flops``, ...) when ``key`` first reaches ``target``."""
+    lower = lower_is_better(key) if lower is None else lower
     for h in history:
-        if h.get(key) is not None and float(h[key]) >= target:
+        if h.get(key) is not None and _reached(float(h[key]), target, lower):
             return float(h[cost]) if h.get(cost) is not None else None
     return None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from fedfuse.stats import (
     MeanStd,
     best_value,
     cost_to_target,
+    lower_is_better,
     mean_std,
     paired_test,
     parse_seeds,
@@ -343,10 +345,12 @@ class ResultTable:
         if baseline is not None and baseline not in self.results:
             raise ConfigError(f"baseline {baseline!r} is not a label; labels: {', '.join(self.results)}")
         self.baseline = baseline or next(iter(self.results))
+        self.lower = lower_is_better(metric)
+        self.is_accuracy = "accuracy" in metric
         if target is None:
             finals = [mean_std([r.final(metric, last) for r in rs]).mean for rs in self.results.values()]
             finals = [f for f in finals if f == f]
-            target = int(100 * min(finals)) / 100 if finals else None
+            target = _default_target(finals, self.lower, self.is_accuracy)
         self.target = target
         self.rows = [self._row(label, rs) for label, rs in self.results.items()]
 
@@ -355,7 +359,7 @@ class ResultTable:
 
     def _row(self, label: str, rs: list[Result]) -> Row:
         m, t = self.metric, self.target
-        rounds = [rounds_to_target(r.history, t, m) if t is not None else None for r in rs]
+        rounds = [rounds_to_target(r.history, t, m, self.lower) if t is not None else None for r in rs]
         vs = None
         if label != self.baseline:
             a, b = self._values(label), self._values(self.baseline)
@@ -364,11 +368,11 @@ class ResultTable:
         return Row(
             label=label, seeds=[r.seed for r in rs],
             final=mean_std([r.final(m, self.last) for r in rs]),
-            best=mean_std([best_value(r.history, m) for r in rs]),
+            best=mean_std([best_value(r.history, m, self.lower) for r in rs]),
             rounds_to_target=mean_std(rounds), reached=sum(x is not None for x in rounds),
-            bytes_to_target=mean_std([cost_to_target(r.history, t, m, "total_bytes") if t is not None else None
-                                      for r in rs]),
-            flops_to_target=mean_std([cost_to_target(r.history, t, m, "total_client_flops")
+            bytes_to_target=mean_std([cost_to_target(r.history, t, m, "total_bytes", self.lower)
+                                      if t is not None else None for r in rs]),
+            flops_to_target=mean_std([cost_to_target(r.history, t, m, "total_client_flops", self.lower)
                                       if t is not None else None for r in rs]),
             total_bytes=mean_std([r.history[-1].get("total_bytes") if r.history else None for r in rs]),
             total_flops=mean_std([r.history[-1].get("total_client_flops") if r.history else None for r in rs]),
@@ -380,7 +384,9 @@ class ResultTable:
     def display_rows(self) -> list[dict[str, str]]:
         """Formatted rows (strings) as printed and written to ``compare.md``."""
         short = self.metric.replace("_accuracy", "")
-        tgt = f"{100 * self.target:.0f}%" if self.target is not None else "target"
+        scale, digits = (100.0, 2) if self.is_accuracy else (1.0, 4 if self._small() else 2)
+        name = f"{short} acc (%)" if self.is_accuracy else self.metric
+        tgt = self._target_text()
         out = []
         for row in self.rows:
             n = len(row.seeds)
@@ -388,8 +394,8 @@ class ResultTable:
             d: dict[str, str] = {
                 "label": row.label,
                 "n": str(n),
-                f"final {short} acc (%)": row.final.fmt(100),
-                f"best {short} acc (%)": row.best.fmt(100),
+                f"final {name}": row.final.fmt(scale, digits),
+                f"best {name}": row.best.fmt(scale, digits),
                 f"rounds to {tgt}": (row.rounds_to_target.fmt(1, 1) + reach) if row.reached else "never",
                 f"MB to {tgt}": (row.bytes_to_target.fmt(1e-6, 2) + reach) if row.reached else "—",
                 f"GFLOPs to {tgt}": (row.flops_to_target.fmt(1e-9, 2) + reach) if row.reached else "—",
@@ -402,15 +408,25 @@ class ResultTable:
                 else:
                     pt = row.vs_baseline
                     p = "" if pt.p_value != pt.p_value else f" p={pt.p_value:.3g}"
-                    d[f"vs {self.baseline}"] = f"{100 * pt.diff:+.2f} {pt.mark(self.alpha)}{p}"
+                    d[f"vs {self.baseline}"] = f"{scale * pt.diff:+.{digits}f} {pt.mark(self.alpha)}{p}"
             out.append(d)
         return out
+
+    def _small(self) -> bool:
+        return all(abs(r.final.mean) < 10 for r in self.rows if r.final.n) if hasattr(self, "rows") else False
+
+    def _target_text(self) -> str:
+        if self.target is None:
+            return "target"
+        return f"{100 * self.target:.0f}%" if self.is_accuracy else f"{self.target:.4g}"
 
     def to_markdown(self) -> str:
         from fedfuse.reproduce.common import markdown
 
-        note = (f"\n\nfinal = mean of the last {self.last} evaluations of {self.metric}; mean ± std over seeds "
-                f"(n = seeds); target = {self.target if self.target is None else f'{100 * self.target:.0f}%'}; "
+        better = "lower is better, " if self.lower else ""
+        note = (f"\n\nfinal = mean of the last {self.last} evaluations of {self.metric} ({better}best = the "
+                f"{'lowest' if self.lower else 'highest'} evaluation); mean ± std over seeds "
+                f"(n = seeds); target = {self._target_text()}; "
                 f"paired {'t-test' if self.test == 't' else 'Wilcoxon signed-rank test'} over shared seeds "
                 f"against {self.baseline}: * p < {self.alpha}, (n.s.) not significant.")
         return markdown(self.display_rows()) + note
@@ -483,6 +499,20 @@ class ResultTable:
 
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
+
+
+def _default_target(finals: list[float], lower: bool, accuracy: bool) -> float | None:
+    """The worst mean final value among the labels, rounded towards "easier" (a whole percent for accuracies,
+    3 significant digits otherwise), so every label reaches it on average."""
+    if not finals:
+        return None
+    worst = max(finals) if lower else min(finals)
+    if accuracy:
+        return math.floor(100 * worst) / 100
+    if worst == 0:
+        return 0.0
+    step = 10 ** (math.floor(math.log10(abs(worst))) - 2)
+    return (math.ceil(worst / step) if lower else math.floor(worst / step)) * step
 
 
 def load_sweep(path: str | Path) -> dict[str, list[Result]]:
