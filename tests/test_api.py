@@ -75,6 +75,8 @@ def test_make_config_sources_and_errors(tmp_path):
         make_config(bogus=1)
     with pytest.raises(ConfigError, match="unknown option 'mu' for algorithm 'fedavg'"):
         make_config(algorithm_options={"mu": 1})
+    with pytest.raises(ConfigError, match=r"fedfuse\.compare"):
+        fedfuse.run(seeds=3)
 
 
 def test_config_hash_ignores_outputs_but_not_anything_that_changes_metrics():

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfuse.config import RunConfig, apply, load_yaml, validate
+from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
 from fedfuse.options import OptionInfo, describe
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -206,6 +206,9 @@ def run(config: ConfigLike = None, /, *, progress: bool = False, callbacks: Sequ
     ``log`` names built-in loggers (``"tensorboard"``, ``"mlflow"``, ``"csv"``).  ``resume=True`` continues
     the run in ``out`` from its checkpoint.
     """
+    for word in ("seeds", "grid", "jobs"):
+        if word in options:
+            raise ConfigError(f"run() is one run; for {word}= use fedfuse.compare(...) or fedfuse.sweep(...)")
     cfg = make_config(config, **options)
     return _execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume)
 
@@ -312,7 +315,15 @@ class Component:
         w = [max(len(r[i]) for r in [*rows, ("option", "type", "default", "")]) for i in range(3)]
         lines = [head, f"  options ({where}):",
                  f"    {'option':<{w[0]}}  {'type':<{w[1]}}  {'default':<{w[2]}}  help"]
-        lines += [f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}".rstrip() for a, b, c, d in rows]
+        import shutil
+        import textwrap
+
+        indent = 4 + w[0] + w[1] + w[2] + 6
+        width = max(shutil.get_terminal_size((120, 24)).columns, indent + 40)
+        for a, b, c, d in rows:
+            wrapped = textwrap.wrap(d, width - indent) or [""]
+            lines.append(f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {wrapped[0]}".rstrip())
+            lines += [" " * indent + more for more in wrapped[1:]]
         return "\n".join(lines)
 
 

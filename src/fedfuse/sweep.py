@@ -500,6 +500,12 @@ class ResultTable:
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
 
+    def _repr_html_(self) -> str:
+        import pandas as pd
+
+        note = self.to_markdown().split("\n\n", 1)[1]
+        return pd.DataFrame(self.display_rows()).to_html(index=False) + f"<p><small>{note}</small></p>"
+
 
 def _default_target(finals: list[float], lower: bool, accuracy: bool) -> float | None:
     """The worst mean final value among the labels, rounded towards "easier" (a whole percent for accuracies,
