@@ -54,6 +54,9 @@ def test_run_writes_artefacts_and_load_round_trips(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0 and len([a for a in fig.axes if a.get_visible()]) >= 2
     with pytest.raises(FileNotFoundError, match="not a run directory"):
         load(tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:  # killed in the middle of writing a record
+        f.write('{"round": 3, "glob')
+    assert len(load(out).history) == 2
 
 
 def test_run_in_memory_writes_nothing_and_is_deterministic(tmp_path, monkeypatch):

@@ -185,7 +185,15 @@ def load(run_dir: str | Path) -> Result:
     if not (d / "config.yaml").exists() or not (d / "metrics.jsonl").exists():
         raise FileNotFoundError(f"{d}: not a run directory (needs config.yaml and metrics.jsonl)")
     cfg = apply(RunConfig(), load_yaml(d / "config.yaml"))
-    history = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    history = []
+    lines = [line for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # a run killed while writing its last record
+                break
+            raise
     summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
     return Result(cfg, history, summary, d)
 
