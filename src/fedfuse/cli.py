@@ -307,7 +307,13 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     if args.report and not args.out:
         raise ConfigError("--report needs --out (the directory the report describes)")
-    rc = int(available()[args.name].run(args))
+    from fedfuse.reproduce import common
+
+    common.REUSE = bool(args.reuse)
+    try:
+        rc = int(available()[args.name].run(args))
+    finally:
+        common.REUSE = False
     if rc == 0 and args.report:
         from fedfuse.report import write_report
 
@@ -331,6 +337,9 @@ def _add_reproduce(sub) -> None:
         p.add_argument("--data-dir", default=None, help="where the datasets are (default: $FEDFUSE_DATA)")
         p.add_argument("--out", default=None, help="output directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.add_argument("--reuse", action="store_true",
+                       help="keep runs already finished in --out with the same config, resume interrupted ones "
+                            "(after a code change, run without it)")
         p.add_argument("--report", action="store_true",
                        help="afterwards, write report.md/report.html over every run below --out (needs --out)")
         add_seed_argument(p)

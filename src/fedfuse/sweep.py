@@ -234,8 +234,26 @@ def _federation_key(cfg: RunConfig) -> str:
                        cfg.partition_options, cfg.dataset_options, cfg.device], sort_keys=True, default=str)
 
 
-def _status(run_dir: Path, cfg: RunConfig) -> str:
-    """``done`` (finished, same config), ``partial`` (a checkpoint to resume), or ``empty``."""
+def run_cached(cfg: RunConfig, *, progress: bool = False, fed: Any = None) -> Result:
+    """Run ``cfg`` into ``cfg.out`` unless that directory already holds it: a finished run with the same config
+    hash is loaded (``Result.cached``), an interrupted one resumes from its checkpoint, anything else (another
+    config, no checkpoint) is run afresh.  Used by ``fedfuse reproduce --reuse``."""
+    if not cfg.out:
+        raise ValueError("run_cached: the config needs an out directory")
+    run_dir = Path(cfg.out)
+    status = _status(run_dir, cfg, strict=False)
+    if status == "done":
+        res = load(run_dir)
+        res.cached = True
+        return res
+    return _run_job(cfg, status == "partial", progress, [], [], fed=fed)
+
+
+def _status(run_dir: Path, cfg: RunConfig, strict: bool = True) -> str:
+    """``done`` (finished, same config), ``partial`` (a checkpoint to resume), ``empty`` (nothing usable).
+
+    A directory holding another configuration is an error when ``strict`` (store directories are named by
+    their hash), otherwise ``empty``."""
     if not (run_dir / "config.yaml").exists():
         return "empty"
     try:
@@ -243,6 +261,8 @@ def _status(run_dir: Path, cfg: RunConfig) -> str:
     except Exception:  # unreadable leftovers: start again
         return "empty"
     if config_hash(old) != config_hash(cfg):
+        if not strict:
+            return "empty"
         raise ConfigError(f"{run_dir} holds a different configuration than its name says; delete it")
     if (run_dir / "summary.json").exists():
         return "done"
