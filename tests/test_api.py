@@ -80,6 +80,8 @@ def test_make_config_sources_and_errors(tmp_path):
         make_config(algorithm_options={"mu": 1})
     with pytest.raises(ConfigError, match=r"fedfuse\.compare"):
         fedfuse.run(seeds=3)
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        fedfuse.run(resume=True, out=str(tmp_path / "none"))
 
 
 def test_config_hash_ignores_outputs_but_not_anything_that_changes_metrics():

@@ -218,6 +218,8 @@ def run(config: ConfigLike = None, /, *, progress: bool = False, callbacks: Sequ
         if word in options:
             raise ConfigError(f"run() is one run; for {word}= use fedfuse.compare(...) or fedfuse.sweep(...)")
     cfg = make_config(config, **options)
+    if resume and not (cfg.out and (Path(cfg.out) / "checkpoint.pt").exists()):
+        raise ConfigError(f"resume: no checkpoint.pt in out={cfg.out!r} (nothing to resume)")
     return _execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume)
 
 
