@@ -303,22 +303,21 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from fedfuse.reproduce import available
-
-    if args.report and not args.out:
-        raise ConfigError("--report needs --out (the directory the report describes)")
-    from fedfuse.reproduce import common
+    from fedfuse.reproduce import available, common
 
     common.REUSE = bool(args.reuse)
     try:
         rc = int(available()[args.name].run(args))
     finally:
         common.REUSE = False
-    if rc == 0 and args.report:
+    if rc == 0 and args.out and not args.no_report:
         from fedfuse.report import write_report
 
-        md = write_report(args.out, title=f"reproduce {args.name}")
-        print(f"wrote {md} and {md.with_suffix('.html')}")
+        try:
+            md = write_report(args.out, title=f"reproduce {args.name}")
+            print(f"wrote {md} and {md.with_suffix('.html')}")
+        except Exception as e:  # the reproduction's own tables are written; the report is an extra view
+            print(f"fedfuse: warning: no report for {args.out}: {type(e).__name__}: {e}", file=sys.stderr)
     return rc
 
 
@@ -340,8 +339,9 @@ def _add_reproduce(sub) -> None:
         p.add_argument("--reuse", action="store_true",
                        help="keep runs already finished in --out with the same config, resume interrupted ones "
                             "(after a code change, run without it)")
-        p.add_argument("--report", action="store_true",
-                       help="afterwards, write report.md/report.html over every run below --out (needs --out)")
+        p.add_argument("--no-report", action="store_true",
+                       help="do not write report.md/report.html over the runs below --out afterwards (written "
+                            "when --out is given)")
         add_seed_argument(p)
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
