@@ -121,6 +121,8 @@ def test_table_marks_non_significant_and_single_seed():
     assert one.display_rows()[0]["final global acc (%)"] == "52.50"  # no ± for one seed (mean of all 4 rounds)
     with pytest.raises(ConfigError, match="baseline 'zz' is not a label"):
         ResultTable(res, baseline="zz")
+    with pytest.raises(ConfigError, match="'acuracy' was not measured by any run; measured: bytes, global_accuracy"):
+        ResultTable(res, metric="acuracy")
 
 
 def test_lower_is_better_metrics_perplexity():

@@ -361,6 +361,13 @@ class ResultTable:
             every = [r for rs in self.results.values() for r in rs]
             metric = "global_accuracy" if all(r.final("global_accuracy") is not None for r in every) \
                 else "personal_accuracy"
+        every = [r for rs in self.results.values() for r in rs]
+        if not any(h.get(metric) is not None for r in every for h in r.history):
+            measured = sorted({k for r in every for h in r.history for k, v in h.items()
+                               if isinstance(v, int | float) and not isinstance(v, bool)})
+            raise ConfigError(f"metric {metric!r} was not measured by any run; measured: {', '.join(measured)}")
+        if test not in ("t", "wilcoxon"):
+            raise ConfigError(f"test: choose t or wilcoxon, got {test!r}")
         self.metric, self.last, self.test, self.alpha = metric, last, test, alpha
         if baseline is not None and baseline not in self.results:
             raise ConfigError(f"baseline {baseline!r} is not a label; labels: {', '.join(self.results)}")
