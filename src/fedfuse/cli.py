@@ -1,4 +1,5 @@
-"""The ``fedfuse`` command line: run, compare, partition, list."""
+"""The ``fedfuse`` command line (a thin layer over :mod:`fedfuse.api`): run, compare, show, report, partition,
+reproduce, list."""
 
 from __future__ import annotations
 
