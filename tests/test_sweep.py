@@ -105,6 +105,7 @@ def test_table_statistics_by_hand():
     assert rows[0]["final global acc (%)"] == "55.50 ± 2.00" and rows[0]["rounds to 55%"] == "2.0 ± 1.4 (2/3)"
     frame = t.frame()
     assert frame.loc["b", "n"] == 3 and frame.loc["b", "p_value"] < 0.05
+    assert frame.loc["a", "final_ci95"] == pytest.approx(4.302653 * 0.02 / math.sqrt(3), rel=1e-5)  # t(0.975, 2)
     assert frame.loc["a", "p_value"] is None or math.isnan(frame.loc["a", "p_value"])
     md = t.to_markdown()
     assert "| b | 3 |" in md and "(n.s.) not significant" in md

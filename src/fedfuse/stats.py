@@ -21,6 +21,15 @@ class MeanStd:
     std: float
     n: int
 
+    def ci95(self) -> float:
+        """Half-width of the 95% confidence interval of the mean (Student t, n - 1 degrees of freedom); NaN for
+        n < 2."""
+        if self.n < 2 or math.isnan(self.std):
+            return float("nan")
+        from scipy import stats as sps
+
+        return float(sps.t.ppf(0.975, self.n - 1) * self.std / math.sqrt(self.n))
+
     def fmt(self, scale: float = 1.0, digits: int = 2) -> str:
         """``"81.60 ± 1.20"``; the ± part is left out when n = 1."""
         if self.n == 0 or math.isnan(self.mean):

@@ -466,7 +466,7 @@ class ResultTable:
         for r in self.rows:
             recs.append({
                 "label": r.label, "n": len(r.seeds),
-                "final_mean": r.final.mean, "final_std": r.final.std,
+                "final_mean": r.final.mean, "final_std": r.final.std, "final_ci95": r.final.ci95(),
                 "best_mean": r.best.mean, "best_std": r.best.std,
                 "rounds_to_target": r.rounds_to_target.mean, "reached": r.reached,
                 "bytes_to_target": r.bytes_to_target.mean, "flops_to_target": r.flops_to_target.mean,
