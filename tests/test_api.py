@@ -94,6 +94,9 @@ def test_config_hash_ignores_outputs_but_not_anything_that_changes_metrics():
 
 def test_discovery_lists_registries_and_show_matches_validation():
     assert "fedprox" in fedfuse.list_algorithms() and "digits" in fedfuse.list_datasets()
+    assert fedfuse.algorithms() == fedfuse.list_algorithms() and fedfuse.models() == fedfuse.list_models()
+    assert fedfuse.datasets() == fedfuse.list_datasets() and fedfuse.partitions() == fedfuse.list_partitions()
+    assert "fedavg" in fedfuse.algorithms.ALGORITHMS  # still the registry package
     assert "cnn" in fedfuse.list_models() and "dirichlet" in fedfuse.list_partitions()
     from fedfuse.algorithms import ALGORITHMS
 
