@@ -305,19 +305,18 @@ def test_paper_update_is_one_dth_of_fedavg_step_and_column_form_is_fedavg_sized(
 
 
 def test_shared_init_copies_one_model_and_breaks_symmetry_with_logits(tmp_path):
-    exp = Experiment(cfg_for(tmp_path, algorithm_options={"d": 3}))
+    exp = Experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "init": "shared"}))
     st = exp.algo.init_state()
-    assert exp.algo.opt.init == "shared"
     for g in st["globals"][1:]:
         for k, v in g.items():
             assert torch.equal(v, st["globals"][0][k])
     assert float(st["logits"].std()) > 0  # symmetry broken by random initial logits (auto std 0.1)
     assert abs(float(st["logits"].std()) - 0.1) < 0.06
-    ind = Experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "init": "independent"})).algo.init_state()
+    ind = Experiment(cfg_for(tmp_path, algorithm_options={"d": 3})).algo.init_state()  # default: independent
     assert not torch.equal(ind["globals"][0]["fc.weight"], ind["globals"][1]["fc.weight"])
     assert float(ind["logits"].abs().max()) == 0.0  # papers: uniform initial weights
     with pytest.raises(ValueError, match="symmetry"):
-        Experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "logit_init_std": 0.0}))
+        Experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "init": "shared", "logit_init_std": 0.0}))
 
 
 def test_independent_init_merge_is_nearly_input_independent_shared_is_not(tmp_path):

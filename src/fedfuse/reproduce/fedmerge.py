@@ -5,7 +5,7 @@ Parts (``--parts``, default ``mnist,cifar``):
 * ``mnist`` — the defaults check: MNIST, ``label-cluster`` (5 clusters × 2 classes), 20 clients, 5 per round, the
   MLP, 15 rounds, every other setting the run's default (lr 0.1, 2 local epochs, batch 32); FedAvg, IFCA (K = 5)
   and FedMerge with its shipped defaults at d ∈ {2, 5, 10, 20} (quick: d ∈ {5, 10}); the full preset adds the
-  non-default forms (paper Θ update, independent initialisation) as rows.
+  non-default forms (shared initialisation, paper Θ update, the previous defaults) and FedEM as rows.
 * ``cifar`` — the papers' comparison on real CIFAR-10 images, two non-IID settings over 20 clients (10 per round):
   *cluster* (5 clusters of 2 classes, client groups of sizes 2-6, the papers' Cluster non-IID scaled down) and
   *personal* (Dirichlet(0.1)); FedMR's CIFAR CNN (62k parameters).  The papers use CIFAR-100, ResNet-9, 50 clients
@@ -71,8 +71,11 @@ def mnist_methods(quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
             ("fedmerge d=5", "fedmerge", {"d": 5}), ("fedmerge d=10", "fedmerge", {"d": 10})]
     if not quick:
         rows += [("fedmerge d=2", "fedmerge", {"d": 2}), ("fedmerge d=20", "fedmerge", {"d": 20}),
+                 ("fedmerge d=10 shared init", "fedmerge", {"d": 10, "init": "shared"}),
+                 ("fedmerge d=20 shared init", "fedmerge", {"d": 20, "init": "shared"}),
                  ("fedmerge d=10 paper Θ", "fedmerge", {"d": 10, "theta_update": "paper"}),
-                 ("fedmerge d=10 independent init", "fedmerge", {"d": 10, "init": "independent"}),
+                 ("fedmerge d=10 previous defaults", "fedmerge",
+                  {"d": 10, "theta_update": "paper", "merge_step": 0.01}),
                  ("fedem", "fedem", {"m": 5})]
     return rows
 
@@ -86,8 +89,8 @@ def cifar_methods(quick: bool, eval_every: int, rounds: int) -> list[tuple[str, 
         rows += [("fedmerge d=2", "fedmerge", {"d": 2, **fm}), ("fedmerge d=10", "fedmerge", {"d": 10, **fm}),
                  ("fixed 1/5", "fedmerge", {"d": 5, "fixed_k": 1, **fm}),
                  ("fedmerge d=5 code-form", "fedmerge", {"d": 5, **fm, **code}),
-                 ("fedmerge d=5 paper Θ, independent init", "fedmerge",
-                  {"d": 5, "theta_update": "paper", "init": "independent", **fm}),
+                 ("fedmerge d=5 shared init", "fedmerge", {"d": 5, "init": "shared", **fm}),
+                 ("fedmerge d=5 paper Θ", "fedmerge", {"d": 5, "theta_update": "paper", **fm}),
                  ("local", "local", {}), ("fedavg-ft", "fedavg-ft", {"ft_epochs": 1}), ("pfedmoe", "pfedmoe", {})]
     return rows
 
