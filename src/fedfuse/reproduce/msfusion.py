@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="",
                    help="comma list of mnist, cifar, ablation, ring, ptb (default: all; quick: mnist,cifar,ptb)")
     p.add_argument("--mus", default="", help="comma list of split ratios for the mnist and cifar sweeps")
+    p.add_argument("--methods", default="", help="comma list of msfusion, fedrolex, heterofl (default: all three)")
     p.add_argument("--rounds", type=int, default=0, help="override the CIFAR rounds")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
 
@@ -209,8 +210,10 @@ def run(args: argparse.Namespace) -> int:
         print(show([results[section][-1]]).splitlines()[-1], flush=True)
         write()
 
+    wanted = [m.strip() for m in getattr(args, "methods", "").split(",") if m.strip()] or list(METHODS)
+
     def point(section: str, base: dict, partition: str | None, mu: float, eval_every: int, rounds: int) -> None:
-        for algo in METHODS:
+        for algo in (m for m in METHODS if m in wanted):
             cols: dict[str, Any] = {"data": partition} if partition else {}
             cols["mu"] = mu
             if section == "mnist":
@@ -252,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
             "model_options": {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "dropout": 0.2},
             "dataset_options": {"seq_len": 32},
         }
-        for algo in METHODS:
+        for algo in (m for m in METHODS if m in wanted):
             t = time.time()
             runs = []
             for sd in seeds:
