@@ -296,13 +296,20 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         if picked is not None:
             stats["certified"] += 1
             return picked
-        stats["solver"] += 1
-        nb = new_block.get((j, K))
-        if nb is None:
-            nb = new_block[(j, K)] = new_score[j][:, None] + c[None, :]
-        full[:, L:] = nb
-        _, picked = linear_sum_assignment(full, maximize=True)
-        return picked  # rows == arange(Lj): the matrix is at least as wide as tall
+        # Solve with only the first K' new-atom columns; if fewer than K' are used the answer is optimal for
+        # all K (the best total with m new atoms is concave in m: an assignment LP's value is concave in the
+        # number of rows sent to one side, and the new-atom offsets c_k decrease), else widen and re-solve.
+        Kp = min(K, max(Lj - L, 4))
+        while True:
+            stats["solver"] += 1
+            nb = new_block.get((j, Kp))
+            if nb is None:
+                nb = new_block[(j, Kp)] = new_score[j][:, None] + c[None, :Kp]
+            full[:, L : L + Kp] = nb
+            _, picked = linear_sum_assignment(full[:, : L + Kp], maximize=True)
+            if Kp == K or int((picked >= L).sum()) < Kp:
+                return picked  # rows == arange(Lj): the matrix is at least as wide as tall
+            Kp = min(K, 4 * Kp)
 
     def add(j: int, picked: np.ndarray) -> None:
         """Absorb client ``j``'s units into the atoms ``picked`` (indices ≥ L open new atoms, in unit order)."""

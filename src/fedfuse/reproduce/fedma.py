@@ -61,6 +61,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--optimizers", default=None, help="comma list of sgd/adam (default sgd,adam; quick sgd)")
     parser.add_argument("--methods", default=None,
                         help="comma list among fedma,fedavg-report,fedavg,oneshot (default all)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read finished runs (same config) from --out instead of re-running them")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--lm-corpus", default="wikitext2", choices=["wikitext2", "tiny-shakespeare"],
                         help="the second client's corpus (report: wikitext2)")
@@ -94,6 +96,32 @@ def report_options(opt: str) -> dict[str, dict[str, Any]]:
     sched = {"retrain_schedule": "code", "retrain_epochs": 7, "retrain_lr": LR["sgd"]} if opt == "sgd" else {
         "retrain_schedule": "run", "retrain_epochs": 7}
     return {"fedma": dict(sched), "fedavg-report": {**sched, "continuation": "fedavg"}}
+
+
+def _run(base: dict[str, Any], out: Path, reuse: bool, **kw: Any) -> list[dict[str, Any]]:
+    """Run one configuration, or with ``reuse`` read the history of a finished run in ``out`` with as many rounds
+    (its ``config.yaml`` must match; a partial grid can then be completed without recomputing)."""
+    rounds = int(kw.get("rounds", 1))
+    metrics, summary = out / "metrics.jsonl", out / "summary.json"
+    if reuse and metrics.exists() and summary.exists():
+        import yaml
+
+        from fedfuse.config import RunConfig, apply
+
+        want = apply(RunConfig(), {**base, **kw, "out": str(out)})
+        have = yaml.safe_load((out / "config.yaml").read_text()) if (out / "config.yaml").exists() else {}
+        def agrees(k: str, v: Any) -> bool:
+            if isinstance(v, dict) and isinstance(have.get(k), dict):
+                return all(have[k].get(kk) == vv for kk, vv in v.items())
+            return have.get(k) == v
+
+        same = all(agrees(k, v) for k, v in vars(want).items()
+                   if k in have and k not in ("out", "data_dir", "rounds", "threads"))
+        hist = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        if same and len(hist) >= rounds:
+            return hist[:rounds]
+    _, hist = run_one(base, out, progress=False, **kw)
+    return hist
 
 
 def _acc(hist: list[dict[str, Any]], idx: int, key: str = "global_accuracy") -> float | None:
@@ -134,27 +162,27 @@ def _mlp_grid(args, out: Path, seeds: list[int]) -> list[dict[str, Any]]:
                     for algo in ("ensemble", "oneshot-match", "oneshot-avg"):
                         runs[algo] = dict(algorithm=algo, rounds=1)
                 for name, kw in runs.items():
-                    _, hist = run_one(base, out / tag / name, progress=False, seed=s, **kw)
-                    res.setdefault(name, []).append(hist)
+                    res.setdefault(name, []).append(_run(base, out / tag / name, args.reuse, seed=s, **kw))
             for comms in comms_grid:
                 r_ma, r_avg = comms // HIDDEN_LAYERS, comms
                 fm = [_acc(h, r_ma) for h in res.get("fedma", [])]
                 fa = [_acc(h, r_avg) for h in res.get("fedavg-report", [])]
-                row: dict[str, Any] = {"optimizer": opt, "clients": n, "communications": comms, "seeds": len(seeds)}
+                row: dict[str, Any] = {"optimizer": opt, "clients": n, "communications": comms, "seeds": len(seeds),
+                                       "FedMA / FedAvg rounds counted": f"{r_ma} / {r_avg}"}
                 if "fedma" in res:
                     row["FedMA round 0 (uncounted) %"] = _fmt([_acc(h, 0) for h in res["fedma"]])
-                    row[f"FedMA round {r_ma} %"] = _fmt(fm)
+                    row["FedMA %"] = _fmt(fm)
                 if "fedavg-report" in res:
-                    row[f"FedAvg report form, round {r_avg} %"] = _fmt(fa)
+                    row["FedAvg report form %"] = _fmt(fa)
                 if "fedavg" in res:
-                    row[f"FedAvg shared init, round {r_avg} %"] = _fmt([_acc(h, r_avg) for h in res["fedavg"]])
+                    row["FedAvg shared init %"] = _fmt([_acc(h, r_avg) for h in res["fedavg"]])
                 if "oneshot" in methods:
                     row["ensemble %"] = _fmt([_acc(h, 0, "ensemble_accuracy") for h in res["ensemble"]])
                     row["1-shot matching %"] = _fmt([_acc(h, 0) for h in res["oneshot-match"]])
                     row["1-shot averaging %"] = _fmt([_acc(h, 0) for h in res["oneshot-avg"]])
                 if fm and fa:
                     t = paired_test(fm, fa)
-                    row["FedMA − FedAvg(report) pts"] = f"{100 * t.mean_diff:+.2f} {t.mark()}"
+                    row["FedMA − FedAvg(report) pts"] = f"{100 * t.diff:+.2f} {t.mark()}"
                     row["FedMA widths"] = "-".join(str(w) for w in res["fedma"][0][r_ma].get("global_widths", []))
                 rows.append(row)
             print(markdown(rows[-len(comms_grid):]), f"\n({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -177,13 +205,13 @@ def _oneshot_study(args, out: Path, seeds: list[int]) -> list[dict[str, Any]]:
         acc: dict[str, list[float | None]] = {}
         widths: dict[str, str] = {}
         for s in seeds:
-            _, h = run_one(base, out / f"oneshot-{n}-seed{s}" / "avg", progress=False, seed=s,
-                           algorithm="oneshot-avg", rounds=1)
+            h = _run(base, out / f"oneshot-{n}-seed{s}" / "avg", args.reuse, seed=s, algorithm="oneshot-avg",
+                     rounds=1)
             acc.setdefault("element-wise average (no matching)", []).append(_acc(h, 0))
             for name, o in variants.items():
-                _, h = run_one(base, out / f"oneshot-{n}-seed{s}" / name.split(",")[0].replace(" ", "_")
-                               / str(sorted(o.items())), progress=False, seed=s, algorithm="oneshot-match",
-                               rounds=1, algorithm_options=o)
+                sub = "-".join(f"{k}={v}" for k, v in sorted(o.items())) or "code"
+                h = _run(base, out / f"oneshot-{n}-seed{s}" / sub, args.reuse, seed=s, algorithm="oneshot-match",
+                         rounds=1, algorithm_options=o)
                 acc.setdefault(name, []).append(_acc(h, 0))
                 widths[name] = "-".join(str(w) for w in h[0].get("global_widths", []))
         for name, vals in acc.items():
