@@ -29,6 +29,7 @@ otherwise random MNIST-shaped tensors (the timing does not depend on the pixel v
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -168,17 +169,20 @@ def main() -> None:
     p.add_argument("--executors", default="sequential,batched,processes,auto")
     p.add_argument("--workers", type=int, default=2, help="worker processes of the processes executor")
     p.add_argument("--algorithms", default="", help="also time these algorithms, sequential vs batched, on the MLP")
+    p.add_argument("--no-floor", action="store_true", help="skip the hardware-floor variant")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     fed = make_federation(args.data_dir)
     executors = [e for e in args.executors.split(",") if e]
     samples = PER_ROUND * PER_CLIENT
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, data "
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start; "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, data "
           f"{'real MNIST' if args.data_dir else 'random MNIST-shaped'}, {args.rounds} rounds × {args.repeats} "
           f"repeats, processes: {args.workers} workers")
     for m in [m for m in args.models.split(",") if m]:
         name, opts = MODELS[m]
-        times: dict[str, tuple[list, list]] = {k: ([], []) for k in ("plain", "floor", *executors)}
+        variants = ("plain", *(() if args.no_floor else ("floor",)), *executors)
+        times: dict[str, tuple[list, list]] = {k: ([], []) for k in variants}
         for _ in range(args.repeats):  # interleaved so machine noise hits every variant alike
             for key in times:
                 if key == "plain":
