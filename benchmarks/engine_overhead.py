@@ -19,7 +19,7 @@ time is the more reliable measure of in-process work; worker processes' CPU is n
 the MLP (speed-up = sequential / batched).
 
     python benchmarks/engine_overhead.py [--data-dir ../shared/data] [--rounds 6] [--repeats 3] [--threads 1]
-        [--models mlp,cnn] [--executors sequential,batched,processes,auto] [--workers 2]
+        [--models mlp,cnn,mlp-small] [--executors sequential,batched,processes,auto] [--workers 2]
         [--algorithms fedprox,fedmr,fedmerge,heterofl]
 
 With ``--data-dir`` the real MNIST training images are used (first 60,000 split into 100 × 600);
@@ -156,7 +156,8 @@ def floor_round_times(fed: Federation, model_name: str, opts: dict, rounds: int)
     return walls[1:], cpus[1:]
 
 
-MODELS = {"mlp": ("MLP 784-200-200-10", {"widths": [200, 200]}), "cnn": ("McMahan CNN", {})}
+MODELS = {"mlp": ("MLP 784-200-200-10", {"widths": [200, 200]}), "cnn": ("McMahan CNN", {}),
+          "mlp-small": ("MLP 784-32-10", {"widths": [32]})}
 
 
 def main() -> None:
@@ -165,7 +166,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process and of each worker")
-    p.add_argument("--models", default="mlp,cnn", help="which of mlp,cnn to time")
+    p.add_argument("--models", default="mlp,cnn", help="which of mlp,cnn,mlp-small to time")
     p.add_argument("--executors", default="sequential,batched,processes,auto")
     p.add_argument("--workers", type=int, default=2, help="worker processes of the processes executor")
     p.add_argument("--algorithms", default="", help="also time these algorithms, sequential vs batched, on the MLP")
