@@ -49,6 +49,7 @@ class RunConfig:
     checkpoint_every: int = 1
     eval_batch_size: int = 512
     plots: bool = True
+    sampling: str = "auto"  # client sampling policy (fedfuse.engine.sampling): auto = the algorithm's default
     algorithm_options: dict[str, Any] = field(default_factory=dict)
     model_options: dict[str, Any] = field(default_factory=dict)
     partition_options: dict[str, Any] = field(default_factory=dict)
@@ -58,8 +59,11 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-CHOICES: dict[str, tuple[str, ...]] = {"optimizer": ("sgd", "adam"),
-                                       "executor": ("sequential", "batched", "processes", "auto")}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "optimizer": ("sgd", "adam"),
+    "executor": ("sequential", "batched", "processes", "auto"),
+    "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size"),
+}
 POSITIVE = {"clients", "clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every",
             "checkpoint_every", "eval_batch_size"}
 
@@ -229,7 +233,7 @@ def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Check choices and ranges; return the config with ``model`` resolved.  Raises :class:`ConfigError`."""
-    for key in ("algorithm", "dataset", "partition", "model", "optimizer", "executor"):
+    for key in ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling"):
         choices = _registry_choices(key)
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}: unknown value {getattr(cfg, key)!r}; choose one of: {', '.join(choices)}")

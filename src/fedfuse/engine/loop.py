@@ -21,6 +21,7 @@ from fedfuse.config import RunConfig, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.engine.executor import Job, make_executor
+from fedfuse.engine.sampling import make_sampler
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Federation, Message
 
@@ -110,6 +111,11 @@ class Experiment:
         self.ctx = build_context(self.cfg, self.fed, self.device)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.algo = build_algorithm(self.cfg, self.ctx, algorithm_lookup)
+        setup = getattr(self.algo, "setup", None)
+        if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
+            self.fed = setup(self.fed)
+            self.ctx.client_sizes = self.fed.client_sizes()
+        self.sampler = make_sampler(self.cfg.sampling, self.algo)
         self.executor = executor or make_executor(self.cfg.executor, self.fed.clients, self.cfg.seed,
                                                   threads=self.cfg.threads)
         self.progress = progress
@@ -161,6 +167,7 @@ class Experiment:
         restore = getattr(self.executor, "restore", None)  # auto: keep the executor the probe chose
         if restore is not None:
             restore(ck.get("executor"))
+        self.sampler.load_state_dict(ck.get("sampler", {}))
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
         (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -174,6 +181,7 @@ class Experiment:
             "totals": dataclasses.asdict(self.totals),
             "best": self.best,
             "history": self.history,
+            "sampler": self.sampler.state_dict(),
             "config": self.cfg.to_dict(),
             "executor": _describe(self.executor),
         }
@@ -226,7 +234,8 @@ class Experiment:
     def _round(self, r: int) -> dict[str, Any]:
         algo, seed = self.algo, self.cfg.seed
         info = RoundInfo(index=r, total=self.cfg.rounds)
-        clients = algo.select_clients(info, numpy_rng(seed, "select", r))
+        clients = self.sampler.select(algo, info, numpy_rng(seed, "select", r))
+        sampling_weight = self.sampler.weights()
         down = up = peer = 0
         flops = 0.0
         comm_params: list[int] = []
@@ -243,6 +252,10 @@ class Experiment:
             for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
                 self.client_states[c] = cstate
                 results[c] = res
+                if c in sampling_weight:
+                    res.meta["sampling_weight"] = sampling_weight[c]
+            if stage == 0:  # the training stage: what gradient-based sampling policies learn from
+                self.sampler.observe(payloads, results)
             down += sum(p.nbytes for p in payloads.values())
             up += sum(res.nbytes for res in results.values())
             comm_params += [sum(t.numel() for t in p.tensors.values()) for p in payloads.values()]
