@@ -14,8 +14,11 @@ Notation as :mod:`fedfuse.algorithms.fedmerge` with Θ_j the j-th global *adapte
 
 Every fusion step calls :mod:`fedfuse.fusion.merge`'s public functions unchanged.  The d adapters start with
 independent ``A`` (seeded) and ``B`` = 0, so every merged adapter starts as the identity (ΔW = 0) like a
-fresh LoRA.  There are no buffers or integer entries in an adapter; tensors a client did not train cannot
-occur (every client trains the whole adapter).
+fresh LoRA.  The uniform merge of d independent ``A`` has 1/√d of a single adapter's scale, which slows the
+LoRA path (ΔW = B A) early on; ``init_scale="merge"`` multiplies each initial ``A_j`` by √d so the first
+merged adapter has a fresh LoRA's scale for every d (docs/lora.md shows both, measured).
+There are no buffers or integer entries in an adapter; tensors a client did not train cannot occur
+(every client trains the whole adapter).
 
 ``fedem-lora`` (FedEM with a personalised router over LoRA modules, seed 001 App. B.2) lives here too:
 M adapters are all sent, trained with the E-step responsibilities and averaged; each client's router is
@@ -96,6 +99,9 @@ class FedMergeLoRA(LoraAlgorithm):
         weights_first: bool = opt(False, "author code: update the logits first, then Θ with the new weights")
         size_norm: str = opt("sampled", "n in s_i = n_i / n: sampled clients' total or all clients' total",
                              choices=("sampled", "all"))
+        init_scale: str = opt("peft", "initial A of the d adapters: peft (each a fresh peft LoRA; their uniform "
+                              "merge has 1/√d of its scale) or merge (each scaled by √d so the uniform merge "
+                              "has a fresh LoRA's scale)", choices=("peft", "merge"))
 
     def __init__(self, ctx: Any, options: Any | None = None) -> None:
         super().__init__(ctx, options)
@@ -108,8 +114,10 @@ class FedMergeLoRA(LoraAlgorithm):
 
     def init_state(self) -> ServerState:
         d, m = int(self.opt.d), self.ctx.num_clients
-        return {"globals": [self.new_adapter("lora-merge-init", j) for j in range(d)],
-                "logits": torch.zeros(m, d, dtype=torch.float64)}
+        globals_ = [self.new_adapter("lora-merge-init", j) for j in range(d)]
+        if self.opt.init_scale == "merge":  # Var(Σ_j A_j / d) = Var(A) / d: undo the shrinkage of the merge
+            globals_ = [{k: v * d ** 0.5 if ".lora_A." in k else v for k, v in g.items()} for g in globals_]
+        return {"globals": globals_, "logits": torch.zeros(m, d, dtype=torch.float64)}
 
     def weights(self, state: ServerState) -> torch.Tensor:
         return row_softmax(state["logits"])

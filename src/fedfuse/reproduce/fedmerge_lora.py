@@ -51,16 +51,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def settings(quick: bool, task: str) -> dict[str, Any]:
     if task == "instructions":  # the papers' setting: 50 rounds, 20 local steps of batch 4 (set on the GPU)
-        return {"rounds": 50, "local_epochs": 1, "batch_size": 4, "lr": 5e-5, "clients": 0, "max_chars": 0}
+        return {"rounds": 50, "local_epochs": 1, "batch_size": 4, "lr": 5e-5, "clients": 0, "max_chars": 0,
+                "rouge_samples": 200, "gen_tokens": 64, "eval_every": 10}
     if quick:
-        return {"rounds": 6, "local_epochs": 1, "batch_size": 16, "lr": 5e-3, "clients": 8, "max_chars": 4000}
-    return {"rounds": 20, "local_epochs": 1, "batch_size": 16, "lr": 5e-3, "clients": 8, "max_chars": 12000}
+        return {"rounds": 5, "local_epochs": 1, "batch_size": 16, "lr": 5e-3, "clients": 8, "max_chars": 4000,
+                "rouge_samples": 8, "gen_tokens": 24, "eval_every": 5}
+    return {"rounds": 20, "local_epochs": 1, "batch_size": 16, "lr": 5e-3, "clients": 8, "max_chars": 12000,
+            "rouge_samples": 32, "gen_tokens": 32, "eval_every": 5}
 
 
 def methods(rounds: int, rank: int) -> list[tuple[str, str, dict[str, Any]]]:
     step = 5.0 / rounds
     return [
         ("fedmerge-lora d=4", "fedmerge-lora", {"d": 4, "merge_step": step, "rank": rank}),
+        ("fedmerge-lora d=4 init=merge", "fedmerge-lora", {"d": 4, "merge_step": step, "rank": rank,
+                                                           "init_scale": "merge"}),
         ("fedit", "fedit", {"rank": rank}),
         ("fedlora", "fedlora", {"rank": rank, "ft_epochs": 1}),
         ("local-lora", "local-lora", {"rank": rank}),
@@ -74,6 +79,8 @@ def sweep(rounds: int, rank: int, which: list[str]) -> list[tuple[str, str, dict
     for algo in which:
         if algo == "fedmerge-lora":
             out += [(f"fedmerge-lora d={d}", algo, {"d": d, "merge_step": step, "rank": rank}) for d in D_SWEEP]
+            out += [(f"fedmerge-lora d={d} init=merge", algo, {"d": d, "merge_step": step, "rank": rank,
+                                                              "init_scale": "merge"}) for d in D_SWEEP]
         elif algo == "fedem-lora":
             out += [(f"fedem-lora m={d}", algo, {"m": d, "rank": rank}) for d in D_SWEEP]
         elif algo in ("fedit", "fedlora"):
@@ -139,8 +146,8 @@ def run(args: argparse.Namespace) -> int:
                  if g[0] not in labels]
     wanted = {m.strip() for m in args.methods.split(",") if m.strip()}
     grid = [g for g in grid if not wanted or g[0] in wanted]
-    lora = {"base": base, "targets": args.targets.split(","), "rouge_samples": 16, "prompt_len": 32,
-            "gen_tokens": 32}
+    lora = {"base": base, "targets": args.targets.split(","), "rouge_samples": s["rouge_samples"], "prompt_len": 32,
+            "gen_tokens": s["gen_tokens"]}
     records: list[dict[str, Any]] = []
     done = out / "runs.jsonl"
     if done.exists():  # resume: keep finished runs
@@ -157,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 "clients": fed.num_clients, "clients_per_round": fed.num_clients, "rounds": rounds,
                 "local_epochs": s["local_epochs"], "batch_size": s["batch_size"], "lr": args.lr or s["lr"],
                 "optimizer": "adam", "seed": seed, "plots": False, "checkpoint_every": 10_000,
-                "eval_every": max(rounds // 3, 1), "threads": args.threads, "device": str(device),
+                "eval_every": min(s["eval_every"], rounds), "threads": args.threads, "device": str(device),
                 "out": str(out / "runs" / f"{label.replace(' ', '_').replace('=', '')}-seed{seed}"),
                 "algorithm_options": {**lora, **opts}}))
             t0 = time.perf_counter()
