@@ -64,8 +64,10 @@ def methods(rounds: int, rank: int) -> list[tuple[str, str, dict[str, Any]]]:
     step = 5.0 / rounds
     return [
         ("fedmerge-lora d=4", "fedmerge-lora", {"d": 4, "merge_step": step, "rank": rank}),
-        ("fedmerge-lora d=4 init=merge", "fedmerge-lora", {"d": 4, "merge_step": step, "rank": rank,
-                                                           "init_scale": "merge"}),
+        ("fedmerge-lora d=4 paper", "fedmerge-lora", {"d": 4, "merge_step": step, "rank": rank,
+                                                      "theta_update": "paper"}),
+        ("fedmerge-lora d=4 paper init=merge", "fedmerge-lora", {"d": 4, "merge_step": step, "rank": rank,
+                                                                 "theta_update": "paper", "init_scale": "merge"}),
         ("fedit", "fedit", {"rank": rank}),
         ("fedlora", "fedlora", {"rank": rank, "ft_epochs": 1}),
         ("local-lora", "local-lora", {"rank": rank}),
@@ -79,8 +81,8 @@ def sweep(rounds: int, rank: int, which: list[str]) -> list[tuple[str, str, dict
     for algo in which:
         if algo == "fedmerge-lora":
             out += [(f"fedmerge-lora d={d}", algo, {"d": d, "merge_step": step, "rank": rank}) for d in D_SWEEP]
-            out += [(f"fedmerge-lora d={d} init=merge", algo, {"d": d, "merge_step": step, "rank": rank,
-                                                              "init_scale": "merge"}) for d in D_SWEEP]
+            out += [(f"fedmerge-lora d={d} paper", algo, {"d": d, "merge_step": step, "rank": rank,
+                                                         "theta_update": "paper"}) for d in D_SWEEP]
         elif algo == "fedem-lora":
             out += [(f"fedem-lora m={d}", algo, {"m": d, "rank": rank}) for d in D_SWEEP]
         elif algo in ("fedit", "fedlora"):
