@@ -42,6 +42,7 @@ class RunConfig:
     data_dir: str | None = None
     out: str | None = None
     device: str = "auto"
+    executor: str = "sequential"  # how clients run: sequential | batched | processes | auto (engine/executor.py)
     threads: int = 0  # torch intra-op threads; 0 = PyTorch's default (1 is often faster for small models)
     val_fraction: float = 0.1
     eval_every: int = 1
@@ -60,6 +61,7 @@ class RunConfig:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("sgd", "adam"),
+    "executor": ("sequential", "batched", "processes", "auto"),
     "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size"),
 }
 POSITIVE = {"clients", "clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every",
@@ -231,7 +233,7 @@ def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Check choices and ranges; return the config with ``model`` resolved.  Raises :class:`ConfigError`."""
-    for key in ("algorithm", "dataset", "partition", "model", "optimizer", "sampling"):
+    for key in ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling"):
         choices = _registry_choices(key)
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}: unknown value {getattr(cfg, key)!r}; choose one of: {', '.join(choices)}")

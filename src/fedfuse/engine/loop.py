@@ -21,7 +21,7 @@ from fedfuse.algorithms import get_algorithm
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.config import RunConfig, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
-from fedfuse.engine.executor import Job, SequentialExecutor
+from fedfuse.engine.executor import Job, make_executor
 from fedfuse.engine.sampling import make_sampler
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Federation, Message
@@ -108,7 +108,8 @@ class Experiment:
             self.fed = setup(self.fed)
             self.ctx.client_sizes = self.fed.client_sizes()
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
-        self.executor = executor or SequentialExecutor(self.fed.clients, self.cfg.seed)
+        self.executor = executor or make_executor(self.cfg.executor, self.fed.clients, self.cfg.seed,
+                                                  threads=self.cfg.threads)
         self.progress = progress
         self.on_round = on_round
         self.out = Path(self.cfg.out) if self.cfg.out else None
@@ -155,6 +156,9 @@ class Experiment:
         self.totals = Totals(**ck["totals"])
         self.best = ck["best"]
         self.history = ck["history"]
+        restore = getattr(self.executor, "restore", None)  # auto: keep the executor the probe chose
+        if restore is not None:
+            restore(ck.get("executor"))
         self.sampler.load_state_dict(ck.get("sampler", {}))
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
@@ -171,6 +175,7 @@ class Experiment:
             "history": self.history,
             "sampler": self.sampler.state_dict(),
             "config": self.cfg.to_dict(),
+            "executor": _describe(self.executor),
         }
         tmp = self.out / (CHECKPOINT + ".tmp")
         torch.save(ck, tmp)
@@ -210,6 +215,9 @@ class Experiment:
                 self.on_round(rec)
         if bar is not None:
             bar.close()
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
         summary = self.summary()
         if self.out:
             self._finish(summary)
@@ -230,7 +238,8 @@ class Experiment:
             info = RoundInfo(index=r, total=self.cfg.rounds, stage=stage)
             payloads = algo.configure_fit(self.state, info, clients)
             jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage)) for c in payloads]
-            outs = self.executor.map(algo.fit, jobs)
+            fit = getattr(self.executor, "fit", None)  # executors that own the loop run declared programs
+            outs = fit(algo, jobs) if fit is not None else self.executor.map(algo.fit, jobs)
             results: dict[int, Message] = {}
             for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
                 self.client_states[c] = cstate
@@ -326,6 +335,7 @@ class Experiment:
             "best": _block(self.best or final),
             "totals": dataclasses.asdict(self.totals),
             "wall_seconds": self.totals.wall_seconds,
+            "executor": _describe(self.executor),
         }
 
     def _finish(self, summary: dict[str, Any]) -> None:
@@ -341,6 +351,11 @@ class Experiment:
         finish = getattr(self.algo, "finish", None)
         if finish is not None:
             finish(self.state, self.fed, self.out)
+
+
+def _describe(executor: Any) -> str:
+    describe = getattr(executor, "describe", None)
+    return describe() if describe is not None else str(getattr(executor, "name", type(executor).__name__))
 
 
 def _block(rec: dict[str, Any]) -> dict[str, Any]:
