@@ -32,6 +32,8 @@ METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("FedASAM", "fedasam", {}),
     ("FedMR", "fedmr", {}),
     ("FedMR two-stage", "fedmr", {"warmup_rounds": -1}),  # -1: half of the rounds
+    ("FedGen", "fedgen", {}),  # server generator settings of the FedGen code (the paper says it reused them)
+    ("CluSamp", "clusamp", {}),  # clustered sampling by gradient similarity (Fraboni et al. Alg. 2)
 ]
 
 PAPER_DIRECTION = (
