@@ -152,8 +152,6 @@ class DisPFL(DPSGD):
     @dataclass
     class Options:
         topology: str = opt("ring", "peer graph (see dpsgd): ring is MSfusion's ring table", choices=TOPOLOGIES)
-        mixing: str = opt("uniform", "kept for the shared peer path; Dis-PFL averages element-wise over holders",
-                          choices=("metropolis", "uniform"))
         degree: int = opt(2, "in-neighbours per participant for topology=random", ge=1)
         dense_ratio: float = opt(0.5, "overall density of every personalised mask (paper and code: 0.5)", gt=0.0,
                                  le=1.0)
