@@ -11,16 +11,25 @@ from dataclasses import dataclass
 
 import torch
 
-from fedfuse.algorithms.base import ClientState, state_of
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.engine.program import LossTerm
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message
+from fedfuse.types import Message, TensorDict
 
 
 def proximal_term(model: torch.nn.Module, anchor: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
     """(μ/2) Σ ‖p − anchor_p‖² over the model's parameters."""
     total = torch.zeros((), device=next(model.parameters()).device)
     for name, p in model.named_parameters():
+        total = total + (p - anchor[name]).pow(2).sum()
+    return 0.5 * mu * total
+
+
+def proximal_penalty(params: TensorDict, anchor: TensorDict, mu: float) -> torch.Tensor:
+    """(μ/2) Σ ‖p − anchor_p‖² on functional parameters (same summation order as :func:`proximal_term`)."""
+    first = next(iter(params.values()))
+    total = torch.zeros((), device=first.device)
+    for name, p in params.items():
         total = total + (p - anchor[name]).pow(2).sum()
     return 0.5 * mu * total
 
@@ -34,12 +43,13 @@ class FedProx(FedAvg):
         mu: float = opt(0.01, "proximal coefficient μ of (μ/2)||w - w_global||^2 (FedMR Table 1: 0.01 CIFAR-10, "
                         "0.001 CIFAR-100, 0.1 FEMNIST)", ge=0.0)
 
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        anchor = {k: v.detach().clone() for k, v in payload.tensors.items()}
+    def loss_terms(self, payload: Message) -> tuple[tuple[LossTerm, ...], TensorDict]:
+        """The proximal term, declared so every executor (sequential, batched, processes) can run it."""
         mu = float(self.opt.mu)
-        model, meta = self.train_payload(
-            payload, data, gen, extra_loss=lambda m, x, y, logits: proximal_term(m, anchor, mu)
-        )
-        return Message(state_of(model), meta), client_state
+        keys = self.ctx.param_keys(payload.meta)
+        anchor = {k: v.detach().clone() for k, v in payload.tensors.items() if k in keys}
+
+        def prox(params: TensorDict, buffers: TensorDict, refs: TensorDict, x, y, logits) -> torch.Tensor:
+            return proximal_penalty(params, refs, mu)
+
+        return (LossTerm("proximal", prox, uses_batch=False),), anchor
