@@ -28,7 +28,35 @@ LOSS_RTOL = 1e-4
 ACC_ATOL = 0.02
 
 
+LORA = {name for name, cls in ALGORITHMS.items() if cls.__module__ in ("fedfuse.algorithms.fedit",
+                                                                       "fedfuse.algorithms.fedmerge_lora")}
+_BASE: dict[str, str] = {}
+
+
+def _lora_base() -> str:
+    """A tiny frozen base (fedfuse transformer, vocabulary 30) for the LoRA algorithms, written once."""
+    if "path" not in _BASE:
+        import tempfile
+        from pathlib import Path
+
+        from fedfuse.models.transformer import TransformerModel
+
+        torch.manual_seed(0)
+        kw = {"d_model": 8, "n_heads": 2, "n_layers": 1, "d_ff": 12, "dropout": 0.0, "max_len": 16}
+        path = Path(tempfile.mkdtemp()) / "base.pt"
+        torch.save({"kind": "fedfuse-lm", "model": kw, "vocab": [str(i) for i in range(30)],
+                    "state": TransformerModel(30, 30, task="lm", **kw).state_dict()}, path)
+        _BASE["path"] = f"fedfuse:{path}"
+    return _BASE["path"]
+
+
 def _cfg(algorithm: str, executor: str) -> RunConfig:
+    if algorithm in LORA:  # LoRA adapters on a frozen base LM: generated token sequences
+        return apply(RunConfig(), dict(
+            algorithm=algorithm, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
+            rounds=2, batch_size=8, lr=0.01, optimizer="adam", seed=2, plots=False, executor=executor,
+            local_epochs=1, eval_every=2, partition="iid",
+            algorithm_options=dict(base=_lora_base(), rank=2, rouge_samples=2, prompt_len=4, gen_tokens=3)))
     if algorithm == "simple-fedma":
         return apply(RunConfig(), dict(
             algorithm=algorithm, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
@@ -59,14 +87,17 @@ _FEDS: dict[str, Federation] = {}
 
 
 def _fed(algorithm: str) -> Federation | None:
-    key = "lm" if algorithm == "simple-fedma" else "digits"
+    key = "lm" if algorithm == "simple-fedma" or algorithm in LORA else "digits"
     return _FEDS.get(key)
 
 
 def _run(algorithm: str, executor: str, executor_obj=None) -> Experiment:
+    lm = algorithm == "simple-fedma" or algorithm in LORA
+    if algorithm in LORA:
+        pytest.importorskip("peft")
     exp = Experiment(_cfg(algorithm, executor), fed=_fed(algorithm) or (
-        _token_federation() if algorithm == "simple-fedma" else None), executor=executor_obj)
-    _FEDS.setdefault("lm" if algorithm == "simple-fedma" else "digits", exp.fed)
+        _token_federation() if lm else None), executor=executor_obj)
+    _FEDS.setdefault("lm" if lm else "digits", exp.fed)
     exp.run()
     return exp
 
