@@ -117,7 +117,8 @@ def federation(args: argparse.Namespace, base: str, s: dict[str, Any], data_dir:
     if args.task == "tasks":
         from fedfuse.data.lm_clients import TASKS
 
-        return task_split(tok, data_dir, tasks=list(TASKS)[:n], seed=seed, device=device)
+        sizes = {"train": 60, "val": 10, "test": 20} if args.quick else {"train": 150, "val": 20, "test": 40}
+        return task_split(tok, data_dir, tasks=list(TASKS)[:n], seed=seed, device=device, **sizes)
     from fedfuse.data.instructions import instruction_federation
 
     if not args.instructions:
