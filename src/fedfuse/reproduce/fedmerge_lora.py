@@ -220,6 +220,9 @@ def report(records: list[dict], args: argparse.Namespace, rounds: int, base: str
                "MFLOPs/client/round": round(r0["mflops_client_round"], 1)}
         if ref and lab != ref_label:
             seeds = [r["seed"] for r in rs if r["seed"] in ref]
+            if not seeds:
+                rows.append(row)
+                continue
             t = paired_test([ref[s]["ppl"] for s in seeds], [r["ppl"] for r in rs if r["seed"] in ref])
             row[f"{ref_label} − this, ppl"] = f"{t.diff:+.3f} {t.mark()}"
         rows.append(row)
