@@ -42,12 +42,14 @@ class RunConfig:
     data_dir: str | None = None
     out: str | None = None
     device: str = "auto"
+    executor: str = "sequential"  # how clients run: sequential | batched | processes | auto (engine/executor.py)
     threads: int = 0  # torch intra-op threads; 0 = PyTorch's default (1 is often faster for small models)
     val_fraction: float = 0.1
     eval_every: int = 1
     checkpoint_every: int = 1
     eval_batch_size: int = 512
     plots: bool = True
+    sampling: str = "auto"  # client sampling policy (fedfuse.engine.sampling): auto = the algorithm's default
     algorithm_options: dict[str, Any] = field(default_factory=dict)
     model_options: dict[str, Any] = field(default_factory=dict)
     partition_options: dict[str, Any] = field(default_factory=dict)
@@ -57,7 +59,11 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-CHOICES: dict[str, tuple[str, ...]] = {"optimizer": ("sgd", "adam")}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "optimizer": ("sgd", "adam"),
+    "executor": ("sequential", "batched", "processes", "auto"),
+    "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size"),
+}
 POSITIVE = {"clients", "clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every",
             "checkpoint_every", "eval_batch_size"}
 
@@ -227,7 +233,7 @@ def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Check choices and ranges; return the config with ``model`` resolved.  Raises :class:`ConfigError`."""
-    for key in ("algorithm", "dataset", "partition", "model", "optimizer"):
+    for key in ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling"):
         choices = _registry_choices(key)
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}: unknown value {getattr(cfg, key)!r}; choose one of: {', '.join(choices)}")

@@ -22,90 +22,25 @@ Optional hooks the loop calls when an algorithm defines them:
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedfuse.engine.client import EvalStats, TrainConfig, evaluate_model, train_flops_per_sample, train_local
+from fedfuse.engine.client import (
+    EvalStats,
+    TrainStats,
+    evaluate_model,
+    train_flops_per_sample,
+    train_local,
+)
+from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState, state_of
+from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
 from fedfuse.types import ClientData, Message, TensorDict
 
-ClientState = dict[str, Any] | None
-ServerState = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class RoundInfo:
-    """Where the loop is: 0-based round index, stage within the round, and the planned total."""
-
-    index: int
-    total: int
-    stage: int = 0
-
-
-@dataclass
-class RunContext:
-    """Static facts every hook may read: how to build the model, local training settings, client sizes.
-
-    Holds no data and no mutable server state.  ``model(meta)`` returns a module for the architecture a
-    payload describes (``meta["model_options"]`` may override widths, e.g. FedMA's grown layers); modules
-    are cached per architecture so loading a payload costs a ``load_state_dict``, not a rebuild.
-    """
-
-    model_name: str
-    model_options: dict[str, Any]
-    input_shape: tuple[int, ...]
-    num_classes: int
-    task: str
-    train: TrainConfig
-    num_clients: int
-    clients_per_round: int
-    client_sizes: np.ndarray
-    seed: int
-    device: torch.device
-    eval_batch_size: int = 512
-    client_groups: list[int] | None = None
-    out_dir: Path | None = None  # where the run writes (diagnostic plots); None when not writing
-    eval_every: int = 1  # the loop evaluates every this many rounds (and at the last round)
-    _cache: dict[str, nn.Module] = field(default_factory=dict, repr=False)
-
-    def build(self, overrides: Mapping[str, Any] | None = None) -> nn.Module:
-        """A freshly initialised model (uses the global torch RNG: seed it first)."""
-        from fedfuse.models import build_model
-
-        opts = {**self.model_options, **(overrides or {})}
-        return build_model(self.model_name, self.input_shape, self.num_classes, task=self.task, **opts).to(
-            self.device
-        )
-
-    def model(self, meta: Mapping[str, Any] | None = None) -> nn.Module:
-        """A cached module of the architecture named by ``meta.get("model_options")``."""
-        overrides = (meta or {}).get("model_options") or {}
-        key = json.dumps(overrides, sort_keys=True, default=str)
-        if key not in self._cache:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                self._cache[key] = self.build(overrides)
-        return self._cache[key]
-
-    def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None = None) -> nn.Module:
-        """The cached module with ``tensors`` loaded (strict: every state entry must be present)."""
-        m = self.model(meta)
-        m.load_state_dict(tensors, strict=True)
-        return m
-
-    def param_keys(self, meta: Mapping[str, Any] | None = None) -> set[str]:
-        return {k for k, _ in self.model(meta).named_parameters()}
-
-
-def state_of(model: nn.Module) -> TensorDict:
-    """A detached copy of the full state (parameters and buffers)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+__all__ = ["Algorithm", "ClientState", "RoundInfo", "RunContext", "ServerState", "evaluate_splits", "state_of"]
 
 
 class Algorithm:
@@ -180,9 +115,42 @@ class Algorithm:
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
-        """Default client step: train the received model locally and send back its full state."""
-        model, meta = self.train_payload(payload, data, gen)
-        return Message(state_of(model), meta), client_state
+        """Default client step: run the declared :meth:`client_program` (train the received model locally
+        and send back its full state).  Executors that own the training loop call ``client_program``
+        directly; this is the reference (sequential) execution of the same program."""
+        program = self.client_program(payload, client_state, data)
+        if program is None:
+            raise NotImplementedError(f"{type(self).__name__} declares no client program and no fit")
+        return run_program(program, data, gen)
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram | None:
+        """The client step as a declared program, or ``None`` when ``fit`` is custom (then executors call it).
+
+        The base program is the standard step: start from the payload, minimise the task loss plus
+        :meth:`loss_terms` with the run's local spec, reply with the full trained state and the standard
+        metadata.  Subclasses that override ``fit`` get ``None`` unless they also override this method.
+        """
+        if type(self).fit is not Algorithm.fit:
+            return None
+        return self.standard_program(payload, client_state, data)
+
+    def loss_terms(self, payload: Message) -> tuple[tuple[LossTerm, ...], TensorDict]:
+        """Declared additions to the task loss of the standard step and the reference tensors they read."""
+        return (), {}
+
+    def standard_program(
+        self, payload: Message, client_state: ClientState, data: ClientData, *, spec: LocalSpec | None = None
+    ) -> ClientProgram:
+        """Train the payload model with the task loss (plus :meth:`loss_terms`) and send its full state."""
+        model = self.ctx.model(payload.meta)
+        terms, refs = self.loss_terms(payload)
+
+        def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+            return Message(state, meta), client_state
+
+        return ClientProgram(model=model, init=dict(payload.tensors), spec=spec or LocalSpec.from_train(self.ctx.train),
+                             finalize=finalize, terms=terms, refs=refs)
 
     def evaluate(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator

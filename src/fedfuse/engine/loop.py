@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms import get_algorithm
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.config import RunConfig, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
-from fedfuse.engine.executor import Job, SequentialExecutor
+from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState
+from fedfuse.engine.executor import Job, make_executor
+from fedfuse.engine.sampling import make_sampler
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Federation, Message
 
@@ -68,8 +68,16 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
     )
 
 
-def build_algorithm(cfg: RunConfig, ctx: RunContext) -> Algorithm:
-    cls = get_algorithm(cfg.algorithm)
+AlgorithmLookup = Callable[[str], Any]
+
+
+def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | None = None) -> Any:
+    """The configured algorithm.  ``lookup(name) -> class`` resolves the name; the default is fedfuse's
+    registry, imported here at call time (the engine has no import-time dependency on ``fedfuse.algorithms``;
+    callers that assemble runs themselves pass ``lookup`` or an ``algorithm`` to :class:`Experiment`)."""
+    if lookup is None:
+        from fedfuse.algorithms import get_algorithm as lookup
+    cls = lookup(cfg.algorithm)
     return cls(ctx, cls.Options(**cfg.algorithm_options))
 
 
@@ -93,6 +101,7 @@ class Experiment:
         executor: Any | None = None,
         progress: bool = False,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        algorithm_lookup: AlgorithmLookup | None = None,
     ) -> None:
         self.cfg = validate(cfg)
         self.device = resolve_device(self.cfg.device)
@@ -101,8 +110,14 @@ class Experiment:
         self.fed = fed if fed is not None else build_federation(self.cfg, self.device)
         self.ctx = build_context(self.cfg, self.fed, self.device)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
-        self.algo = build_algorithm(self.cfg, self.ctx)
-        self.executor = executor or SequentialExecutor(self.fed.clients, self.cfg.seed)
+        self.algo = build_algorithm(self.cfg, self.ctx, algorithm_lookup)
+        setup = getattr(self.algo, "setup", None)
+        if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
+            self.fed = setup(self.fed)
+            self.ctx.client_sizes = self.fed.client_sizes()
+        self.sampler = make_sampler(self.cfg.sampling, self.algo)
+        self.executor = executor or make_executor(self.cfg.executor, self.fed.clients, self.cfg.seed,
+                                                  threads=self.cfg.threads)
         self.progress = progress
         self.on_round = on_round
         self.out = Path(self.cfg.out) if self.cfg.out else None
@@ -149,6 +164,10 @@ class Experiment:
         self.totals = Totals(**ck["totals"])
         self.best = ck["best"]
         self.history = ck["history"]
+        restore = getattr(self.executor, "restore", None)  # auto: keep the executor the probe chose
+        if restore is not None:
+            restore(ck.get("executor"))
+        self.sampler.load_state_dict(ck.get("sampler", {}))
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
         (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -162,7 +181,9 @@ class Experiment:
             "totals": dataclasses.asdict(self.totals),
             "best": self.best,
             "history": self.history,
+            "sampler": self.sampler.state_dict(),
             "config": self.cfg.to_dict(),
+            "executor": _describe(self.executor),
         }
         tmp = self.out / (CHECKPOINT + ".tmp")
         torch.save(ck, tmp)
@@ -202,6 +223,9 @@ class Experiment:
                 self.on_round(rec)
         if bar is not None:
             bar.close()
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
         summary = self.summary()
         if self.out:
             self._finish(summary)
@@ -210,7 +234,8 @@ class Experiment:
     def _round(self, r: int) -> dict[str, Any]:
         algo, seed = self.algo, self.cfg.seed
         info = RoundInfo(index=r, total=self.cfg.rounds)
-        clients = algo.select_clients(info, numpy_rng(seed, "select", r))
+        clients = self.sampler.select(algo, info, numpy_rng(seed, "select", r))
+        sampling_weight = self.sampler.weights()
         down = up = peer = 0
         flops = 0.0
         comm_params: list[int] = []
@@ -221,11 +246,16 @@ class Experiment:
             info = RoundInfo(index=r, total=self.cfg.rounds, stage=stage)
             payloads = algo.configure_fit(self.state, info, clients)
             jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage)) for c in payloads]
-            outs = self.executor.map(algo.fit, jobs)
+            fit = getattr(self.executor, "fit", None)  # executors that own the loop run declared programs
+            outs = fit(algo, jobs) if fit is not None else self.executor.map(algo.fit, jobs)
             results: dict[int, Message] = {}
             for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
                 self.client_states[c] = cstate
                 results[c] = res
+                if c in sampling_weight:
+                    res.meta["sampling_weight"] = sampling_weight[c]
+            if stage == 0:  # the training stage: what gradient-based sampling policies learn from
+                self.sampler.observe(payloads, results)
             down += sum(p.nbytes for p in payloads.values())
             up += sum(res.nbytes for res in results.values())
             comm_params += [sum(t.numel() for t in p.tensors.values()) for p in payloads.values()]
@@ -313,6 +343,7 @@ class Experiment:
             "best": _block(self.best or final),
             "totals": dataclasses.asdict(self.totals),
             "wall_seconds": self.totals.wall_seconds,
+            "executor": _describe(self.executor),
         }
 
     def _finish(self, summary: dict[str, Any]) -> None:
@@ -328,6 +359,11 @@ class Experiment:
         finish = getattr(self.algo, "finish", None)
         if finish is not None:
             finish(self.state, self.fed, self.out)
+
+
+def _describe(executor: Any) -> str:
+    describe = getattr(executor, "describe", None)
+    return describe() if describe is not None else str(getattr(executor, "name", type(executor).__name__))
 
 
 def _block(rec: dict[str, Any]) -> dict[str, Any]:
