@@ -400,6 +400,10 @@ def aggregate_client_metrics(res: dict[int, dict[str, float]]) -> dict[str, Any]
         "val_accuracy": wmean("val_accuracy", "val_count"),
     }
     out["client_test_accuracy"] = {str(c): v["test_accuracy"] for c, v in res.items()}
+    extra = sorted({k for v in vals for k in v if k.startswith("test_")} - {"test_loss", "test_accuracy", "test_count"})
+    for key in extra:  # further per-client test metrics (e.g. ROUGE-1): unweighted mean over the clients reporting it
+        xs = [float(v[key]) for v in vals if key in v and v[key] is not None and math.isfinite(float(v[key]))]
+        out["personal_" + key[5:]] = float(np.mean(xs)) if xs else None
     return out
 
 
