@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms import get_algorithm
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.config import RunConfig, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
+from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.engine.executor import Job, make_executor
 from fedfuse.engine.sampling import make_sampler
 from fedfuse.rng import numpy_rng
@@ -69,8 +68,16 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
     )
 
 
-def build_algorithm(cfg: RunConfig, ctx: RunContext) -> Algorithm:
-    cls = get_algorithm(cfg.algorithm)
+AlgorithmLookup = Callable[[str], Any]
+
+
+def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | None = None) -> Any:
+    """The configured algorithm.  ``lookup(name) -> class`` resolves the name; the default is fedfuse's
+    registry, imported here at call time (the engine has no import-time dependency on ``fedfuse.algorithms``;
+    callers that assemble runs themselves pass ``lookup`` or an ``algorithm`` to :class:`Experiment`)."""
+    if lookup is None:
+        from fedfuse.algorithms import get_algorithm as lookup
+    cls = lookup(cfg.algorithm)
     return cls(ctx, cls.Options(**cfg.algorithm_options))
 
 
@@ -94,6 +101,7 @@ class Experiment:
         executor: Any | None = None,
         progress: bool = False,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        algorithm_lookup: AlgorithmLookup | None = None,
     ) -> None:
         self.cfg = validate(cfg)
         self.device = resolve_device(self.cfg.device)
@@ -102,7 +110,7 @@ class Experiment:
         self.fed = fed if fed is not None else build_federation(self.cfg, self.device)
         self.ctx = build_context(self.cfg, self.fed, self.device)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
-        self.algo = build_algorithm(self.cfg, self.ctx)
+        self.algo = build_algorithm(self.cfg, self.ctx, algorithm_lookup)
         setup = getattr(self.algo, "setup", None)
         if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
             self.fed = setup(self.fed)

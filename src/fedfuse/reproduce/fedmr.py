@@ -65,7 +65,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "FedMR": ("fedmr", {}),
     "FedMR two-stage": ("fedmr", {"warmup_rounds": "{warmup}"}),
     "FedMR-p (p=2)": ("fedmr", {"segments": 2}),
-    "FedGen": ("fedgen", {}),  # the FedGen code's server settings (FedMR §5.1 says it reused them)
+    "FedGen": ("fedgen", {}),  # server generator settings of the FedGen code (the paper says it reused them)
     "CluSamp": ("clusamp", {}),  # clustered sampling by gradient similarity (Fraboni et al. Alg. 2)
 }
 
@@ -150,7 +150,8 @@ def resolve_preset(args: argparse.Namespace) -> dict[str, Any]:
     bad = [m for m in labels if m not in METHODS]
     if bad:
         raise ValueError(f"unknown method(s) {bad}; choose from {list(METHODS)}")
-    preset["methods"] = labels or list(METHODS)
+    # FedGen and CluSamp (Table 1's other baselines) run in the full presets; --quick keeps to the core methods
+    preset["methods"] = labels or [m for m in METHODS if name != "quick" or m not in ("FedGen", "CluSamp")]
     preset["seed_list"] = parse_seeds(getattr(args, "seeds", "") or preset["seeds"])
     return preset
 
