@@ -10,7 +10,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, parse_value, validate
+from fedfuse.config import (
+    ConfigError,
+    RunConfig,
+    apply,
+    load_yaml,
+    parse_value,
+    prepare_run_dir,
+    resume_config,
+    validate,
+)
+from fedfuse.errors import run_guarded
 
 # flag → config key (flags default to None so only what the user typed overrides the config file)
 FLAGS: dict[str, tuple[str, type]] = {
@@ -46,6 +56,7 @@ def _add_run_flags(p: argparse.ArgumentParser, with_algorithm: bool = True) -> N
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key, e.g. --set mu=0.1 --set model_options.widths=[64,64]")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run in the output directory")
 
 
 def build_config(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> RunConfig:
@@ -94,11 +105,15 @@ def results_table(summary: dict[str, Any]) -> str:
         ("MB up (total)", "bytes_up", False),
         ("client GFLOPs (total)", "client_flops", False),
         ("server parameters", "server_parameters", False),
+        ("clients without test data (not in the means)", "clients_without_test", False),
+        ("updates quarantined (total)", "total_quarantined", False),
+        ("replies lost to dropout (total)", "total_dropped", False),
+        ("replies after the deadline (total)", "total_late", False),
     ]
     lines = [f"{'metric':<48} {'final':>12} {'best (val)':>12}", "-" * 74]
     for label, key, pct in rows:
         f, b = summary["final"].get(key), summary["best"].get(key)
-        if f is None and b is None:
+        if (f is None and b is None) or (key.startswith(("total_", "clients_without")) and not f):
             continue
         if key.startswith("bytes"):
             f, b = (None if x is None else x / 1e6 for x in (f, b))
@@ -113,17 +128,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedfuse.engine.loop import Experiment
 
     if args.resume:
-        out = Path(args.resume)
-        if not (out / "checkpoint.pt").exists():
-            raise ConfigError(f"--resume {out}: no checkpoint.pt there (nothing to resume)")
-        cfg = apply(RunConfig(), load_yaml(out / "config.yaml"))
-        cfg.out = str(out)
+        cfg = resume_config(args, build_config)
         exp = Experiment(cfg, progress=not args.no_progress)
         summary = exp.run(resume=True)
     else:
         cfg = build_config(args)
         if not cfg.out:
             cfg.out = _default_out(cfg, cfg.algorithm)
+        prepare_run_dir(cfg.out, overwrite=args.overwrite)
         exp = Experiment(cfg, progress=not args.no_progress)
         summary = exp.run()
     print(results_table(summary))
@@ -183,6 +195,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if not names:
         raise ConfigError("--algorithms: give a comma-separated list, e.g. fedavg,fedprox,local")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"--algorithms: {', '.join(twice)} listed more than once; each algorithm runs once "
+                          "(compare one algorithm with different options in separate runs or with --set ALGO.key=v)")
     # --set ALGO.option=value applies to one algorithm only; other --set items to all
     per_algo: dict[str, dict[str, Any]] = {n: {} for n in names}
     common = []
@@ -205,6 +221,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         c = validate(apply(apply(c, {"algorithm": name}), per_algo[name]))
         c.out = str(root / name)
         cfgs[name] = c
+    prepare_run_dir(root, overwrite=args.overwrite)
+    for c in cfgs.values():
+        prepare_run_dir(c.out, overwrite=args.overwrite)
     fed = build_federation(base, resolve_device(base.device))  # one partition, shared by every algorithm
     summaries, histories = {}, {}
     for name, c in cfgs.items():
@@ -310,17 +329,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fedfuse.data.dataset import DatasetNotFoundError
-
     args = make_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except (ConfigError, DatasetNotFoundError) as e:
-        print(f"fedfuse: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # bad option values raised by loaders/partitioners/models
-        print(f"fedfuse: error: {e}", file=sys.stderr)
-        return 2
+    return run_guarded(lambda: int(args.func(args)))
 
 
 if __name__ == "__main__":

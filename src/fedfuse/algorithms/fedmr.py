@@ -47,6 +47,7 @@ from fedfuse.fusion.recombine import (
     unit_bytes,
     units_from_layers,
 )
+from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Federation, Message, TensorDict
 
@@ -68,11 +69,12 @@ class FedMR(Algorithm):
     class Options:
         granularity: str = "module"  # "module" (paper: layers with their buffers) | "key" (author code)
         segments: int = 0  # FedMR-p: 0 = layer-wise; p >= 1 contiguous segments (1 = re-dispatch only)
-        warmup_rounds: int = 0  # two-stage training: FedAvg rounds before recombination starts
+        warmup_rounds: int = opt(0, "two-stage training: FedAvg rounds before recombination starts", ge=0)
         secure: bool = False  # App. B client-side secure recombination before upload
         secure_send_prob: float = 0.5  # probability a client sends a given layer in stage 1
         secure_min_passes: int = 1
-        int_policy: str = "max"  # num_batches_tracked in averages (warm-up FedAvg, global model)
+        int_policy: str = opt("max", "num_batches_tracked in averages (warm-up FedAvg, global model)",
+                              choices=("max", "sum", "first"))
 
     # ---- helpers -------------------------------------------------------------------------------
     @property
@@ -94,6 +96,13 @@ class FedMR(Algorithm):
     @staticmethod
     def ordered(results: dict[int, Message]) -> list[Message]:
         return [results[c] for c in sorted(results)]
+
+    def fit(self, payload: Message, client_state: Any, data: Any, gen: torch.Generator) -> tuple[Message, Any]:
+        """The base client step; the reply names the slot it trained, so a partial round keeps the other slots."""
+        res, cstate = super().fit(payload, client_state, data, gen)
+        if "slot" in payload.meta:
+            res.meta["slot"] = int(payload.meta["slot"])
+        return res, cstate
 
     # ---- server hooks --------------------------------------------------------------------------
     def init_state(self) -> ServerState:
@@ -148,8 +157,12 @@ class FedMR(Algorithm):
             g = weighted_average(trained, weights, base=state["global"], int_policy=self.opt.int_policy)
             return {**state, "global": g, "slots": None, "similarity": history}
         slots = self.slot_states(state)
-        if len(trained) < len(slots):  # fewer uploads than slots: untouched slots keep their models
-            trained = trained + [clone_state(s) for s in slots[len(trained):]]
+        if len(trained) < len(slots):  # fewer uploads than slots (dropouts): untouched slots keep their models
+            got = {int(m.meta["slot"]): m.tensors for m in msgs if "slot" in m.meta}
+            if len(got) == len(trained):
+                trained = [got[i] if i in got else clone_state(s) for i, s in enumerate(slots)]
+            else:
+                trained = trained + [clone_state(s) for s in slots[len(trained):]]
         rng = numpy_rng(self.ctx.seed, "fedmr-recombine", info.index)
         units = self.units()
         new = recombine(trained, units, random_permutations(len(units), len(trained), rng))

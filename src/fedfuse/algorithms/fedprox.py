@@ -11,6 +11,7 @@ import torch
 
 from fedfuse.algorithms.base import ClientState, state_of
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.options import opt
 from fedfuse.types import ClientData, Message
 
 
@@ -28,7 +29,7 @@ class FedProx(FedAvg):
 
     @dataclass
     class Options(FedAvg.Options):
-        mu: float = 0.01
+        mu: float = opt(0.01, "proximal coefficient μ of the local objective (μ/2)‖w − w_global‖²", ge=0.0)
 
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator

@@ -61,6 +61,7 @@ from fedfuse.fusion.slicing import (
     slice_state,
     state_bytes,
 )
+from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
 
 
@@ -117,9 +118,9 @@ class MSfusion(Algorithm):
 
     @dataclass
     class Options:
-        mu: float = 0.25  # split ratio μ (fraction of every hidden layer's units)
+        mu: float = opt(0.25, "split ratio μ: fraction of every hidden layer's units", gt=0.0, le=1.0)
         mu_list: list[float] = field(default_factory=list)  # per-participant μ_n (heterogeneous, App. A.2.4)
-        topology: str = "full"  # full | ring
+        topology: str = opt("full", "peer graph", choices=("full", "ring"))
         c0: float = 1.0  # initial overlap control
         p: float = 0.75  # final-stage parameter of Eq. 6
         dynamic: bool = True  # Eq. 6; False keeps c = c0

@@ -42,6 +42,12 @@ class SimpleFedMA(Algorithm):
         init: str = "shared"  # round-0 client models: "shared" | "distinct"
         residual: str = "auto"  # permute the residual stream: "auto" (when the PE table is persistent) | "yes" | "no"
 
+    def __init__(self, ctx, options=None) -> None:
+        super().__init__(ctx, options)
+        if not hasattr(ctx.model(), "d_model"):
+            raise ValueError(f"simple-fedma permutes transformer layers; model {ctx.model_name!r} is not a "
+                             "transformer (use --model transformer, or fedma / oneshot-match for MLPs and CNNs)")
+
     def _spec(self):
         flag = {"auto": None, "yes": True, "no": False}[self.opt.residual]
         return transformer_spec(self.ctx.model(), residual=flag)

@@ -4,8 +4,10 @@ checkpoint.  It never names an algorithm.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import logging
 import math
 import os
 import time
@@ -19,14 +21,19 @@ import torch
 
 from fedfuse.algorithms import get_algorithm
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState
-from fedfuse.config import RunConfig, dump_yaml, resolve_device, validate
+from fedfuse.config import ConfigError, RunConfig, check_resume, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
 from fedfuse.engine.executor import Job, SequentialExecutor
+from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
+from fedfuse.engine.validate import check_replies, is_state_like
+from fedfuse.errors import DivergenceError
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Federation, Message
 
 CHECKPOINT = "checkpoint.pt"
 TIMING_KEYS = ("seconds", "wall_seconds")
+MAX_ROLLBACKS = 8  # on_divergence=rollback halves the lr at most this many times in one round
+log = logging.getLogger("fedfuse")
 
 
 def build_federation(cfg: RunConfig, device: torch.device | str = "cpu") -> Federation:
@@ -69,8 +76,16 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
 
 
 def build_algorithm(cfg: RunConfig, ctx: RunContext) -> Algorithm:
+    """The algorithm object; a model the algorithm cannot work with is a :class:`ConfigError` naming both."""
     cls = get_algorithm(cfg.algorithm)
-    return cls(ctx, cls.Options(**cfg.algorithm_options))
+    try:
+        algo = cls(ctx, cls.Options(**cfg.algorithm_options))
+        with torch.random.fork_rng(devices=[]):
+            algo.init_state()  # a dry run: algorithms inspect the model's structure here
+    except (AttributeError, KeyError, NotImplementedError, TypeError, ValueError, IndexError) as e:
+        raise ConfigError(f"algorithm {cfg.algorithm!r} cannot run with model {cfg.model!r} on {cfg.dataset!r}: "
+                          f"{type(e).__name__}: {e}") from e
+    return algo
 
 
 @dataclass
@@ -80,6 +95,10 @@ class Totals:
     bytes_peer: int = 0
     client_flops: float = 0.0
     wall_seconds: float = 0.0
+    dropped: int = 0  # sampled clients that never replied
+    late: int = 0  # replies that missed the deadline
+    quarantined: int = 0  # replies rejected by the update checks
+    skipped_rounds: int = 0  # rounds with fewer replies than the quorum
 
 
 class Experiment:
@@ -112,6 +131,7 @@ class Experiment:
         self.start_round = 0
         self.state: ServerState = {}
         self.client_states: dict[int, ClientState] = {}
+        self.faults = FaultPlan.from_config(self.cfg)
 
     # ---- setup / resume ------------------------------------------------------------------------
     def _fresh(self) -> None:
@@ -142,13 +162,19 @@ class Experiment:
 
     def _resume(self) -> None:
         assert self.out is not None
-        ck = torch.load(self.out / CHECKPOINT, map_location=self.device, weights_only=False)
+        path = self.out / CHECKPOINT
+        ck = load_checkpoint(path, self.device)
+        check_resume(ck.get("config") or {}, self.cfg, int(ck["round"]), str(path))
         self.state = ck["state"]
         self.client_states = ck["client_states"]
         self.start_round = int(ck["round"])
         self.totals = Totals(**ck["totals"])
         self.best = ck["best"]
         self.history = ck["history"]
+        if ck.get("lr") is not None:  # halved by on_divergence=rollback
+            self.ctx.train = dataclasses.replace(self.ctx.train, lr=float(ck["lr"]))
+        if ck["config"].get("rounds") != self.cfg.rounds:  # a resume that extends the run
+            dump_yaml(self.cfg, self.out / "config.yaml")
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
         (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -163,6 +189,7 @@ class Experiment:
             "best": self.best,
             "history": self.history,
             "config": self.cfg.to_dict(),
+            "lr": self.ctx.train.lr,
         }
         tmp = self.out / (CHECKPOINT + ".tmp")
         torch.save(ck, tmp)
@@ -182,7 +209,7 @@ class Experiment:
             bar = tqdm(total=R, initial=self.start_round, desc=f"{self.cfg.algorithm}", unit="round")
         for r in range(self.start_round, R):
             t0 = time.perf_counter()
-            rec = self._round(r)
+            rec = self._guarded_round(r)
             self.totals.wall_seconds += time.perf_counter() - t0
             rec["seconds"] = time.perf_counter() - t0
             rec["wall_seconds"] = self.totals.wall_seconds
@@ -207,28 +234,85 @@ class Experiment:
             self._finish(summary)
         return summary
 
+    def _guarded_round(self, r: int) -> dict[str, Any]:
+        """One round; a non-finite outcome stops the run (or, with on_divergence=rollback, redoes the round from
+        the state before it with half the learning rate)."""
+        rollback = self.cfg.on_divergence == "rollback"
+        for attempt in range(MAX_ROLLBACKS + 1):
+            saved = copy.deepcopy((self.state, self.client_states, self.totals)) if rollback else None
+            rec = self._round(r)
+            why = rec.pop("_diverged", None)
+            if why is None:
+                if attempt:
+                    rec["rollbacks"] = attempt
+                return rec
+            lr = self.ctx.train.lr
+            if saved is None or attempt == MAX_ROLLBACKS:
+                raise DivergenceError(self._divergence_message(r, why, lr))
+            self.state, self.client_states, self.totals = saved
+            self.ctx.train = dataclasses.replace(self.ctx.train, lr=lr / 2)
+            log.warning("round %d diverged (%s); rolled back, lr %.4g -> %.4g", r + 1, why, lr, lr / 2)
+        raise AssertionError("unreachable")
+
+    def _divergence_message(self, r: int, why: str, lr: float) -> str:
+        msg = f"the run diverged in round {r + 1}: {why}."
+        ck = self.out / CHECKPOINT if self.out else None
+        if ck is not None and ck.exists():
+            done = int(torch.load(ck, map_location="cpu", weights_only=False)["round"])
+            msg += f" The last good checkpoint ({ck}, after round {done}) is kept."
+        if self.cfg.on_divergence == "rollback":
+            msg += f" Rolling back and halving the lr {MAX_ROLLBACKS} times (to {lr:.3g}) did not help."
+        else:
+            msg += f" Lower --lr (now {lr:g}) or use --set on_divergence=rollback."
+        return msg
+
     def _round(self, r: int) -> dict[str, Any]:
-        algo, seed = self.algo, self.cfg.seed
+        algo, seed, cfg = self.algo, self.cfg.seed, self.cfg
         info = RoundInfo(index=r, total=self.cfg.rounds)
         clients = algo.select_clients(info, numpy_rng(seed, "select", r))
+        fates = self.faults.fates(r, clients)
+        dropped = [c for c in clients if fates[c] == DROPOUT]
+        late: list[int] = []
+        quarantined: dict[str, str] = {}
+        active = list(clients)  # who takes part in the next stage: everyone sampled, then whoever replied
         down = up = peer = 0
         flops = 0.0
         comm_params: list[int] = []
         trained_params: list[int] = []
         train_loss = 0.0
         train_n = 0
+        honest_bad = honest_replies = 0
+        skipped = False
+        start_state = self.state
         for stage in range(algo.num_stages(self.state, info)):
             info = RoundInfo(index=r, total=self.cfg.rounds, stage=stage)
-            payloads = algo.configure_fit(self.state, info, clients)
-            jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage)) for c in payloads]
+            payloads = algo.configure_fit(self.state, info, active)
+            # a dropped-out client received its payload but never replies (and does no work)
+            jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage))
+                    for c in payloads if fates.get(c) != DROPOUT]
             outs = self.executor.map(algo.fit, jobs)
             results: dict[int, Message] = {}
+            state_like = is_state_like(algo, payloads, outs_results(outs))
             for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
                 self.client_states[c] = cstate
-                results[c] = res
+                if fates.get(c) == LATE:  # worked, but the reply missed the deadline
+                    late.append(c)
+                    continue
+                res = self.faults.corrupt(c, payloads[c], res, state_like)
+                if res is not None:
+                    results[c] = res
             down += sum(p.nbytes for p in payloads.values())
             up += sum(res.nbytes for res in results.values())
             comm_params += [sum(t.numel() for t in p.tensors.values()) for p in payloads.values()]
+            honest_replies += sum(1 for c in results if not self.faults.corrupts(c))
+            if cfg.check_updates and results:
+                bad = check_replies(algo, payloads, results, self.ctx.client_sizes, cfg.norm_bound)
+                for c, reason in bad.items():
+                    quarantined[str(c)] = f"stage {stage}: {reason}" if stage else reason
+                    log.warning("round %d: quarantined the update of client %d: %s", r + 1, c, reason)
+                    if not self.faults.corrupts(c) and "non-finite" in reason:
+                        honest_bad += 1
+                    del results[c]
             for res in results.values():
                 flops += float(res.meta.get("flops", 0.0))
                 if "trained_params" in res.meta:  # stages without training (e.g. BN statistics) do not count
@@ -236,6 +320,11 @@ class Experiment:
                 n = int(res.meta.get("samples", 0))
                 train_loss += float(res.meta.get("train_loss", 0.0)) * n
                 train_n += n
+            active = sorted(results)
+            if len(results) < max(cfg.quorum, 1):  # too few replies: the round leaves the server as it was
+                self.state = start_state
+                skipped = True
+                break
             results, moved = algo.exchange(info, results)
             peer += moved
             self.state = algo.aggregate_fit(self.state, info, results)
@@ -244,9 +333,18 @@ class Experiment:
         t.bytes_up += up
         t.bytes_peer += peer
         t.client_flops += flops
+        t.dropped += len(dropped)
+        t.late += len(late)
+        t.quarantined += len(quarantined)
+        t.skipped_rounds += int(skipped)
         rec: dict[str, Any] = {
             "round": r + 1,
             "clients": clients,
+            "replied": len(active),
+            "dropped": dropped,
+            "late": sorted(set(late)),
+            "quarantined": quarantined,
+            "round_skipped": skipped,
             "train_loss": train_loss / train_n if train_n else None,
             "bytes_down": down,
             "bytes_up": up,
@@ -259,10 +357,31 @@ class Experiment:
             "server_parameters": algo.server_parameters(self.state),
             "communicated_parameters_per_client": float(np.mean(comm_params)) if comm_params else 0.0,
             "optimised_parameters_per_client": float(np.mean(trained_params)) if trained_params else 0.0,
+            "total_dropped": t.dropped,
+            "total_late": t.late,
+            "total_quarantined": t.quarantined,
         }
+        why = self._diverged(honest_bad, honest_replies, train_loss / train_n if train_n else None)
+        if why:
+            rec["_diverged"] = why
+            return rec
         if (r + 1) % self.cfg.eval_every == 0 or r + 1 == self.cfg.rounds:
             rec.update(self.evaluate(r))
         return rec
+
+    def _diverged(self, bad: int, replies: int, loss: float | None) -> str | None:
+        """Why this round counts as diverged (None if it does not): most honest replies non-finite, a
+        non-finite mean training loss, or non-finite values in the server's global model."""
+        if replies and bad * 2 > replies:
+            return f"{bad} of {replies} client updates were non-finite"
+        if loss is not None and not math.isfinite(loss):
+            return f"the mean training loss is {loss}"
+        g = self.algo.global_model(self.state)
+        if g is not None:
+            for k, v in g[0].items():
+                if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
+                    return f"the global model holds non-finite values (first in {k})"
+        return None
 
     def evaluate(self, r: int) -> dict[str, Any]:
         """Global model on the global test set; every client's personal model on its own splits."""
@@ -330,6 +449,30 @@ class Experiment:
             finish(self.state, self.fed, self.out)
 
 
+def outs_results(outs: dict[int, Any]) -> dict[int, Message]:
+    """The reply part of an executor's ``{cid: (reply, client_state)}`` output."""
+    return {c: o[0] for c, o in outs.items()}
+
+
+def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """A run checkpoint; an empty, truncated or foreign file is a :class:`ConfigError` naming it."""
+    if not path.is_file():
+        raise ConfigError(f"--resume: {path} does not exist (nothing to resume)")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"--resume: {path} is empty (the run was stopped while writing it?); start the run "
+                          "again with --overwrite")
+    try:
+        ck = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # truncated zip, wrong pickle, not a torch file at all
+        raise ConfigError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else 'corrupt'}); start the run again with --overwrite"
+                          ) from None
+    needed = ("round", "state", "client_states", "totals", "best", "history")
+    if not isinstance(ck, dict) or any(k not in ck for k in needed):
+        raise ConfigError(f"--resume: {path} is not a fedfuse run checkpoint (missing entries)")
+    return ck
+
+
 def _block(rec: dict[str, Any]) -> dict[str, Any]:
     """A summary block: the record's scalar metrics (diagnostics included) with totals as cumulative bytes/FLOPs."""
     b = {k: v for k, v in rec.items() if isinstance(v, int | float | str | bool) or v is None}
@@ -363,6 +506,7 @@ def aggregate_client_metrics(res: dict[int, dict[str, float]]) -> dict[str, Any]
         "val_loss": wmean("val_loss", "val_count"),
         "val_accuracy": wmean("val_accuracy", "val_count"),
     }
+    out["clients_without_test"] = sum(1 for v in vals if not v["test_count"])  # not in the personal means
     out["client_test_accuracy"] = {str(c): v["test_accuracy"] for c, v in res.items()}
     return out
 
