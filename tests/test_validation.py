@@ -161,7 +161,7 @@ def test_validate_checks_types_and_bounds_of_every_field():
         validate(RunConfig(rounds="x"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="lr: must be a finite number"):
         validate(RunConfig(lr=float("nan")))
-    with pytest.raises(ConfigError, match="momentum: must be < 1.0"):
+    with pytest.raises(ConfigError, match=r"momentum: must be < 1\.0"):
         validate(RunConfig(momentum=1.0))
     with pytest.raises(ConfigError, match=r"corrupt_clients\[0\]: expected an integer"):
         validate(apply(RunConfig(), {"corrupt_clients": ["a"]}))
@@ -197,7 +197,7 @@ def test_truncated_and_corrupt_gzip_idx(tmp_path, capsys):
     d = _mnist_dir(tmp_path)
     f = d / "train-images-idx3-ubyte.gz"
     f.write_bytes(f.read_bytes()[:40])
-    with pytest.raises(ValueError, match="train-images-idx3-ubyte.gz: corrupt or truncated gzip"):
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte\.gz: corrupt or truncated gzip"):
         load_dataset("mnist", tmp_path)
     f.write_bytes(b"\x1f\x8b" + os.urandom(200))
     err = _err(["run", "--dataset", "mnist", "--data-dir", str(tmp_path), "--out", str(tmp_path / "r")], capsys)

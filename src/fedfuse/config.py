@@ -111,6 +111,12 @@ def _registry_choices(key: str) -> tuple[str, ...]:
 
 def namespace_defaults(cfg: RunConfig, namespace: str) -> dict[str, Any]:
     """Valid option names (with defaults) of the chosen algorithm/model/partition/dataset."""
+    what = namespace.replace("_options", "")
+    if what in ("algorithm", "dataset", "partition", "model"):
+        value = getattr(cfg, what)
+        choices = _registry_choices(what)
+        if value not in choices:
+            raise ConfigError(f"{what}: unknown value {value!r}; choose one of: {', '.join(choices)}")
     if namespace == "algorithm_options":
         from fedfuse.algorithms import get_algorithm
 

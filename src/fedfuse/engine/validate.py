@@ -31,7 +31,9 @@ from fedfuse.types import Message
 def is_state_like(algo: object, sent: Mapping[int, Message], replies: Mapping[int, Message]) -> bool:
     """Whether replies are the sent model trained further (keys a subset of the payload's keys).
 
-    An algorithm may say so with a ``reply_kind`` attribute (``"state"``, ``"delta"`` or ``"other"``)."""
+    An algorithm may say so with a ``reply_kind`` attribute: ``"state"``, ``"delta"`` (same keys and shapes as
+    the payload, but a difference) or ``"other"`` (replies are not in the payload's space, e.g. FedMA's
+    own-size layers); without it the round's replies vote."""
     kind = getattr(algo, "reply_kind", None)
     if kind is not None:
         return kind == "state"
@@ -64,6 +66,17 @@ def check_values(reply: Message) -> str | None:
     return None
 
 
+def _overlap_matches(sent: Mapping[int, Message], replies: Mapping[int, Message]) -> bool:
+    """Whether most replies that share keys with their payload also share those keys' shapes (then a reply's
+    tensors are compared with the payload's)."""
+    votes = []
+    for c, r in replies.items():
+        common = [k for k in r.tensors if k in sent.get(c, Message()).tensors]
+        if common:
+            votes.append(all(r.tensors[k].shape == sent[c].tensors[k].shape for k in common))
+    return bool(votes) and sum(votes) * 2 > len(votes)
+
+
 def _signature(v: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(v.shape), v.dtype
 
@@ -78,6 +91,8 @@ def check_replies(
     """Reasons, per client id, for the replies that must not be fused (see the module docstring)."""
     bad: dict[int, str] = {}
     state_like = is_state_like(algo, sent, replies)
+    kind = getattr(algo, "reply_kind", None)
+    same_space = state_like or kind == "delta" or (kind is None and _overlap_matches(sent, replies))
     for c, r in replies.items():
         known = int(sizes[c]) if sizes is not None and 0 <= c < len(sizes) else None
         why = check_meta(r, known) or check_values(r)
@@ -95,7 +110,7 @@ def check_replies(
     for c, r in replies.items():
         if c in bad:
             continue
-        payload = sent.get(c, Message()).tensors
+        payload = sent.get(c, Message()).tensors if same_space else {}
         for k, v in r.tensors.items():
             if k in payload:
                 want = _signature(payload[k])
