@@ -1,8 +1,10 @@
 """The command line: defaults, compare, list, partition and its error messages."""
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from fedfuse.cli import main
 
@@ -62,7 +64,6 @@ def test_config_file_and_set_override(tmp_path, capsys):
     cfg.write_text("algorithm: fedprox\nrounds: 5\nalgorithm_options: {mu: 0.5}\nplots: false\n")
     out = tmp_path / "r"
     assert main(["run", "--config", str(cfg), *FAST, "--set", "mu=0.25", "--out", str(out)]) == 0
-    import yaml
 
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["algorithm"] == "fedprox" and resolved["rounds"] == 2  # flag beats file
@@ -78,12 +79,92 @@ def test_compare_writes_table_and_plot(tmp_path, capsys):
     assert rc == 0
     md = (out / "compare.md").read_text()
     for name in ("fedavg", "fedprox", "local"):
-        assert f"| {name} |" in md
-        assert (out / name / "summary.json").exists()
-    assert (out / "compare.csv").exists() and (out / "compare.png").stat().st_size > 0
+        assert f"| {name} | 1 |" in md
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    assert [r["label"] for r in runs] == ["fedavg", "fedprox", "local"]
+    for r in runs:
+        assert (Path(r["dir"]) / "summary.json").exists()
+    assert (out / "compare.csv").exists() and (out / "compare.json").exists()
     # same partition for every algorithm
-    parts = {(out / n / "partition.json").read_text() for n in ("fedavg", "fedprox", "local")}
+    parts = {(Path(r["dir"]) / "partition.json").read_text() for r in runs}
     assert len(parts) == 1
+    cfg = yaml.safe_load((Path(runs[1]["dir"]) / "config.yaml").read_text())
+    assert cfg["algorithm_options"]["mu"] == 0.1
+
+
+def test_compare_seeds_table_and_extension_runs_only_new_seeds(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    argv = ["compare", "--algorithms", "fedavg,fedprox", *FAST, "--out", str(out), "--set", "fedprox.mu=0.1"]
+    assert main([*argv, "--seeds", "2", "--set", "plots=false"]) == 0
+    text = capsys.readouterr()
+    assert "2 runs: 0 cached" not in text.err and "4 runs: 0 cached, 4 to run" in text.err
+    row = next(line for line in text.out.splitlines() if line.startswith("| fedprox |"))
+    assert " ± " in row and ("(n.s.)" in row or "*" in row)
+    assert main([*argv, "--seeds", "3"]) == 0  # with plots: the report is written too
+    err = capsys.readouterr().err
+    assert "6 runs: 4 cached, 2 to run" in err
+    assert err.count("done: fedavg seed 2") == 1 and err.count("done: fedprox seed 2") == 1
+    assert "| fedavg | 3 |" in (out / "compare.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "![global_accuracy](report/global_accuracy.png)" in report and (out / "report.html").exists()
+    assert (out / "report" / "global_accuracy.png").stat().st_size > 0
+
+
+def test_run_with_grid_and_seeds_sweeps(tmp_path, capsys):
+    out = tmp_path / "sw"
+    rc = main(["run", "--algorithm", "fedprox", *FAST, "--grid", "mu=0.0,0.5", "--seeds", "1", "--out", str(out),
+               "--set", "plots=false"])
+    assert rc == 0
+    md = (out / "compare.md").read_text()
+    assert "| mu=0.0 | 1 |" in md and "| mu=0.5 | 1 |" in md
+
+
+def test_every_flag_has_a_help_line():
+    import argparse
+
+    from fedfuse.cli import make_parser
+
+    def walk(p):
+        yield p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sp in a.choices.values():
+                    yield from walk(sp)
+
+    missing = [(p.prog, a.dest) for p in walk(make_parser()) for a in p._actions
+               if a.help in (None, "") and not isinstance(a, argparse._SubParsersAction)]
+    assert missing == []
+
+
+def test_show_lists_every_option_config_accepts(capsys):
+    from fedfuse.algorithms import get_algorithm
+
+    assert main(["show", "msfusion"]) == 0
+    text = capsys.readouterr().out
+    for name, default in get_algorithm("msfusion").option_defaults().items():
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(name + " "))
+        assert str(default).lower()[:4] in line.lower() or isinstance(default, list)
+    assert main(["show", "dirichlet"]) == 0 and "alpha" in capsys.readouterr().out
+    assert main(["show", "cnn"]) == 0 and "hidden" in capsys.readouterr().out
+    assert main(["show", "config"]) == 0 and "clients_per_round" in capsys.readouterr().out
+    assert main(["show", "nope"]) == 2 and "known names" in capsys.readouterr().err
+
+
+def test_list_into_a_closed_pipe_exits_quietly():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    cmd = f"{sys.executable} -m fedfuse.cli list | head -1"
+    p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and p.stdout == "algorithms:\n" and "Traceback" not in p.stderr
+    # a reader that closes before anything is written
+    q = subprocess.Popen([sys.executable, "-m", "fedfuse.cli", "list"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    q.stdout.close()
+    _, err = q.communicate(timeout=120)
+    assert q.returncode == 0 and b"Traceback" not in err and b"BrokenPipe" not in err
 
 
 def test_list_shows_every_registry(capsys):

@@ -421,7 +421,14 @@ def test_femnist_leaf_groups_and_cache(tmp_path: Path, monkeypatch: pytest.Monke
     _leaf(data / "test" / "all_data_2_test.json", {"w9": (img, [3]), "w2": (img, [4])})
     ds = load_dataset("femnist", tmp_path)
     assert ds.train_x.shape == (4, 1, 28, 28) and ds.train_x.dtype == torch.float32
-    assert float(ds.train_x[0, 0, 27, 27]) == 1.0 and float(ds.train_x.min()) == 0.0  # values kept as given
+    # default: the FedMR authors' (0.5 - x) / 0.5, so LEAF's white background (1.0) is -1 and ink (0.0) is +1
+    assert float(ds.train_x[0, 0, 27, 27]) == -1.0 and float(ds.train_x.min()) == -1.0
+    assert float(ds.train_x.max()) == 1.0 and "0.5 - x" in ds.info["normalization"]
+    raw = load_dataset("femnist", tmp_path, normalize="none")
+    assert float(raw.train_x[0, 0, 27, 27]) == 1.0 and float(raw.train_x.min()) == 0.0  # values kept as given
+    assert torch.equal((0.5 - raw.train_x) / 0.5, ds.train_x) and torch.equal((0.5 - raw.test_x) / 0.5, ds.test_x)
+    with pytest.raises(ValueError, match="normalize"):
+        load_dataset("femnist", tmp_path, normalize="minmax")
     # users by appearance: files in natural order (2 before 10), then test-only users
     assert ds.group_names == ["w1", "w2", "w3", "w9"]
     assert ds.train_groups.tolist() == [0, 0, 1, 2]  # type: ignore[union-attr]
@@ -588,7 +595,8 @@ def test_femnist_real(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ds.train_x.shape == (14708, 1, 28, 28) and ds.test_x.shape == (1685, 1, 28, 28)
     assert ds.group_names is not None and len(ds.group_names) == 105
     assert ds.num_classes == 62 and len(np.unique(ds.train_labels)) == 62
-    assert float(ds.train_x.min()) >= 0.0 and float(ds.train_x.max()) <= 1.0
+    assert float(ds.train_x.min()) >= -1.0 and float(ds.train_x.max()) <= 1.0
+    assert float(ds.train_x.mean()) < -0.5  # mostly background, which the authors' scaling maps to -1
     assert set(ds.test_groups.tolist()) == set(range(105))  # type: ignore[union-attr]
     assert set(ds.info["checksums"].values()) == {"ok"}
     monkeypatch.setattr(D, "_read_leaf", lambda *a: pytest.fail("cache not used"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,6 +173,28 @@ def _lm_fed() -> Federation:
     return Federation(clients, split(16), vocab, (length,), task="lm", dataset="tiny-shakespeare", partition="iid")
 
 
+_BASE: list[str] = []
+
+
+def _lora_base() -> str:
+    """A tiny frozen base LM for the LoRA algorithms (the format `fedfuse pretrain` writes)."""
+    pytest.importorskip("peft")
+    if not _BASE:
+        import tempfile
+
+        from fedfuse.models.transformer import TransformerModel
+
+        torch.manual_seed(0)
+        kw = {"d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "dropout": 0.0, "norm_first": True,
+              "max_len": 16}
+        vocab = [chr(97 + i) for i in range(12)]
+        m = TransformerModel(len(vocab), len(vocab), task="lm", **kw)
+        path = Path(tempfile.mkdtemp()) / "base.pt"
+        torch.save({"kind": "fedfuse-lm", "model": kw, "vocab": vocab, "state": m.state_dict(), "info": {}}, path)
+        _BASE.append(f"fedfuse:{path}")
+    return _BASE[0]
+
+
 LM = dict(dataset="tiny-shakespeare", model="transformer",
           model_options={"d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "dropout": 0.0, "max_len": 16})
 
@@ -183,6 +206,9 @@ def test_every_algorithm_runs_a_partial_round(fed, algorithm):
     kw = dict(algorithm=algorithm, rounds=2, eval_every=2, dropout=0.3, stragglers=0.3, seed=1)
     if algorithm == "simple-fedma":  # a transformer method
         fed, kw = _lm_fed(), {**kw, **LM}
+    if "lora" in algorithm or algorithm == "fedit":  # adapters on a frozen base LM
+        fed, kw = _lm_fed(), {**kw, **LM, "batch_size": 4, "optimizer": "adam", "lr": 0.01,
+                              "algorithm_options": {"base": _lora_base(), "rank": 2, "rouge_samples": 0}}
     a = _run(fed, **kw)
     assert len(a.history) == 2
     assert a.totals.dropped + a.totals.late > 0

@@ -126,3 +126,48 @@ def test_simple_fedma_averages_aligned_clients():
         torch.testing.assert_close(new["global"][k], ref[k])
     diag = algo.diagnostics(new, None, RoundInfo(0, 1))
     assert sum(diag.values()) > 0 and "moved/residual" in diag
+
+
+def test_retrain_config_follows_the_code_schedule():
+    from fedfuse.algorithms.fedma import retrain_config
+
+    base = TrainConfig(local_epochs=10, lr=0.02, optimizer="adam", momentum=0.0)
+    cfg, ep = retrain_config(base, "code", 7)
+    assert (cfg.optimizer, cfg.momentum, cfg.lr, cfg.weight_decay, ep) == ("sgd", 0.9, 0.02, 0.0, 7)
+    cfg, ep = retrain_config(base, "code", 7, lr=0.05, last=True)
+    assert (cfg.optimizer, cfg.lr, cfg.weight_decay, ep) == ("sgd", pytest.approx(0.005), 1e-4, 21)
+    cfg, ep = retrain_config(base, "run", 7, last=True, last_layer_schedule=False)
+    assert cfg == base and ep == 7
+    cfg, ep = retrain_config(base, "run", 2, last=True)
+    assert (cfg.optimizer, cfg.lr, ep) == ("adam", pytest.approx(0.002), 6)
+    with pytest.raises(ValueError):
+        retrain_config(base, "nope", 1)
+
+
+def test_fedma_later_rounds_use_the_retraining_schedule():
+    """Round >= 1 stage 0 retrains the rebuilt model for retrain_epochs ('code') or local_epochs ('run')."""
+    flops = {}
+    for sched in ("code", "run"):
+        e = run(cfg("fedma", clients=2, rounds=2, local_epochs=3, optimizer="adam", momentum=0.0,
+                    algorithm_options={"retrain_schedule": sched, "retrain_epochs": 1}))
+        flops[sched] = [r["client_flops"] for r in e.history]
+        assert e.history[-1]["global_accuracy"] > 0.3
+    # round 0 is identical; round 1's full retraining is 1 epoch ('code') instead of local_epochs=3 ('run')
+    assert flops["code"][0] == pytest.approx(flops["run"][0])
+    assert flops["code"][1] < flops["run"][1]
+
+
+def test_oneshot_avg_fedavg_continuation_starts_from_the_one_shot_average():
+    one = run(cfg("oneshot-avg", clients=3, rounds=1))
+    cont = run(cfg("oneshot-avg", clients=3, rounds=3, algorithm_options={"continuation": "fedavg",
+                                                                         "retrain_epochs": 1}))
+    loc = run(cfg("oneshot-avg", clients=3, rounds=3))
+    # round 0 is the same one-shot average of the same local models
+    assert cont.history[0]["global_accuracy"] == pytest.approx(one.history[0]["global_accuracy"])
+    assert loc.history[0]["global_accuracy"] == pytest.approx(one.history[0]["global_accuracy"])
+    # later rounds train from the average: clients hold (nearly) the same model, unlike 'local'
+    g, _ = cont.algo.global_model(cont.state)
+    for cs in cont.client_states.values():
+        diff = max(float((cs["model"][k] - g[k]).abs().max()) for k in g if g[k].is_floating_point())
+        assert diff < 5.0
+    assert cont.history[-1]["global_accuracy"] > cont.history[0]["global_accuracy"]

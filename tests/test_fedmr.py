@@ -243,11 +243,15 @@ def warm_flop_cache(exp: Experiment) -> None:
     train_flops_per_sample(exp.ctx.build(), data.x, data.y, key=(exp.ctx.model_name,))
 
 
-def test_warmup_for_all_rounds_equals_fedavg():
-    a = Experiment(cfg_for(algorithm_options={"warmup_rounds": 3}, **BN_MODEL))
+@pytest.mark.parametrize("warmup_weighting,fedavg_weighting", [("uniform", "uniform"), ("samples", "samples")])
+def test_warmup_for_all_rounds_equals_fedavg(warmup_weighting, fedavg_weighting):
+    """Default warm-up = uniform average of the uploads (author code); ``samples`` = sample-weighted FedAvg."""
+    a = Experiment(cfg_for(algorithm_options={"warmup_rounds": 3, "warmup_weighting": warmup_weighting},
+                           **BN_MODEL))
     warm_flop_cache(a)
     a.run()
-    b = Experiment(cfg_for(algorithm="fedavg", **BN_MODEL), fed=a.fed)
+    b = Experiment(cfg_for(algorithm="fedavg", algorithm_options={"weighting": fedavg_weighting}, **BN_MODEL),
+                   fed=a.fed)
     b.run()
     for k, v in b.state["global"].items():
         assert same(a.state["global"][k], v), k
@@ -255,6 +259,18 @@ def test_warmup_for_all_rounds_equals_fedavg():
         assert ha["global_accuracy"] == hb["global_accuracy"]
         assert ha["personal_accuracy"] == hb["personal_accuracy"]
         assert ha["bytes_down"] == hb["bytes_down"] and ha["bytes_up"] == hb["bytes_up"]
+
+
+def test_uniform_warmup_differs_from_weighted_on_unequal_clients():
+    """The two warm-up forms are different operators when clients hold different amounts of data."""
+    runs = {}
+    for w in ("uniform", "samples"):
+        exp = Experiment(cfg_for(rounds=1, algorithm_options={"warmup_rounds": 1, "warmup_weighting": w}))
+        exp.run()
+        runs[w] = exp.state["global"]
+    sizes = [len(c.train.y) for c in exp.fed.clients]
+    assert len(set(sizes)) > 1
+    assert any(not torch.equal(runs["uniform"][k], runs["samples"][k]) for k in runs["uniform"])
 
 
 def test_two_stage_switches_to_recombination_and_global_is_uniform_slot_average():

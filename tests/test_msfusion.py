@@ -35,14 +35,15 @@ def test_contrastive_loss_by_hand():
         a = float(z[i] @ za[i]) / tau
         b = float(z[i] @ zp[i]) / tau
         hand.append(-math.log(math.exp(a) / (math.exp(a) + math.exp(b))))
-    assert contrastive_loss(z, za, zp, tau).item() == pytest.approx(sum(hand) / 2, rel=1e-6)
+    assert contrastive_loss(z, za, zp, tau, "dot").item() == pytest.approx(sum(hand) / 2, rel=1e-6)
     cos = torch.nn.functional.cosine_similarity
     a, b = cos(z, za, dim=-1) / tau, cos(z, zp, dim=-1) / tau
     hand_cos = (-torch.log(a.exp() / (a.exp() + b.exp()))).mean()
     assert contrastive_loss(z, za, zp, tau, "cosine").item() == pytest.approx(hand_cos.item(), rel=1e-6)
     # per-token representations (B, L, D) are flattened to tokens
     z3 = z.reshape(1, 2, 2)
-    assert contrastive_loss(z3, za.reshape(1, 2, 2), zp.reshape(1, 2, 2), tau).item() == pytest.approx(sum(hand) / 2)
+    assert contrastive_loss(z3, za.reshape(1, 2, 2), zp.reshape(1, 2, 2), tau, "dot").item() == pytest.approx(
+        sum(hand) / 2)
 
 
 def test_cyclic_lr_and_dynamic_overlap():

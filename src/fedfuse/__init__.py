@@ -1,0 +1,66 @@
+"""fedfuse: federated learning beyond plain averaging.
+
+The Python API (see ``docs/api.md``)::
+
+    import fedfuse
+    res = fedfuse.run(algorithm="fedprox", rounds=5, mu=0.1)       # -> Result (res.metrics is a DataFrame)
+    table = fedfuse.compare(["fedavg", "fedprox"], seeds=3)        # -> ResultTable (mean ± std, paired test)
+    fedfuse.load("runs/...")                                       # -> Result of a run directory
+    fedfuse.list_algorithms(); fedfuse.show("msfusion")                 # discovery
+
+Submodules are imported lazily, so ``import fedfuse`` stays fast.  (``fedfuse.algorithms`` and ``fedfuse.models``
+are the registry packages, hence ``list_algorithms()`` / ``list_models()`` for the name → description maps.)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_API = ("run", "compare", "sweep", "load", "make_config", "config_hash", "list_algorithms", "list_datasets",
+        "list_models", "list_partitions", "show", "Result", "Component")
+_OTHER = {"ResultTable": "fedfuse.sweep", "Sweep": "fedfuse.sweep", "RunConfig": "fedfuse.config",
+          "ConfigError": "fedfuse.config", "Callback": "fedfuse.engine.callbacks",
+          "write_report": "fedfuse.report"}
+
+__all__ = [
+    "Callback", "Component", "ConfigError", "Result", "ResultTable", "RunConfig", "Sweep", "__version__",
+    "compare", "config_hash", "list_algorithms", "list_datasets", "list_models", "list_partitions", "load",
+    "make_config", "run", "show", "sweep", "write_report",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedfuse.api import (
+        Component,
+        Result,
+        compare,
+        config_hash,
+        list_algorithms,
+        list_datasets,
+        list_models,
+        list_partitions,
+        load,
+        make_config,
+        run,
+        show,
+        sweep,
+    )
+    from fedfuse.config import ConfigError, RunConfig
+    from fedfuse.engine.callbacks import Callback
+    from fedfuse.report import write_report
+    from fedfuse.sweep import ResultTable, Sweep
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _API:
+        return getattr(importlib.import_module("fedfuse.api"), name)
+    if name in _OTHER:
+        return getattr(importlib.import_module(_OTHER[name]), name)
+    raise AttributeError(f"module 'fedfuse' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

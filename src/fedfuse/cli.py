@@ -22,41 +22,87 @@ from fedfuse.config import (
 )
 from fedfuse.errors import run_guarded
 
-# flag → config key (flags default to None so only what the user typed overrides the config file)
-FLAGS: dict[str, tuple[str, type]] = {
-    "--algorithm": ("algorithm", str),
-    "--dataset": ("dataset", str),
-    "--partition": ("partition", str),
-    "--model": ("model", str),
-    "--clients": ("clients", int),
-    "--clients-per-round": ("clients_per_round", int),
-    "--rounds": ("rounds", int),
-    "--local-epochs": ("local_epochs", int),
-    "--batch-size": ("batch_size", int),
-    "--lr": ("lr", float),
-    "--momentum": ("momentum", float),
-    "--weight-decay": ("weight_decay", float),
-    "--optimizer": ("optimizer", str),
-    "--seed": ("seed", int),
-    "--data-dir": ("data_dir", str),
-    "--out": ("out", str),
-    "--device": ("device", str),
-    "--eval-every": ("eval_every", int),
-    "--threads": ("threads", int),
+# flag → (config key, type, help).  Flags default to None so only what the user typed overrides the config file.
+FLAGS: dict[str, tuple[str, type, str]] = {
+    "--algorithm": ("algorithm", str, "algorithm to run (fedfuse list algorithms; fedfuse show NAME for its options)"),
+    "--dataset": ("dataset", str, "dataset name (fedfuse list datasets)"),
+    "--partition": ("partition", str, "how the training data is split over clients (fedfuse list partitions)"),
+    "--model": ("model", str, "model name, or auto for the dataset's default model (fedfuse list models)"),
+    "--clients": ("clients", int, "number of clients"),
+    "--clients-per-round": ("clients_per_round", int, "clients sampled for training each round"),
+    "--rounds": ("rounds", int, "communication rounds"),
+    "--local-epochs": ("local_epochs", int, "local epochs per round on each selected client"),
+    "--batch-size": ("batch_size", int, "local mini-batch size"),
+    "--lr": ("lr", float, "client learning rate"),
+    "--momentum": ("momentum", float, "client SGD momentum"),
+    "--weight-decay": ("weight_decay", float, "client L2 weight decay"),
+    "--optimizer": ("optimizer", str, "client optimizer: sgd or adam"),
+    "--seed": ("seed", int, "seed of everything random: partition, initialisation, sampling, batches"),
+    "--data-dir": ("data_dir", str, "directory holding the dataset files (default: $FEDFUSE_DATA)"),
+    "--out": ("out", str, "output directory (default: runs/<algorithm>-<dataset>-<time>)"),
+    "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
+    "--eval-every": ("eval_every", int, "evaluate every N rounds (the last round is always evaluated)"),
+    "--threads": ("threads", int, "torch intra-op threads (0 = PyTorch's default; 1 is fastest for small models)"),
+    "--executor": ("executor", str, "where client work runs: sequential, batched, processes or auto"),
 }
 
 
+def _flag_help(key: str, fallback: str) -> str:
+    """The declared help of a config key when it has one (so flags and ``fedfuse show config`` agree), else
+    ``fallback``; with the default appended."""
+    from fedfuse.options import describe
+
+    info = {o.name: o for o in describe(RunConfig)}.get(key)
+    text = (info.help if info and info.help else fallback).replace("%", "%%")
+    default = getattr(RunConfig(), key)
+    return f"{text} (default: {default})" if default not in (None, "") else text
+
+
 def _add_run_flags(p: argparse.ArgumentParser, with_algorithm: bool = True) -> None:
-    for flag, (key, typ) in FLAGS.items():
+    g = p.add_argument_group("configuration (any key can also be given with --set or --config)")
+    for flag, (key, typ, help_) in FLAGS.items():
         if flag == "--algorithm" and not with_algorithm:
             continue
-        p.add_argument(flag, dest=key, type=typ, default=None, metavar=key.upper())
-    p.add_argument("--alpha", type=float, default=None, help="Dirichlet concentration (partition option)")
-    p.add_argument("--config", default=None, help="YAML file with configuration keys")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+        g.add_argument(flag, dest=key, type=typ, default=None, metavar=key.upper(), help=_flag_help(key, help_))
+    g.add_argument("--alpha", type=float, default=None,
+                   help="Dirichlet concentration: shortcut for --set partition_options.alpha=ALPHA")
+    g.add_argument("--config", default=None, help="YAML file with configuration keys (e.g. a run's config.yaml)")
+    g.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key, e.g. --set mu=0.1 --set model_options.widths=[64,64]")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in the output directory")
+
+
+def _add_sweep_flags(p: argparse.ArgumentParser, compare: bool) -> None:
+    g = p.add_argument_group("seeds, grids and statistics")
+    g.add_argument("--seeds", default=None,
+                   help="run every configuration once per seed: a count (3 → seeds 0,1,2) or a list (0,4,7); "
+                        "the table then shows mean ± std over seeds" + ("" if compare else " (default: one run)"))
+    g.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="run every combination of these values, e.g. --grid lr=0.01,0.05 --grid mu=0.1,0.25")
+    g.add_argument("--jobs", type=int, default=1,
+                   help="run up to N runs in parallel processes (metrics identical to a serial run)")
+    g.add_argument("--store", default=None,
+                   help="directory of cached runs, one per full-config hash: runs found there are not rerun "
+                        "(default: OUT/runs with --out, else $FEDFUSE_STORE or runs/store)")
+    g.add_argument("--rerun", action="store_true", help="ignore cached runs and run everything again")
+    g.add_argument("--baseline", default=None,
+                   help="label every other is compared with by a paired test over seeds (default: the first)")
+    g.add_argument("--metric", default="auto",
+                   help="accuracy the table compares (auto: global_accuracy when every run has a global model, "
+                        "else personal_accuracy)")
+    g.add_argument("--last", type=int, default=5, help="final accuracy = mean of the last K evaluations (default 5)")
+    g.add_argument("--target", type=float, default=None,
+                   help="accuracy (0-1) for the rounds/MB/GFLOPs-to-target columns (default: the lowest mean "
+                        "final accuracy among the labels, floored to a whole percent)")
+    g.add_argument("--test", choices=("t", "wilcoxon"), default="t",
+                   help="paired test over seeds: t (paired t-test) or wilcoxon (signed-rank)")
+
+
+def _add_log_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log", default="", metavar="NAMES",
+                   help="also send metrics to: tensorboard (OUT/tensorboard), mlflow (active tracking URI), csv "
+                        "(OUT/metrics.csv); comma-separated")
 
 
 def build_config(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> RunConfig:
@@ -64,7 +110,7 @@ def build_config(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> RunCon
     cfg = RunConfig()
     if args.config:
         cfg = apply(cfg, load_yaml(args.config))
-    flags = {key: getattr(args, key) for _, (key, _) in FLAGS.items()
+    flags = {key: getattr(args, key) for _, (key, _, _) in FLAGS.items()
              if key not in skip and getattr(args, key, None) is not None}
     cfg = apply(cfg, flags)
     if getattr(args, "alpha", None) is not None:
@@ -124,124 +170,135 @@ def results_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from fedfuse.engine.loop import Experiment
+def _logs(args: argparse.Namespace) -> list[str]:
+    return [x.strip() for x in (getattr(args, "log", "") or "").split(",") if x.strip()]
 
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedfuse.api import _execute
+
+    if args.seeds or args.grid:
+        if args.resume:
+            raise ConfigError("--resume continues one run; a sweep (--seeds/--grid) resumes by running it again")
+        return _sweep(args, algorithms=None)
     if args.resume:
         cfg = resume_config(args, build_config)
-        exp = Experiment(cfg, progress=not args.no_progress)
-        summary = exp.run(resume=True)
+        res = _execute(cfg, progress=not args.no_progress, log=_logs(args), resume=True)
     else:
         cfg = build_config(args)
         if not cfg.out:
             cfg.out = _default_out(cfg, cfg.algorithm)
         prepare_run_dir(cfg.out, overwrite=args.overwrite)
-        exp = Experiment(cfg, progress=not args.no_progress)
-        summary = exp.run()
-    print(results_table(summary))
-    print(f"outputs in {exp.out}")
+        res = _execute(cfg, progress=not args.no_progress, log=_logs(args))
+    print(results_table(res.summary))
+    print(f"outputs in {res.out}")
     return 0
 
 
-COMPARE_COLUMNS = (
-    ("algorithm", "algorithm"),
-    ("final global acc (%)", "final.global_accuracy"),
-    ("final personal acc (%)", "final.personal_accuracy"),
-    ("best personal acc (%)", "best.personal_accuracy"),
-    ("best round", "best.round"),
-    ("MB communicated", "mb"),
-    ("client GFLOPs", "gflops"),
-    ("server params", "final.server_parameters"),
-    ("seconds", "wall_seconds"),
-)
+def _split_per_algorithm(sets: list[str], names: list[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """``--set ALGO.option=value`` applies to one algorithm only; other ``--set`` items to all."""
+    from fedfuse.algorithms import ALGORITHMS
+
+    per_algo: dict[str, dict[str, Any]] = {}
+    common = []
+    for item in sets:
+        head = item.split("=", 1)[0]
+        algo = max((a for a in ALGORITHMS if head.startswith(a + ".")), key=len, default=None)
+        if algo is None:
+            common.append(item)
+        elif algo not in names:
+            raise ConfigError(f"--set {item}: {algo} is not among --algorithms {','.join(names)}")
+        else:
+            k, v = item.split("=", 1)
+            per_algo.setdefault(algo, {})[f"algorithm_options.{k[len(algo) + 1:]}"] = parse_value(v)
+    return common, per_algo
 
 
-def compare_rows(summaries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for name, s in summaries.items():
-        f, b = s["final"], s["best"]
-        mb = ((f.get("bytes_down") or 0) + (f.get("bytes_up") or 0) + (f.get("bytes_peer") or 0)) / 1e6
-        pct = lambda v: None if v is None else round(100 * v, 2)  # noqa: E731
-        rows.append({
-            "algorithm": name,
-            "final global acc (%)": pct(f.get("global_accuracy")),
-            "final personal acc (%)": pct(f.get("personal_accuracy")),
-            "best personal acc (%)": pct(b.get("personal_accuracy")),
-            "best round": b.get("round"),
-            "MB communicated": round(mb, 2),
-            "client GFLOPs": round((f.get("client_flops") or 0) / 1e9, 2),
-            "server params": f.get("server_parameters"),
-            "seconds": round(s["wall_seconds"], 1),
-        })
-    return rows
+def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
+    """run --seeds/--grid and compare: plan, execute (cached, maybe parallel), print and write the table."""
+    import os
 
+    from fedfuse.stats import parse_seeds
+    from fedfuse.sweep import Sweep, parse_grid
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return ""
-    cols = list(rows[0])
-    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for r in rows:
-        out.append("| " + " | ".join("—" if r[c] is None else str(r[c]) for c in cols) + " |")
-    return "\n".join(out)
+    per_algo: dict[str, dict[str, Any]] = {}
+    if algorithms:
+        args.sets, per_algo = _split_per_algorithm(args.sets, algorithms)
+    base = build_config(args, skip=("algorithm",) if algorithms else ())
+    try:
+        seeds = parse_seeds(args.seeds) if args.seeds else [base.seed]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs: must be >= 1, got {args.jobs}")
+    grid = parse_grid(args.grid)
+    root = Path(base.out or _default_out(base, "compare" if algorithms else f"sweep-{base.algorithm}"))
+    store = args.store or (root / "runs" if base.out else os.environ.get("FEDFUSE_STORE", "runs/store"))
+    base.out = None
+    sw = Sweep.plan(algorithms, base, seeds=seeds, grid=grid, per_algorithm=per_algo)
+    sw.execute(out=root, store=store, jobs=args.jobs, rerun=args.rerun, progress=not args.no_progress,
+               log=_logs(args), verbose=True)
+    table = sw.table(baseline=args.baseline, metric=args.metric, last=args.last, target=args.target,
+                     test=args.test)
+    rows = table.display_rows()
+    with open(root / "compare.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    md = table.to_markdown()
+    (root / "compare.md").write_text(md + "\n")
+    (root / "compare.json").write_text(json.dumps(
+        {"metric": table.metric, "target": table.target, "baseline": table.baseline, "last": table.last,
+         "table": table.frame().reset_index().to_dict("records"), "runs": table.per_seed().to_dict("records")},
+        indent=2, default=str))
+    if base.plots:
+        from fedfuse.plots import plot_metrics
+        from fedfuse.report import write_report
+
+        fig = plot_metrics(table.histories(), path=root / "compare.png")
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        write_report(root, metric=args.metric, last=args.last, target=args.target, baseline=args.baseline,
+                     test=args.test)
+    print(md)
+    print(f"outputs in {root}" + (f" (report: {root / 'report.md'})" if base.plots else ""))
+    return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from fedfuse.algorithms import ALGORITHMS
-    from fedfuse.config import resolve_device
-    from fedfuse.engine.loop import Experiment, build_federation
-    from fedfuse.plots import plot_compare
-
     names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if not names:
         raise ConfigError("--algorithms: give a comma-separated list, e.g. fedavg,fedprox,local")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ConfigError(f"--algorithms: {', '.join(twice)} listed more than once; each algorithm runs once "
-                          "(compare one algorithm with different options in separate runs or with --set ALGO.key=v)")
-    # --set ALGO.option=value applies to one algorithm only; other --set items to all
-    per_algo: dict[str, dict[str, Any]] = {n: {} for n in names}
-    common = []
-    for item in args.sets:
-        head = item.split("=", 1)[0]
-        algo = next((a for a in ALGORITHMS if head.startswith(a + ".")), None)
-        if algo is None:
-            common.append(item)
-        elif algo not in per_algo:
-            raise ConfigError(f"--set {item}: {algo} is not among --algorithms {args.algorithms}")
-        else:
-            k, v = item.split("=", 1)
-            per_algo[algo][f"algorithm_options.{k[len(algo) + 1:]}"] = parse_value(v)
-    args.sets = common
-    base = build_config(args, skip=("algorithm",))
-    root = Path(base.out or _default_out(base, "compare"))
-    cfgs = {}
-    for name in names:  # validate every algorithm (and its options) before running anything
-        c = RunConfig(**{**base.to_dict(), "algorithm_options": {}})
-        c = validate(apply(apply(c, {"algorithm": name}), per_algo[name]))
-        c.out = str(root / name)
-        cfgs[name] = c
-    prepare_run_dir(root, overwrite=args.overwrite)
-    for c in cfgs.values():
-        prepare_run_dir(c.out, overwrite=args.overwrite)
-    fed = build_federation(base, resolve_device(base.device))  # one partition, shared by every algorithm
-    summaries, histories = {}, {}
-    for name, c in cfgs.items():
-        exp = Experiment(c, fed=fed, progress=not args.no_progress)
-        summaries[name] = exp.run()
-        histories[name] = exp.history
-    rows = compare_rows(summaries)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / "compare.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    md = markdown_table(rows)
-    (root / "compare.md").write_text(md + "\n")
-    (root / "compare.json").write_text(json.dumps(summaries, indent=2))
-    plot_compare(histories, root / "compare.png", title=f"{base.dataset} · {base.partition} · seed {base.seed}")
-    print(md)
-    print(f"outputs in {root}")
+                          "(compare options of one algorithm with --grid)")
+    return _sweep(args, algorithms=names)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from fedfuse.api import show
+
+    try:
+        comps = show(args.name, args.kind)
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None
+    print("\n\n".join(c.format() for c in comps))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedfuse.report import write_report
+
+    if not Path(args.dir).is_dir():
+        raise ConfigError(f"report: {args.dir} is not a directory")
+    try:
+        md = write_report(args.dir, metric=args.metric, last=args.last, target=args.target,
+                          baseline=args.baseline, test=args.test)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    print(f"wrote {md} and {md.with_suffix('.html')}")
     return 0
 
 
@@ -285,52 +342,131 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from fedfuse.reproduce import available
 
-    return int(available()[args.name].run(args))
+    if args.report and not args.out:
+        raise ConfigError("--report needs --out (the directory the report describes)")
+    rc = int(available()[args.name].run(args))
+    if rc == 0 and args.report:
+        from fedfuse.report import write_report
+
+        md = write_report(args.out, title=f"reproduce {args.name}")
+        print(f"wrote {md} and {md.with_suffix('.html')}")
+    return rc
 
 
 def _add_reproduce(sub) -> None:
     from fedfuse.reproduce import available
     from fedfuse.reproduce.common import add_seed_argument
 
-    rp = sub.add_parser("reproduce", help="re-run a paper comparison on real data (see docs/)")
-    names = rp.add_subparsers(dest="name", required=True)
+    rp = sub.add_parser("reproduce", help="re-run a paper comparison on real data (see docs/)",
+                        description="Re-run a paper's comparison on real data; each writes Markdown tables and "
+                                    "plots to its output directory.")
+    names = rp.add_subparsers(dest="name", required=True, metavar="NAME")
     for name, module in available().items():
-        p = names.add_parser(name, help=getattr(module, "DESCRIPTION", ""))
+        p = names.add_parser(name, help=getattr(module, "DESCRIPTION", ""),
+                             description=getattr(module, "DESCRIPTION", None))
         p.add_argument("--quick", action="store_true", help="a <= 5 minute version")
         p.add_argument("--data-dir", default=None, help="where the datasets are (default: $FEDFUSE_DATA)")
         p.add_argument("--out", default=None, help="output directory")
-        p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.add_argument("--report", action="store_true",
+                       help="afterwards, write report.md/report.html over every run below --out (needs --out)")
         add_seed_argument(p)
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
+        for a in p._actions:  # a reproduction's own flag without help still gets a line pointing to its doc
+            if not a.help:
+                a.help = _REPRODUCE_HELP.get(a.dest, f"see docs/{name.split('-')[0]}.md")
+                if a.default not in (None, False, ""):
+                    a.help += " (default: %(default)s)"
         p.set_defaults(func=cmd_reproduce)
 
 
+_REPRODUCE_HELP = {"seed": "seed of a single-seed run", "part": "which part of the reproduction to run"}
+
+
+EPILOG = """examples:
+  fedfuse run                                    FedAvg on the bundled digits (no download)
+  fedfuse run --algorithm fedprox --set mu=0.1 --rounds 50
+  fedfuse compare --algorithms fedavg,fedprox --seeds 3 --set fedprox.mu=0.1
+  fedfuse run --algorithm fedprox --grid lr=0.01,0.05 --grid mu=0.1,0.25 --seeds 3 --jobs 2
+  fedfuse show fedprox                           options of an algorithm, model, dataset or partition
+  fedfuse report runs/compare-digits-...         Markdown + HTML page with table, curves, diagnostics
+"""
+
+
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedfuse", description="Federated learning beyond plain averaging.")
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run one experiment (no arguments: a small FedAvg run on bundled digits)")
+    p = argparse.ArgumentParser(prog="fedfuse", description="Federated learning beyond plain averaging.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    r = sub.add_parser("run", help="run one experiment (no arguments: a small FedAvg run on bundled digits)",
+                       description="Run one experiment, or one configuration over several seeds / a grid of "
+                                   "options (--seeds, --grid), and print its results.")
     _add_run_flags(r)
     r.add_argument("--resume", default=None, metavar="DIR", help="continue the run in DIR from its checkpoint")
+    _add_log_flag(r)
+    _add_sweep_flags(r, compare=False)
     r.set_defaults(func=cmd_run)
-    c = sub.add_parser("compare", help="run several algorithms on the same partition and seed")
-    c.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedprox,local,fedavg-ft")
+    c = sub.add_parser("compare", help="run several algorithms on the same partitions and seeds; table with stats",
+                       description="Run several algorithms on the same partition and seed(s); print mean ± std "
+                                   "over seeds and a paired test against a baseline. Runs are cached by config "
+                                   "hash, so adding seeds or grid values runs only the new runs.")
+    c.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedprox,local,fedavg-ft; "
+                   "--set ALGO.option=VALUE sets an option of one of them")
     _add_run_flags(c, with_algorithm=False)
+    _add_log_flag(c)
+    _add_sweep_flags(c, compare=True)
     c.set_defaults(func=cmd_compare)
-    q = sub.add_parser("partition", help="print per-client sizes and label histograms; write a PNG")
+    q = sub.add_parser("partition", help="print per-client sizes and label histograms; write a PNG",
+                       description="Print per-client sizes and label histograms of a partition; write a PNG.")
     _add_run_flags(q)
-    q.add_argument("--png", default=None, help="where to write the plot")
+    q.add_argument("--png", default=None, help="where to write the plot (default: partition-DATASET-PARTITION.png)")
     q.set_defaults(func=cmd_partition)
     _add_reproduce(sub)
-    li = sub.add_parser("list", help="list algorithms, datasets, partitions and models")
-    li.add_argument("what", nargs="?", choices=["algorithms", "datasets", "partitions", "models"])
+    from fedfuse.adapters.cli import add_pretrain_parser
+
+    add_pretrain_parser(sub)
+    li = sub.add_parser("list", help="list algorithms, datasets, partitions and models",
+                        description="List algorithms, datasets, partitions and models with one line each.")
+    li.add_argument("what", nargs="?", choices=["algorithms", "datasets", "partitions", "models"],
+                    help="only this section")
     li.set_defaults(func=cmd_list)
+    sh = sub.add_parser("show", help="options of an algorithm, model, dataset or partition: type, default, help",
+                        description="Print the options a configuration accepts for NAME, with types, defaults "
+                                    "and help, from the same declarations that validate configs. "
+                                    "'fedfuse show config' lists the top-level keys.")
+    sh.add_argument("name", help="an algorithm, model, dataset or partition name, or 'config'")
+    sh.add_argument("--kind", choices=["algorithm", "model", "dataset", "partition", "config"], default=None,
+                    help="only this kind, when a name is used by several")
+    sh.set_defaults(func=cmd_show)
+    rep = sub.add_parser("report", help="write report.md and report.html for a run or sweep directory",
+                         description="Write DIR/report.md and DIR/report.html: config, statistics table, one "
+                                     "figure per metric (mean ± std over seeds), partition plot and the "
+                                     "algorithms' own diagnostics.  DIR is a run, a compare/sweep output, or any "
+                                     "directory with runs below it.")
+    rep.add_argument("dir", metavar="DIR", help="run, sweep or reproduction output directory")
+    rep.add_argument("--baseline", default=None, help="label the others are tested against (default: the first)")
+    rep.add_argument("--metric", default="auto", help="accuracy compared (default auto)")
+    rep.add_argument("--last", type=int, default=5, help="final = mean of the last K evaluations (default 5)")
+    rep.add_argument("--target", type=float, default=None, help="target accuracy (0-1) for the *-to-target columns")
+    rep.add_argument("--test", choices=("t", "wilcoxon"), default="t", help="paired test over seeds")
+    rep.set_defaults(func=cmd_report)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     return run_guarded(lambda: int(args.func(args)))
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout replaced (e.g. captured in tests)
+        pass
 
 
 if __name__ == "__main__":

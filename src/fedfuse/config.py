@@ -52,12 +52,15 @@ class RunConfig:
     data_dir: str | None = opt(None, "data directory (default: $FEDFUSE_DATA)")
     out: str | None = opt(None, "run directory")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
+    executor: str = opt("sequential", "how clients run: sequential | batched | processes | auto "
+                                      "(engine/executor.py)")
     threads: int = opt(0, "torch intra-op threads; 0 = PyTorch's default", ge=0)
     val_fraction: float = opt(0.1, "fraction of each client's samples held out for validation", ge=0.0, lt=1.0)
     eval_every: int = opt(1, "evaluate every this many rounds (and at the last)", ge=1)
     checkpoint_every: int = opt(1, "checkpoint every this many rounds (and at the last)", ge=1)
     eval_batch_size: int = opt(512, "batch size of evaluation", ge=1)
     plots: bool = opt(True, "write PNG plots into the run directory")
+    sampling: str = opt("auto", "client sampling policy (fedfuse.engine.sampling): auto = the algorithm's default")
     # ---- faults and reliability (docs/reliability.md) -----------------------------------------------
     dropout: float = opt(0.0, "probability that a sampled client fails to reply in a round", ge=0.0, lt=1.0)
     stragglers: float = opt(0.0, "probability that a sampled client is slow in a round", ge=0.0, le=1.0)
@@ -82,7 +85,11 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-CHOICES: dict[str, tuple[str, ...]] = {"optimizer": ("sgd", "adam")}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "optimizer": ("sgd", "adam"),
+    "executor": ("sequential", "batched", "processes", "auto"),
+    "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size"),
+}
 
 
 def _field_types() -> dict[str, Any]:
@@ -319,7 +326,7 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"{f.name}: expected a mapping of option: value, got {v!r}")
         values[f.name] = v
     cfg = RunConfig(**values)
-    for key in ("algorithm", "dataset", "partition", "model", "optimizer"):
+    for key in ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling"):
         choices = _registry_choices(key)
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}: unknown value {getattr(cfg, key)!r}; choose one of: {', '.join(choices)}")

@@ -32,7 +32,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfuse.engine.client import EvalStats, TrainConfig, evaluate_model, train_flops_per_sample, train_local
+from fedfuse.engine.client import (
+    EvalStats,
+    TrainConfig,
+    TrainStats,
+    evaluate_model,
+    train_flops_per_sample,
+    train_local,
+)
+from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
 from fedfuse.types import ClientData, Message, TensorDict
 
 ClientState = dict[str, Any] | None
@@ -180,9 +188,42 @@ class Algorithm:
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
-        """Default client step: train the received model locally and send back its full state."""
-        model, meta = self.train_payload(payload, data, gen)
-        return Message(state_of(model), meta), client_state
+        """Default client step: run the declared :meth:`client_program` (train the received model locally
+        and send back its full state).  Executors that own the training loop call ``client_program``
+        directly; this is the reference (sequential) execution of the same program."""
+        program = self.client_program(payload, client_state, data)
+        if program is None:
+            raise NotImplementedError(f"{type(self).__name__} declares no client program and no fit")
+        return run_program(program, data, gen)
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram | None:
+        """The client step as a declared program, or ``None`` when ``fit`` is custom (then executors call it).
+
+        The base program is the standard step: start from the payload, minimise the task loss plus
+        :meth:`loss_terms` with the run's local spec, reply with the full trained state and the standard
+        metadata.  Subclasses that override ``fit`` get ``None`` unless they also override this method.
+        """
+        if type(self).fit is not Algorithm.fit:
+            return None
+        return self.standard_program(payload, client_state, data)
+
+    def loss_terms(self, payload: Message) -> tuple[tuple[LossTerm, ...], TensorDict]:
+        """Declared additions to the task loss of the standard step and the reference tensors they read."""
+        return (), {}
+
+    def standard_program(
+        self, payload: Message, client_state: ClientState, data: ClientData, *, spec: LocalSpec | None = None
+    ) -> ClientProgram:
+        """Train the payload model with the task loss (plus :meth:`loss_terms`) and send its full state."""
+        model = self.ctx.model(payload.meta)
+        terms, refs = self.loss_terms(payload)
+
+        def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+            return Message(state, meta), client_state
+
+        return ClientProgram(model=model, init=dict(payload.tensors), spec=spec or LocalSpec.from_train(self.ctx.train),
+                             finalize=finalize, terms=terms, refs=refs)
 
     def evaluate(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator

@@ -39,6 +39,13 @@ class FedAvg(Algorithm):
                           ge=0.0, lt=0.5)
         clip_norm: float = opt(0.0, "clip every client's update to this L2 norm before fusion (0 = off)", ge=0.0)
 
+    def __init__(self, ctx, options=None) -> None:
+        super().__init__(ctx, options)
+        robust = getattr(self.opt, "fusion", "mean") != "mean" or getattr(self.opt, "clip_norm", 0.0) > 0
+        if robust and type(self).aggregate_fit is not FedAvg.aggregate_fit:
+            raise ValueError(f"{self.name} fuses with its own rule; fusion={self.opt.fusion!r} and clip_norm apply "
+                             "to FedAvg-style averaging only (fedavg, fedprox, fedavg-ft, ...)")
+
     def client_weights(self, results: dict[int, Message]) -> list[float]:
         if self.opt.weighting == "uniform":
             return [1.0] * len(results)
@@ -50,13 +57,14 @@ class FedAvg(Algorithm):
         if not results:
             return state
         states = [r.tensors for r in results.values()]
-        if self.opt.clip_norm > 0:
-            states = clip_updates(states, state["global"], float(self.opt.clip_norm))
-        if self.opt.fusion == "mean":
+        fusion, clip = getattr(self.opt, "fusion", "mean"), float(getattr(self.opt, "clip_norm", 0.0))
+        if clip > 0:
+            states = clip_updates(states, state["global"], clip)
+        if fusion == "mean":
             avg = weighted_average(states, self.client_weights(results), base=state["global"],
                                    int_policy=self.opt.int_policy)  # type: ignore[arg-type]
         else:
-            avg = robust_average(states, self.opt.fusion, trim=float(self.opt.trim),  # type: ignore[arg-type]
+            avg = robust_average(states, fusion, trim=float(self.opt.trim),  # type: ignore[arg-type]
                                  base=state["global"], int_policy=self.opt.int_policy)  # type: ignore[arg-type]
         if self.opt.server_lr != 1.0:
             avg = add_scaled(state["global"], delta(avg, state["global"]), self.opt.server_lr)

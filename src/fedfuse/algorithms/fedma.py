@@ -12,16 +12,25 @@ One communication round has ``K + 1`` stages for a network with ``K`` hidden lay
   (zeros for global units it did not match; conv→fc inputs move in blocks of H·W), freezes layers ``≤ s``,
   retrains the layers above and uploads layer ``s+1``, which the server matches;
 * stage ``K`` — same with the last hidden layer; only the head remains, retrained with the code's last-layer
-  schedule (``lr/10``, weight decay 1e-4, 3× the retraining epochs; ``last_layer_schedule=False`` keeps the
-  ordinary one); the server averages the heads class-wise (row ``c`` weighted by the clients' counts of
-  class ``c``).
+  schedule (``lr/10``, weight decay 1e-4, 3× the retraining epochs); the server averages the heads
+  class-wise (row ``c`` weighted by the clients' counts of class ``c``).
 
 The global model may be wider than the clients' models (BBP-MAP grows layers): its widths travel in
 ``meta["model_options"]`` so ``ctx.model(meta)`` builds it.  Every client takes part in every round.
-Communications: one round = ``K + 1`` server↔client exchanges (the report counts ``K`` for its 4-hidden-layer
-SimpleMLP; see ``docs/fedma.md``).  BBP-MAP hyper-parameters default to the code's hard-coded values
-(σ = 1, σ0 = 1, γ = 7, 5 iterations, cap 700); the global units are the posterior means (paper and code).
-Retraining uses the run's optimiser settings (the code: SGD with momentum 0.9) for ``retrain_epochs`` epochs.
+Communications: one round = ``K + 1`` server↔client exchanges in fedfuse; the L46 report counts one FedMA
+round of a network with ``K`` hidden layers as ``K`` communications and, like ``IBM/FedMA``'s ``main.py``, does
+not count round 0 (local training from distinct initialisations + the first layer-wise matching, the code's
+``BBP_MAP``): the report's "FedMA after ``c`` rounds" is fedfuse round index ``c`` (``rounds = c + 1``); see
+``docs/fedma.md``.  BBP-MAP hyper-parameters default to the code's hard-coded values (σ = 1, σ0 = 1, γ = 7,
+5 iterations, cap 700); the global units are the posterior means (paper and code).
+
+**Retraining** (``retrain_schedule``): ``"code"`` (default) follows ``IBM/FedMA``'s ``local_retrain``: SGD with
+momentum 0.9 at ``retrain_lr`` for ``retrain_epochs`` epochs — both for the layer-wise stages and for the full
+retraining at the start of rounds ≥ 1 (``fedma_comm``) — and, when only the head remains, lr/10, weight decay
+1e-4 and 3× the epochs.  ``"run"`` reuses the run's optimiser (e.g. Adam) and, in rounds ≥ 1, ``local_epochs``
+for the full retraining (the head schedule then follows ``last_layer_schedule``).  Measured on MNIST/SimpleMLP
+with 10 clients (``docs/fedma.md``): with 1 retraining epoch the frozen-layer stages cannot recover and FedMA
+falls to chance; the report's 7 epochs with the code schedule do not.
 Models: ``mlp``, ``simple-mlp``, ``cnn``, ``cnn-cifar`` (chains with per-layer width options).
 """
 
@@ -39,6 +48,7 @@ from fedfuse.engine.client import TrainConfig, train_local
 from fedfuse.fusion.match import class_weighted_average, match_group
 from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather, width_options
 from fedfuse.models.base import layer_index
+from fedfuse.options import opt
 from fedfuse.rng import derive_seed, numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
 
@@ -64,6 +74,31 @@ def base_sizes(ctx: RunContext) -> list[int]:
     return [g.size for g in chain_spec(ctx.model())]
 
 
+def retrain_config(base: TrainConfig, schedule: str, epochs: int, lr: float = 0.0, last: bool = False,
+                   weight_decay: float = 0.0, last_layer_schedule: bool = True) -> tuple[TrainConfig, int]:
+    """The optimiser settings and epochs of one FedMA retraining step.
+
+    ``schedule="code"``: ``IBM/FedMA``'s ``local_retrain`` — SGD, momentum 0.9, ``lr`` (0 = the run's lr),
+    ``weight_decay``; ``last=True`` (only the head is trained): lr/10, weight decay 1e-4, 3× epochs.
+    ``schedule="run"``: the run's optimiser settings; ``last`` applies the same head schedule only when
+    ``last_layer_schedule`` is set.
+    """
+    epochs = max(int(epochs), 0)
+    if schedule == "code":
+        cfg = dataclasses.replace(base, optimizer="sgd", momentum=0.9, lr=lr if lr > 0 else base.lr,
+                                  weight_decay=weight_decay)
+    elif schedule == "run":
+        cfg = base
+        if not last_layer_schedule:
+            return cfg, epochs
+    else:
+        raise ValueError(f"retrain_schedule={schedule!r}; choose code or run")
+    if last:
+        cfg = dataclasses.replace(cfg, lr=cfg.lr / 10, weight_decay=1e-4)
+        epochs *= 3
+    return cfg, epochs
+
+
 def train_above(
     model: torch.nn.Module, frozen: set[str], data: ClientData, cfg: TrainConfig, gen: torch.Generator, **kw: Any
 ):
@@ -86,17 +121,28 @@ class FedMA(Algorithm):
 
     @dataclass
     class Options:
-        matching: str = "bbp"  # "bbp" (BBP-MAP) | "hungarian"
-        sigma: float = 1.0  # noise variance (code: 1)
-        sigma0: float = 1.0  # prior variance (code: 1)
-        gamma: float = 7.0  # new-neuron rate (code: 7)
-        iters: int = 5  # BBP-MAP passes (code: 5) / Hungarian re-alignments
-        cap: int = 700  # soft cap on a global layer's width (code: 700)
-        estimator: str = "posterior"  # "posterior" (paper, code) | "mean" (plain average of matched units)
-        metric: str = "l2"  # Hungarian cost: "l2" | "l1"
-        init: str = "distinct"  # round-0 client models: "distinct" (code) | "shared"
-        retrain_epochs: int = 1  # epochs of retraining the layers above the frozen ones (0 = no retraining)
-        last_layer_schedule: bool = True  # code: head-only retraining at lr/10, wd 1e-4, 3x epochs
+        matching: str = opt("bbp", "layer matching: BBP-MAP (paper, code; may grow layers) or Hungarian "
+                            "permutations (no growth)", choices=("bbp", "hungarian"))
+        sigma: float = opt(1.0, "BBP-MAP noise variance σ (code: 1)", gt=0.0)
+        sigma0: float = opt(1.0, "BBP-MAP prior variance σ0 (code: 1)", gt=0.0)
+        gamma: float = opt(7.0, "BBP-MAP new-neuron rate γ (code: 7)", gt=0.0)
+        iters: int = opt(5, "BBP-MAP passes (code: 5) / Hungarian re-alignments", ge=0)
+        cap: int = opt(700, "soft cap on a global layer's width (code: 700)", ge=1)
+        estimator: str = opt("posterior", "global unit: posterior mean g/p (paper, code) or the plain mean of the "
+                             "matched units", choices=("posterior", "mean"))
+        metric: str = opt("l2", "Hungarian cost", choices=("l2", "l1"))
+        init: str = opt("distinct", "round-0 client models: own seeded initialisations (code's init_models) or "
+                        "one shared initialisation", choices=("distinct", "shared"))
+        retrain_schedule: str = opt("code", "retraining optimiser: 'code' = IBM/FedMA local_retrain (SGD momentum "
+                                    "0.9 at retrain_lr; head: lr/10, wd 1e-4, 3x epochs; rounds >= 1 retrain the "
+                                    "full model for retrain_epochs) or 'run' = the run's optimiser and "
+                                    "local_epochs", choices=("code", "run"))
+        retrain_epochs: int = opt(7, "epochs of each retraining step (L46 report: 7; code default 10; 0 = none)",
+                                  ge=0)
+        retrain_lr: float = opt(0.0, "retraining learning rate of the 'code' schedule (0 = the run's lr; "
+                                "code: --retrain_lr)", ge=0.0)
+        last_layer_schedule: bool = opt(True, "'run' schedule only: head-only retraining at lr/10, wd 1e-4, "
+                                        "3x epochs (always on with 'code')")
 
     def __init__(self, ctx: RunContext, options: Any | None = None) -> None:
         super().__init__(ctx, options)
@@ -173,6 +219,11 @@ class FedMA(Algorithm):
         return {"global_widths": list(state["sizes"])}
 
     # ---- client ------------------------------------------------------------------------------------
+    def _retrain(self, last: bool) -> tuple[TrainConfig, int]:
+        o = self.opt
+        return retrain_config(self.ctx.train, o.retrain_schedule, o.retrain_epochs, o.retrain_lr, last=last,
+                              last_layer_schedule=o.last_layer_schedule)
+
     def _frozen_keys(self, model: torch.nn.Module, group: PermGroup) -> set[str]:
         idx = layer_index(model)
         top = max(idx[k] for k in group.keys("in") + group.keys("stat"))
@@ -196,7 +247,11 @@ class FedMA(Algorithm):
                     start = gather(start, g, a)
                 sizes = base_sizes(self.ctx)
             model = self.ctx.load(start, self._opts(sizes))
-            stats = train_local(model, data.train, self.ctx.train, gen)
+            if payload.meta.get("init") or self.opt.retrain_schedule == "run":
+                stats = train_local(model, data.train, self.ctx.train, gen)
+            else:  # the code's fedma_comm: full retraining with local_retrain's schedule
+                cfg, epochs = self._retrain(last=False)
+                stats = train_local(model, data.train, cfg, gen, epochs=epochs)
             trained = sum(p.numel() for p in model.parameters())
         else:
             sizes = list(client_state["sizes"])
@@ -207,10 +262,7 @@ class FedMA(Algorithm):
             sizes[s - 1] = int(payload.meta["size"])
             model = self.ctx.load(cur, self._opts(sizes))
             frozen = self._frozen_keys(model, g)
-            cfg, epochs = self.ctx.train, max(int(self.opt.retrain_epochs), 0)
-            if s == K and self.opt.last_layer_schedule:
-                cfg = dataclasses.replace(cfg, lr=cfg.lr / 10, weight_decay=1e-4)
-                epochs *= 3
+            cfg, epochs = self._retrain(last=s == K)
             stats, trained = train_above(model, frozen, data, cfg, gen, epochs=epochs)
         new_state = state_of(model)
         if s < K:

@@ -9,9 +9,12 @@ independent uniform permutation of the ``K`` models and new model j takes that l
 * **Layers** are modules with all their parameters *and* buffers (paper: "decomposes received local models
   into multiple layers"); BN statistics stay with their affine parameters.  The author code shuffles each
   ``state_dict`` key independently: ``granularity="key"``.
-* **Two-stage training** (§4.3): the first ``warmup_rounds`` rounds are FedAvg (sample-weighted average of
-  the full state, ``num_batches_tracked`` = max, everyone receives the global model); recombination starts
-  from the pre-trained model afterwards.  Paper: none for the 4-layer CNN, 100 rounds for ResNet-20/VGG-16.
+* **Two-stage training** (§4.3): the first ``warmup_rounds`` rounds are FedAvg (average of the full state,
+  ``num_batches_tracked`` = max, everyone receives the global model); recombination starts from the
+  pre-trained model afterwards.  Paper: none for the 4-layer CNN, 100 rounds for ResNet-20/VGG-16; author
+  code: ``--first_stage_bound``, default 0.  The warm-up average is *uniform* over the K uploads, as the
+  author code does (its ``Aggregation(w_locals, None)``); ``warmup_weighting="samples"`` is the
+  sample-weighted FedAvg form.
 * **FedMR-p** (§5.4.2): ``segments=p`` recombines p contiguous segments of layers instead of single layers;
   ``p = 1`` only re-dispatches whole models (the paper's "Indep" with shuffling); 0 = layer-wise.
 * **Global model** (evaluation/deployment): the uniform average of the K intermediate models (paper Alg. 1
@@ -64,16 +67,26 @@ def model_units(model: torch.nn.Module, granularity: str = "module", segments: i
 class FedMR(Algorithm):
     name = "fedmr"
     description = "FedMR: K slot models, layer-wise random recombination after every round (two-stage, FedMR-p)"
+    echo_meta = ("slot",)  # the server notes which slot each reply trained (partial rounds keep the others)
 
     @dataclass
     class Options:
-        granularity: str = "module"  # "module" (paper: layers with their buffers) | "key" (author code)
-        segments: int = 0  # FedMR-p: 0 = layer-wise; p >= 1 contiguous segments (1 = re-dispatch only)
-        warmup_rounds: int = opt(0, "two-stage training: FedAvg rounds before recombination starts", ge=0)
-        secure: bool = False  # App. B client-side secure recombination before upload
-        secure_send_prob: float = 0.5  # probability a client sends a given layer in stage 1
-        secure_min_passes: int = 1
-        int_policy: str = opt("max", "num_batches_tracked in averages (warm-up FedAvg, global model)",
+        granularity: str = opt(
+            "module", "recombination unit: 'module' = a layer with its buffers (paper); 'key' = every "
+            "state-dict key on its own (author code, splits BN statistics from their affine parameters)",
+            choices=("module", "key"))
+        segments: int = opt(0, "FedMR-p: 0 = layer-wise; p >= 1 recombines p contiguous segments "
+                            "(1 = re-dispatch whole models only)", ge=0)
+        warmup_rounds: int = opt(0, "two-stage training: FedAvg rounds before recombination starts "
+                                 "(paper: 0 for the CNN, 100 for ResNet-20/VGG-16; code --first_stage_bound)", ge=0)
+        warmup_weighting: str = opt(
+            "uniform", "warm-up averaging: 'uniform' over the K uploads (author code) or 'samples' "
+            "(sample-weighted FedAvg)", choices=("uniform", "samples"))
+        secure: bool = opt(False, "App. B client-side secure recombination before upload (not in the author code)")
+        secure_send_prob: float = opt(0.5, "secure exchange: probability a client sends a given layer in stage 1",
+                                      ge=0.0, le=1.0)
+        secure_min_passes: int = opt(1, "secure exchange: minimum number of exchange passes per round", ge=1)
+        int_policy: str = opt("max", "num_batches_tracked in averages (warm-up, global model)",
                               choices=("max", "sum", "first"))
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -96,13 +109,6 @@ class FedMR(Algorithm):
     @staticmethod
     def ordered(results: dict[int, Message]) -> list[Message]:
         return [results[c] for c in sorted(results)]
-
-    def fit(self, payload: Message, client_state: Any, data: Any, gen: torch.Generator) -> tuple[Message, Any]:
-        """The base client step; the reply names the slot it trained, so a partial round keeps the other slots."""
-        res, cstate = super().fit(payload, client_state, data, gen)
-        if "slot" in payload.meta:
-            res.meta["slot"] = int(payload.meta["slot"])
-        return res, cstate
 
     # ---- server hooks --------------------------------------------------------------------------
     def init_state(self) -> ServerState:
@@ -153,8 +159,10 @@ class FedMR(Algorithm):
         sim = mean_pairwise_cosine(trained, self.param_key_list())
         history = [*state.get("similarity", []), [info.index + 1, sim]]
         if self.in_warmup(info):
-            weights = [float(m.meta.get("num_examples", 1.0)) for m in msgs]
-            g = weighted_average(trained, weights, base=state["global"], int_policy=self.opt.int_policy)
+            weights = ([float(m.meta.get("num_examples", 1.0)) for m in msgs]
+                       if self.opt.warmup_weighting == "samples" else None)
+            g = weighted_average(trained, weights, base=state["global"],  # type: ignore[arg-type]
+                                 int_policy=self.opt.int_policy)
             return {**state, "global": g, "slots": None, "similarity": history}
         slots = self.slot_states(state)
         if len(trained) < len(slots):  # fewer uploads than slots (dropouts): untouched slots keep their models

@@ -9,8 +9,11 @@ each slot is re-seeded by a *mutation* around the global model:
 For every state key the K coefficients ``v[key]`` are built from ⌊K/2⌋ pairs ``(1, −1 + r)`` — each pair in a
 random order — and the list is then shuffled; with K odd the last slot is the plain global model.  The
 mutation radius decays linearly: ``r = r0 · (1 − min(t / T, 1))`` with t the 0-based round index, r0 = 0.3,
-T = 50 and α = 4 (author code ``Training_FedMut.py`` defaults).  Integer buffers (``num_batches_tracked``)
-are not mutated: every slot gets the global (max) value.  The evaluated global model is the average.
+T = 50 and α = 4 (the FedMut authors' ``Training_FedMut.py`` / ``options.py`` defaults; the copy of the
+same file in the FedMR authors' repository defaults to α = 5, T = 100: ``--set alpha=5 --set bound=100``).
+Integer buffers (``num_batches_tracked``) are not mutated: every slot gets the global (max) value.  The
+evaluated global model is the average.  Local training is the run's (FedMut's code: SGD lr 0.01, momentum 0.5,
+a fresh optimiser per round).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 
 from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
 from fedfuse.fusion.average import clone_state, delta, weighted_average
+from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Message, TensorDict
 
@@ -71,11 +75,13 @@ class FedMut(Algorithm):
 
     @dataclass
     class Options:
-        alpha: float = 4.0  # mutation scale (code: --radius)
-        r0: float = 0.3  # initial mutation acceleration rate (code: mut_acc_rate)
-        bound: int = 50  # rounds over which r decays to 0 (code: mut_bound)
-        weighting: str = "uniform"  # average of the trained slots: "uniform" (spec) | "samples"
-        int_policy: str = "max"
+        alpha: float = opt(4.0, "mutation scale α (FedMut code --radius 4; FedMR repo's copy: 5)", ge=0.0)
+        r0: float = opt(0.3, "initial mutation acceleration rate r0 (code --mut_acc_rate)", ge=0.0, le=1.0)
+        bound: int = opt(50, "rounds over which r decays linearly to 0 (FedMut code --mut_bound 50; "
+                         "FedMR repo's copy: 100)", ge=0)
+        weighting: str = opt("uniform", "global model = 'uniform' average of the trained slots (code) or "
+                             "'samples'-weighted", choices=("uniform", "samples"))
+        int_policy: str = opt("max", "num_batches_tracked in the average", choices=("max", "sum", "first"))
 
     @property
     def k(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fedfuse.algorithms.heterofl import HeteroFL
 from fedfuse.fusion.slicing import Selection, rolling_indices
+from fedfuse.options import opt
 
 
 class FedRolex(HeteroFL):
@@ -22,7 +23,8 @@ class FedRolex(HeteroFL):
 
     @dataclass
     class Options(HeteroFL.Options):
-        sbn: bool = False
+        sbn: bool = opt(False, "recompute BN statistics before evaluation (FedRolex: no, batch statistics at "
+                        "evaluation)")
 
     def selection(self, n: int, r: int) -> Selection:
         mu = self.mu_of(n)

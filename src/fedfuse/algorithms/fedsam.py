@@ -8,7 +8,9 @@ Each local step is a two-pass SAM step (Foret et al. 2021): with the mini-batch 
 
 then the gradient at ``w + ε`` is taken, ``w`` is restored and the optimiser (the run's SGD/momentum) steps
 with that gradient.  Server aggregation is FedAvg.  Defaults: SAM ρ = 0.05, ASAM ρ = 0.5, η = 0.01 (the
-ASAM/FedASAM reference implementations' defaults; tune ρ per dataset as Caldarola et al. do).
+ASAM/FedASAM reference implementations' defaults; tune ρ per dataset as Caldarola et al. do).  The FedMR
+authors' benchmark ``Training_FedASAM.py`` uses ρ = 0.1, η = 0 for FedASAM; ``fedfuse reproduce fedmr`` uses
+those.
 
 BatchNorm running statistics are updated by the first (unperturbed) forward pass only: they are saved
 before the perturbed pass and restored after it, so the perturbed weights never leak into the statistics.
@@ -25,6 +27,7 @@ from torch import nn
 from fedfuse.algorithms.base import ClientState, state_of
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.client import GradHook, TrainConfig, TrainStats, task_loss, train_local
+from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, Split
 
 
@@ -100,8 +103,8 @@ class FedSAM(FedAvg):
 
     @dataclass
     class Options(FedAvg.Options):
-        rho: float = 0.05
-        eta: float = 0.01  # ASAM only
+        rho: float = opt(0.05, "SAM neighbourhood radius ρ (SAM reference: 0.05)", ge=0.0)
+        eta: float = opt(0.01, "ASAM only: T_w = |w| + η", ge=0.0)
 
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
@@ -121,5 +124,5 @@ class FedASAM(FedSAM):
 
     @dataclass
     class Options(FedAvg.Options):
-        rho: float = 0.5
-        eta: float = 0.01
+        rho: float = opt(0.5, "ASAM radius ρ (ASAM/FedASAM reference: 0.5; FedMR's benchmark code: 0.1)", ge=0.0)
+        eta: float = opt(0.01, "T_w = |w| + η (ASAM reference: 0.01; FedMR's benchmark code: 0)", ge=0.0)

@@ -19,12 +19,14 @@ As in the spec (``../shared/specs/msfusion.md``) and the authors' code (``diaoen
   during training only (identity at evaluation).
 
 LMs (``task="lm"``) have no label split or masking.  The learning-rate schedule follows MSfusion's (the paper
-keeps it uniform across its baselines): CyclicLR between ``lr_min`` and ``lr_max``, or ``constant``.
+keeps it uniform across its baselines): a triangular CyclicLR whose peak is the run's ``--lr`` and whose floor is
+``lr_min_ratio · lr`` (:func:`fedfuse.engine.client.scheduled_lr`), or ``constant``.  The run's ``--lr`` is the
+only absolute learning rate: no option of this algorithm replaces it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,8 +34,7 @@ import torch
 from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
-from fedfuse.algorithms.msfusion import cyclic_lr
-from fedfuse.engine.client import train_local
+from fedfuse.engine.client import LR_SCHEDULES, scheduled_lr, train_local
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -44,6 +45,7 @@ from fedfuse.fusion.slicing import (
     state_bytes,
     static_indices,
 )
+from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
 
 
@@ -72,22 +74,30 @@ def bn_statistics(model: nn.Module, x: torch.Tensor, batch_size: int) -> tuple[T
     return stats, batches
 
 
+LR_MIN_RATIO = 0.001 / 0.0012  # App. A.2.2: CyclicLR 0.001 → 0.0012
+
+
 class HeteroFL(Algorithm):
     name = "heterofl"
     description = "HeteroFL: static first-k width slices, holder averaging, label-split head, static BN, Scaler"
 
     @dataclass
     class Options:
-        mu: float = 0.25
-        mu_list: list[float] = field(default_factory=list)  # per-client μ_n (cycled over client ids)
-        scaler: bool = True
-        masked_ce: bool = True
-        label_split: bool = True
-        sbn: bool = True  # recompute BN statistics of the global model before evaluation
-        stats_every: int = 0  # rounds between BN recomputations; 0 = the run's eval_every
-        lr_schedule: str = "cyclic"  # cyclic | constant
-        lr_min: float = 0.001
-        lr_max: float = 0.0012
+        mu: float = opt(0.25, "width ratio μ: each client keeps the first ⌈μK⌉ units of every hidden layer",
+                        gt=0.0, le=1.0)
+        mu_list: list[float] = opt([], "per-client ratios μ_n, cycled over client ids (empty: every client uses mu)")
+        scaler: bool = opt(True, "Scaler: divide every split hidden layer's output by μ during training (paper, code)")
+        masked_ce: bool = opt(True, "masked cross-entropy: logits of classes absent from the client's data set to 0 "
+                              "(code)")
+        label_split: bool = opt(True, "average each classifier row only over clients that have its class (code)")
+        sbn: bool = opt(True, "static BN: recompute the global model's BN statistics on training data before "
+                        "evaluation")
+        stats_every: int = opt(0, "rounds between BN recomputations; 0 = the run's eval_every", ge=0)
+        lr_schedule: str = opt("cyclic", "local learning-rate schedule: cyclic (triangular, one cycle over all rounds, "
+                               "peak = the run's --lr, as MSfusion App. A.2.2) or constant (--lr every round)",
+                               choices=LR_SCHEDULES)
+        lr_min_ratio: float = opt(LR_MIN_RATIO, "floor of the cyclic schedule as a fraction of --lr (paper: "
+                                  "0.001/0.0012)", gt=0.0, le=1.0)
 
     def __init__(self, ctx, options=None) -> None:
         super().__init__(ctx, options)
@@ -199,8 +209,7 @@ class HeteroFL(Algorithm):
             mask[classes] = True
             hooks.append(model.head.register_forward_hook(
                 lambda m, i, o: o.masked_fill(~mask, 0.0) if m.training else o))
-        lr = (cyclic_lr(r, total, self.opt.lr_min, self.opt.lr_max) if self.opt.lr_schedule == "cyclic"
-              else self.ctx.train.lr)
+        lr = scheduled_lr(self.ctx.train.lr, r, total, self.opt.lr_schedule, self.opt.lr_min_ratio)
         try:
             stats = train_local(model, data.train, self.ctx.train, gen, lr=lr)
         finally:

@@ -14,15 +14,22 @@ Per round r, participant n (all N participants active, no central server):
    value for it, i.e. having held it in round r−1.  So each peer m sends n exactly the elements of its trained
    round-(r−1) sub-model that lie in n's round-r sub-model — the overlap *and* the round-gap parameters ζ brings
    in (Algorithm 1's "receive round gap model parameter") travel in one message.  An element no connected peer
-   and not n itself trained keeps its value of the common initial model W⁰ (known to all by consensus).
+   and not n itself held in round r−1 takes the last value n knows for it: n keeps a full-size memory of its
+   latest trained values (W⁰, the common initial model, where it never trained the element), so nothing
+   trained is lost when the window moves on and comes back.
 3. **Local training** of the aggregated sub-model w*_n (a real smaller ``nn.Module``) for one epoch with
    L = CE + λ·ℓ_con (Eq. 8).  Interpretation of Algorithm 1 (MOON-style): the model being trained starts from
    w*_n; z* comes from w*_n frozen; z^{r−1} from n's trained sub-model of the previous round (frozen), both
    restricted to the penultimate units common to the current and previous sub-model (LMs: the unsplit
-   d_model representation of every token).  Eq. 7 uses the plain dot product ``similarity="dot"`` (paper);
-   ``"cosine"`` is MOON's code choice.  ℓ_con = softplus((ẑ·z^{r−1} − ẑ·z*)/τ), the stable form of Eq. 7.
-4. Learning rate: CyclicLR between ``lr_min`` and ``lr_max`` with one triangular cycle over all rounds
-   (App. A.2.2); ``lr_schedule="constant"`` uses the run's ``lr``.
+   d_model representation of every token).  When Eq. 6 changes c the window can jump past the previous one;
+   with no common unit the term is skipped for that round (counted as ``contrastive_skipped``).
+   Similarity: ``"cosine"`` (default) is the form of MOON's code, which Eq. 7 cites; ``"dot"`` is Eq. 7 as
+   printed.  With the raw dot product the term is unbounded, the features grow and the training loss rises
+   (measured in ``docs/msfusion.md``), so cosine is the default and dot an option.
+   ℓ_con = softplus((s(ẑ, z^{r−1}) − s(ẑ, z*))/τ), the stable form of Eq. 7.
+4. Learning rate: a triangular CyclicLR with one cycle over all rounds (App. A.2.2) whose *peak* is the run's
+   ``--lr`` and whose floor is ``lr_min_ratio · lr`` (paper: 0.001 → 0.0012, ratio 1/1.2);
+   ``lr_schedule="constant"`` uses ``--lr`` every round.  No option replaces the run's learning rate.
 
 Simulation mapping onto the engine's hooks: ``fit`` returns ``sim/peer/{m}/...`` (what n sends to peer m for the
 next round) and ``sim/own/...`` (its whole trained sub-model, collected by the *simulation* only to assemble the
@@ -37,7 +44,7 @@ elements nobody holds keep their last value.  ``num_batches_tracked`` takes the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,7 +54,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
-from fedfuse.engine.client import train_local
+from fedfuse.algorithms.heterofl import LR_MIN_RATIO
+from fedfuse.engine.client import LR_SCHEDULES, cyclic_lr, scheduled_lr, train_local
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -60,25 +68,20 @@ from fedfuse.fusion.slicing import (
     slice_spec,
     slice_state,
     state_bytes,
+    write_back,
 )
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
 
 
-def cyclic_lr(r: int, total: int, lr_min: float, lr_max: float) -> float:
-    """Triangular CyclicLR with one cycle over ``total`` rounds: lr_min → lr_max (mid-training) → lr_min."""
-    if total <= 1:
-        return lr_min
-    x = abs(2.0 * r / total - 1.0)
-    return lr_min + (lr_max - lr_min) * (1.0 - x)
-
-
 def contrastive_loss(z: torch.Tensor, z_agg: torch.Tensor, z_prev: torch.Tensor, tau: float = 0.5,
-                     similarity: str = "dot") -> torch.Tensor:
+                     similarity: str = "cosine") -> torch.Tensor:
     """Eq. 7 averaged over samples: −log(e^{ẑ·z*/τ} / (e^{ẑ·z*/τ} + e^{ẑ·z^{r−1}/τ})).
 
     Inputs are (B, D) (or (B, L, D), flattened to tokens).  ``similarity="cosine"`` normalises the vectors.
     """
+    if z.shape[-1] == 0:  # no common unit: the term is undefined and contributes nothing
+        return z.sum() * 0.0
     z, z_agg, z_prev = (t.reshape(-1, t.shape[-1]) for t in (z, z_agg, z_prev))
     if similarity == "cosine":
         pos, neg = F.cosine_similarity(z, z_agg, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)
@@ -118,21 +121,26 @@ class MSfusion(Algorithm):
 
     @dataclass
     class Options:
-        mu: float = opt(0.25, "split ratio μ: fraction of every hidden layer's units", gt=0.0, le=1.0)
-        mu_list: list[float] = field(default_factory=list)  # per-participant μ_n (heterogeneous, App. A.2.4)
-        topology: str = opt("full", "peer graph", choices=("full", "ring"))
-        c0: float = 1.0  # initial overlap control
-        p: float = 0.75  # final-stage parameter of Eq. 6
-        dynamic: bool = True  # Eq. 6; False keeps c = c0
-        update_every: int = 10  # c is updated when r mod update_every == 0
-        zeta: int = 1  # inter-round shift ζ
-        contrastive: bool = True
-        tau: float = 0.5
-        lam: float = 1.0
-        similarity: str = "dot"  # dot (Eq. 7) | cosine (MOON code)
-        lr_schedule: str = "cyclic"  # cyclic (App. A.2.2) | constant (the run's lr)
-        lr_min: float = 0.001
-        lr_max: float = 0.0012
+        mu: float = opt(0.25, "split ratio μ: fraction of every hidden layer's units a participant trains",
+                        gt=0.0, le=1.0)
+        mu_list: list[float] = opt([], "per-participant ratios μ_n, cycled over ids (App. A.2.4; empty: mu)")
+        topology: str = opt("full", "peer graph of the overlap aggregation", choices=("full", "ring"))
+        c0: float = opt(1.0, "initial overlap control c0 of Eq. 3/6", gt=0.0)
+        p: float = opt(0.75, "final-stage parameter p of Eq. 6 (c = c0·(1 − (r/R)·p))", ge=0.0, lt=1.0)
+        dynamic: bool = opt(True, "dynamic overlap (Eq. 6); false keeps c = c0")
+        update_every: int = opt(10, "c is updated when r mod update_every = 0 (paper: 10)", ge=1)
+        zeta: int = opt(1, "inter-round shift ζ of the double-shifting window", ge=0)
+        contrastive: bool = opt(True, "contrastive term of Eq. 7-8")
+        tau: float = opt(0.5, "temperature τ of Eq. 7", gt=0.0)
+        lam: float = opt(1.0, "weight λ of the contrastive term (Eq. 8)", ge=0.0)
+        similarity: str = opt("cosine", "similarity in Eq. 7: cosine (MOON's code, which Eq. 7 cites; default, "
+                              "measured) | dot (Eq. 7 as printed; the logits grow with the features and training "
+                              "diverges)", choices=("cosine", "dot"))
+        lr_schedule: str = opt("cyclic", "local learning-rate schedule: cyclic (triangular, one cycle over all "
+                               "rounds, App. A.2.2; peak = the run's --lr) | constant (--lr every round)",
+                               choices=LR_SCHEDULES)
+        lr_min_ratio: float = opt(LR_MIN_RATIO, "floor of the cyclic schedule as a fraction of --lr (paper: "
+                                  "0.001/0.0012)", gt=0.0, le=1.0)
 
     def __init__(self, ctx, options=None) -> None:
         super().__init__(ctx, options)
@@ -233,6 +241,7 @@ class MSfusion(Algorithm):
             "split_ratio_params": float(np.mean([m["trained_params"] for m in metas]))
             / max(sum(p.numel() for p in self._full.parameters()), 1),
             "fallback_elements": int(sum(m["fallback_elements"] for m in metas)),
+            "contrastive_skipped": int(sum(m.get("contrastive_skipped", 0) for m in metas)),
         }
         return {**state, "global": glob, "mailbox": mailbox, "diag": diag}
 
@@ -246,9 +255,13 @@ class MSfusion(Algorithm):
     def aggregate_local(
         self, n: int, r: int, total: int, client_state: ClientState, payload: Message
     ) -> tuple[TensorDict, Selection, int]:
-        """Eq. 5 at participant n: its round-r sub-model w*_n from its own previous values and the peers'."""
+        """Eq. 5 at participant n: its round-r sub-model w*_n from its own previous values and the peers'.
+
+        An element that neither n nor a connected peer held in round r−1 takes the last value n knows for it
+        (``client_state["known"]``: n's latest trained value, else the common initial model W⁰)."""
         sel = self.selection(n, r, total)
-        base = slice_state(self.initial_state(), self.spec, sel)
+        known = self.initial_state() if client_state is None else client_state.get("known", self.initial_state())
+        base = slice_state(known, self.spec, sel)
         sources = []
         if client_state is not None:
             sources.append((client_state["sub"], client_state["sel"]))
@@ -266,14 +279,16 @@ class MSfusion(Algorithm):
         r, total, n = int(payload.meta["round"]), int(payload.meta["total"]), data.cid
         w_star, sel, fallback = self.aggregate_local(n, r, total, client_state, payload)
         model = load_submodel(self._full, self.spec, w_star, sel, tag="train")
-        lr = (cyclic_lr(r, total, self.opt.lr_min, self.opt.lr_max) if self.opt.lr_schedule == "cyclic"
-              else self.ctx.train.lr)
+        lr = scheduled_lr(self.ctx.train.lr, r, total, self.opt.lr_schedule, self.opt.lr_min_ratio)
         extra, hook, frozen = None, None, []
-        if self.opt.contrastive and client_state is not None:
+        pos_cur, pos_prev = (self.common_positions(sel, client_state["sel"]) if client_state is not None
+                             else (torch.zeros(0, dtype=torch.long),) * 2)
+        # the window may jump past the previous one when Eq. 6 changes c: no common unit, no contrastive term
+        skipped = bool(self.opt.contrastive and client_state is not None and pos_cur.numel() == 0)
+        if self.opt.contrastive and client_state is not None and not skipped:
             agg = load_submodel(self._full, self.spec, w_star, sel, tag="aggregated").eval()
             prev = load_submodel(self._full, self.spec, client_state["sub"], client_state["sel"], tag="prev").eval()
             frozen = [agg, prev]
-            pos_cur, pos_prev = self.common_positions(sel, client_state["sel"])
             captured: dict[str, torch.Tensor] = {}
             hook = model.head.register_forward_hook(lambda m, i, o: captured.__setitem__("z", i[0]))
             tau, lam, sim = float(self.opt.tau), float(self.opt.lam), self.opt.similarity
@@ -292,7 +307,23 @@ class MSfusion(Algorithm):
         meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
         if frozen and stats.samples:
             meta["flops"] += sum(forward_flops_per_sample(f, data.train.x) for f in frozen) * stats.samples
-        new = state_of(model)
+        tensors, peer, new_state = self.publish(n, r, total, state_of(model), sel, client_state)
+        meta.update({
+            "sel": {g: v.tolist() for g, v in sel.items()},
+            "peer_bytes": peer,
+            "submodel_bytes": state_bytes(new_state["sub"]),
+            "fallback_elements": fallback,
+            "contrastive_skipped": int(skipped),
+            "lr": lr,
+        })
+        return Message(tensors, meta), new_state
+
+    def publish(
+        self, n: int, r: int, total: int, new: TensorDict, sel: Selection, client_state: ClientState
+    ) -> tuple[TensorDict, int, dict[str, Any]]:
+        """After local training: n's outgoing tensors (``sim/own/...`` and, per connected peer m, the elements
+        of its trained sub-model that lie in m's round-(r+1) sub-model), their bytes, and n's new state
+        (trained sub-model, its selection, and the full-size memory of n's latest trained values)."""
         tensors = {f"sim/own/{k}": v for k, v in new.items()}
         peer = 0
         if r + 1 < total:
@@ -300,14 +331,8 @@ class MSfusion(Algorithm):
                 part = overlap_part(new, sel, self.selection(m, r + 1, total), self.spec, self.shapes)
                 peer += state_bytes(part)
                 tensors.update({f"sim/peer/{m}/{k}": v for k, v in part.items()})
-        meta.update({
-            "sel": {g: v.tolist() for g, v in sel.items()},
-            "peer_bytes": peer,
-            "submodel_bytes": state_bytes(new),
-            "fallback_elements": fallback,
-            "lr": lr,
-        })
-        return Message(tensors, meta), {"sub": new, "sel": sel}
+        known = self.initial_state() if client_state is None else client_state.get("known", self.initial_state())
+        return tensors, peer, {"sub": new, "sel": sel, "known": write_back(known, new, self.spec, sel)}
 
     def common_positions(self, cur: Selection, prev: Selection) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions, in the current and in the previous sub-model's representation, of their common units."""

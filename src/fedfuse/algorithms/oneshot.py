@@ -5,7 +5,13 @@ Each client trains its own model (``init="distinct"``: its own initialisation, a
 own model in later rounds; nothing flows back to the clients.  With the same seed, ``fedma``'s round-0
 stage-0 models are bit-identical to these local models.  After each round the server fuses the uploads:
 
-* ``oneshot-avg`` — sample-weighted element-wise average (BN statistics averaged, ``num_batches_tracked`` max);
+* ``oneshot-avg`` — sample-weighted element-wise average (BN statistics averaged, ``num_batches_tracked`` max).
+  ``continuation="fedavg"`` turns it into the FedAvg baseline of ``IBM/FedMA``'s ``main.py`` (``fedavg_comm``)
+  and of the L46 report: round 0 is the one-shot average of the independently trained local models (the
+  report does not count it as a communication), every later round is a FedAvg round started from the global
+  average, trained with the code's retraining schedule (SGD momentum 0.9 at ``retrain_lr``, weight decay 1e-4,
+  ``retrain_epochs``; ``retrain_schedule="run"``: the run's optimiser and ``local_epochs``).  ``fedavg`` with
+  its one shared initialisation is the other, equally legitimate, form;
 * ``oneshot-match`` — layer-wise matching without retraining (:func:`~fedfuse.fusion.match.match_network`:
   BBP-MAP by default, or Hungarian; FedMA's class-weighted last layer);
 * ``ensemble`` — no single model: predictions are the average of the client models' softmax probabilities.
@@ -22,11 +28,12 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.algorithms.fedma import base_sizes, class_counts, initial_state
+from fedfuse.algorithms.fedma import base_sizes, class_counts, initial_state, retrain_config
 from fedfuse.engine.client import evaluate_model, train_local
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import match_network
 from fedfuse.fusion.permute import chain_spec, width_options
+from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
 
@@ -36,7 +43,8 @@ class _LocalModels(Algorithm):
 
     @dataclass
     class Options:
-        init: str = "distinct"  # "distinct" (IBM/FedMA) | "shared"
+        init: str = opt("distinct", "client models start from their own seeded initialisations (IBM/FedMA "
+                        "init_models) or one shared initialisation", choices=("distinct", "shared"))
 
     def select_clients(self, info: RoundInfo, rng: np.random.Generator) -> list[int]:
         return list(range(self.ctx.num_clients))
@@ -58,7 +66,43 @@ class _LocalModels(Algorithm):
 
 class OneShotAverage(_LocalModels):
     name = "oneshot-avg"
-    description = "One-shot averaging: element-wise average of independently trained local models"
+    description = ("One-shot averaging of independently trained local models; continuation=fedavg: FedAvg "
+                   "started from that average (IBM/FedMA's and the L46 report's FedAvg baseline)")
+
+    @dataclass
+    class Options(_LocalModels.Options):
+        continuation: str = opt("local", "after round 0: 'local' = clients keep training their own models "
+                                "(one-shot averaging every round); 'fedavg' = FedAvg rounds from the average "
+                                "(IBM/FedMA fedavg_comm, the L46 report's FedAvg)", choices=("local", "fedavg"))
+        retrain_schedule: str = opt("code", "continuation=fedavg rounds: 'code' = SGD momentum 0.9, weight decay "
+                                    "1e-4 at retrain_lr for retrain_epochs (IBM/FedMA local_retrain_fedavg); "
+                                    "'run' = the run's optimiser and local_epochs", choices=("code", "run"))
+        retrain_epochs: int = opt(7, "epochs per continuation=fedavg round with the 'code' schedule (L46 report: 7)",
+                                  ge=0)
+        retrain_lr: float = opt(0.0, "learning rate of the 'code' schedule (0 = the run's lr)", ge=0.0)
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        if self.opt.continuation == "fedavg" and info.index > 0:
+            msg = Message(state["global"], {"continue": True})
+            return {c: msg for c in clients}
+        return super().configure_fit(state, info, clients)
+
+    def fit(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> tuple[Message, ClientState]:
+        if not payload.meta.get("continue"):
+            return super().fit(payload, client_state, data, gen)
+        model = self.ctx.load(payload.tensors)
+        o = self.opt
+        if o.retrain_schedule == "code":
+            cfg, epochs = retrain_config(self.ctx.train, "code", o.retrain_epochs, o.retrain_lr, weight_decay=1e-4)
+        else:
+            cfg, epochs = retrain_config(self.ctx.train, "run", self.ctx.train.local_epochs)
+        stats = train_local(model, data.train, cfg, gen, epochs=epochs)
+        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+        meta["class_counts"] = class_counts(data, self.ctx.num_classes)
+        st = state_of(model)
+        return Message(st, meta), {"model": st}
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         cids = sorted(results)
@@ -73,14 +117,16 @@ class OneShotMatching(_LocalModels):
 
     @dataclass
     class Options(_LocalModels.Options):
-        matching: str = "bbp"
-        sigma: float = 1.0
-        sigma0: float = 1.0
-        gamma: float = 7.0
-        iters: int = 5
-        cap: int = 700
-        estimator: str = "posterior"
-        metric: str = "l2"
+        matching: str = opt("bbp", "layer matching: BBP-MAP (paper, code) or Hungarian permutations",
+                            choices=("bbp", "hungarian"))
+        sigma: float = opt(1.0, "BBP-MAP noise variance σ (code: 1)", gt=0.0)
+        sigma0: float = opt(1.0, "BBP-MAP prior variance σ0 (code: 1)", gt=0.0)
+        gamma: float = opt(7.0, "BBP-MAP new-neuron rate γ (code: 7)", gt=0.0)
+        iters: int = opt(5, "BBP-MAP passes (code: 5) / Hungarian re-alignments", ge=0)
+        cap: int = opt(700, "soft cap on a global layer's width (code: 700)", ge=1)
+        estimator: str = opt("posterior", "global unit: posterior mean (paper, code) or plain mean of the matched "
+                             "units", choices=("posterior", "mean"))
+        metric: str = opt("l2", "Hungarian cost", choices=("l2", "l1"))
 
     def init_state(self) -> ServerState:
         return {**super().init_state(), "sizes": base_sizes(self.ctx)}

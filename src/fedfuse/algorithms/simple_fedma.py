@@ -17,6 +17,7 @@ with ``--set persistent_pe=true``; otherwise that group is skipped (``residual="
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,9 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.algorithms.fedma import initial_state
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import align_to
-from fedfuse.fusion.permute import transformer_spec
-from fedfuse.types import ClientData, Message
+from fedfuse.fusion.permute import PermGroup, transformer_spec
+from fedfuse.options import opt
+from fedfuse.types import ClientData, Message, TensorDict
 
 
 class SimpleFedMA(Algorithm):
@@ -37,10 +39,13 @@ class SimpleFedMA(Algorithm):
 
     @dataclass
     class Options:
-        metric: str = "l1"  # report: L1 distance
-        weighting: str = "uniform"  # report: plain average | "samples"
-        init: str = "shared"  # round-0 client models: "shared" | "distinct"
-        residual: str = "auto"  # permute the residual stream: "auto" (when the PE table is persistent) | "yes" | "no"
+        metric: str = opt("l1", "permutation cost between rows (report's code: L1)", choices=("l1", "l2"))
+        weighting: str = opt("uniform", "average of the aligned models: plain (report) or by samples",
+                             choices=("uniform", "samples"))
+        init: str = opt("shared", "round-0 client models: one shared or distinct initialisations (report §4.2.3)",
+                        choices=("shared", "distinct"))
+        residual: str = opt("auto", "permute the residual stream: 'auto' (when the positional table is "
+                            "persistent), 'yes' or 'no'", choices=("auto", "yes", "no"))
 
     def __init__(self, ctx, options=None) -> None:
         super().__init__(ctx, options)
@@ -71,22 +76,36 @@ class SimpleFedMA(Algorithm):
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         cids = sorted(results)
-        spec = self._spec()
-        ref = results[cids[0]].tensors
-        aligned = [ref]
-        moved: dict[str, int] = {}
-        for c in cids[1:]:
-            st, perms = align_to(ref, results[c].tensors, spec, self.opt.metric)
-            aligned.append(st)
-            for name, pm in perms.items():
-                moved[name] = moved.get(name, 0) + int((pm != np.arange(len(pm))).sum())
         if self.opt.weighting == "samples":
             w = [float(results[c].meta["num_examples"]) for c in cids]
         elif self.opt.weighting == "uniform":
             w = [1.0] * len(cids)
         else:
             raise ValueError(f"weighting={self.opt.weighting!r}; choose uniform or samples")
-        return {**state, "global": weighted_average(aligned, w, base=state["global"]), "moved": moved}
+        merged, moved = merge([results[c].tensors for c in cids], self._spec(), self.opt.metric, w,
+                              base=state["global"])
+        return {**state, "global": merged, "moved": moved}
 
     def diagnostics(self, state: ServerState, fed, info: RoundInfo) -> dict[str, Any]:
         return {f"moved/{k}": v for k, v in state["moved"].items()}
+
+
+def merge(
+    states: Sequence[TensorDict], spec: Sequence[PermGroup], metric: str = "l1",
+    weights: Sequence[float] | None = None, base: TensorDict | None = None,
+) -> tuple[TensorDict, dict[str, int]]:
+    """Simple-FedMA's server step: align every state to ``states[0]`` (:func:`~fedfuse.fusion.match.align_to`),
+    then average with ``weights`` (default uniform, as in the report).
+
+    Returns the merged state and, per permutation group, how many units moved (summed over clients).
+    """
+    ref = states[0]
+    aligned = [ref]
+    moved: dict[str, int] = {}
+    for other in states[1:]:
+        st, perms = align_to(ref, other, spec, metric)
+        aligned.append(st)
+        for name, pm in perms.items():
+            moved[name] = moved.get(name, 0) + int((pm != np.arange(len(pm))).sum())
+    w = [1.0] * len(states) if weights is None else list(weights)
+    return weighted_average(aligned, w, base=base), moved

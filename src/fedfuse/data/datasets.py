@@ -8,8 +8,9 @@ Conventions (all deterministic, no option needed):
 
 * ``digits``: scikit-learn's bundled 8×8 digits, pixels /16 then standardised with the train mean/std
   (one scalar); 80/20 stratified split ``train_test_split(..., stratify=y, random_state=0)``, indices sorted.
-* image datasets are normalised per channel with the usual constants; FEMNIST is kept as LEAF gives it
-  (values in [0, 1], 1.0 = white background) so LEAF's models apply unchanged.
+* image datasets are normalised per channel with the usual constants; FEMNIST (LEAF values in [0, 1], 1.0 = white
+  background) is scaled as the FedMR/FedMut authors' loader does, ``(0.5 − x) / 0.5`` (ink +1, background −1);
+  the option ``normalize="none"`` keeps LEAF's values.
 * ``train_limit`` / ``test_limit`` (classification): a stratified subset (largest-remainder quota per class,
   seeded choice within a class, original order kept).
 * ``rotate_domains=k`` (image datasets): domains are dealt round robin along a seeded permutation of each
@@ -174,7 +175,7 @@ DATASETS: dict[str, DatasetInfo] = {
         ["femnist-leaf/data/train/*.json", "femnist-leaf/data/test/*.json"],
         "LEAF (github.com/TalwalkarLab/leaf): run data/femnist/preprocess.sh, copy data/{train,test}",
         alt_files=["femnist/data/{train,test}/*.json", "data/{train,test}/*.json"],
-        options=dict(_IMG_OPTS),
+        options={**_IMG_OPTS, "normalize": "authors"},
     ),
     "shakespeare": DatasetInfo(
         "shakespeare",
@@ -422,7 +423,8 @@ def _check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         _int("rotate_domains", 0, nullable=False)
     if "seq_len" in opts:
         _int("seq_len", 1, nullable=False)
-    for key, choices in (("label_mode", ("fine", "coarse")), ("level", ("char", "word"))):
+    for key, choices in (("label_mode", ("fine", "coarse")), ("level", ("char", "word")),
+                         ("normalize", FEMNIST_NORMALIZATIONS)):
         if key in opts and opts[key] not in choices:
             raise ValueError(f"option {key} of dataset {name!r} must be one of {choices}, got {opts[key]!r}")
     return opts
@@ -1002,6 +1004,26 @@ def _group_ids(records: Sequence[tuple[str, list[Any], list[Any]]], index: dict[
     return np.concatenate([np.full(len(y), index[u], dtype=np.int64) for u, _, y in records] or [np.zeros(0, int)])
 
 
+FEMNIST_NORMALIZATIONS = ("authors", "none")
+FEMNIST_NORMALIZATION_INFO = {
+    "authors": "(0.5 - x) / 0.5 (FedMR/FedMut authors' code): background -1, ink +1",
+    "none": "none (LEAF values in [0, 1], 1.0 = background)",
+}
+
+
+def femnist_normalize(x: torch.Tensor, mode: str = "authors") -> torch.Tensor:
+    """FEMNIST pixel scaling.  LEAF stores values in [0, 1] with 1.0 = background (white paper).
+
+    ``"authors"`` (default): ``(0.5 − x) / 0.5`` as the FedMR/FedMut authors' ``utils/FEMNIST.py`` does, so the
+    background maps to −1 and full ink to +1 (zero-centred, ink positive).  ``"none"``: LEAF's values as given.
+    """
+    if mode == "authors":
+        return (0.5 - x) / 0.5
+    if mode == "none":
+        return x
+    raise ValueError(f"unknown FEMNIST normalization {mode!r}; choose one of {FEMNIST_NORMALIZATIONS}")
+
+
 def _load_femnist(root: Path | None, opts: dict[str, Any]) -> Dataset:
     _, train_files, test_files = _leaf_dirs("femnist", root, ["femnist-leaf", "femnist"])
 
@@ -1018,12 +1040,13 @@ def _load_femnist(root: Path | None, opts: dict[str, Any]) -> Dataset:
         return arrays
 
     arrays, cache_path = _cached("femnist", [*train_files, *test_files], build)
+    mode = str(opts.get("normalize", "authors"))
     return Dataset(
         name="femnist",
         task="classification",
-        train_x=torch.from_numpy(arrays["train_x"].reshape(-1, 1, 28, 28)),
+        train_x=femnist_normalize(torch.from_numpy(arrays["train_x"].reshape(-1, 1, 28, 28)), mode),
         train_y=torch.from_numpy(arrays["train_y"]),
-        test_x=torch.from_numpy(arrays["test_x"].reshape(-1, 1, 28, 28)),
+        test_x=femnist_normalize(torch.from_numpy(arrays["test_x"].reshape(-1, 1, 28, 28)), mode),
         test_y=torch.from_numpy(arrays["test_y"]),
         num_classes=62,
         input_shape=(1, 28, 28),
@@ -1034,7 +1057,7 @@ def _load_femnist(root: Path | None, opts: dict[str, Any]) -> Dataset:
         info={
             **_source_info("femnist", [*train_files, *test_files]),
             "cache": str(cache_path),
-            "normalization": "none (LEAF values in [0, 1], 1.0 = background)",
+            "normalization": FEMNIST_NORMALIZATION_INFO[mode],
         },
     )
 

@@ -53,6 +53,34 @@ def task_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") ->
     return F.cross_entropy(logits, y, reduction=reduction)
 
 
+LR_SCHEDULES = ("constant", "cyclic")
+
+
+def cyclic_lr(r: int, total: int, lr_min: float, lr_max: float) -> float:
+    """Triangular CyclicLR with one cycle over ``total`` rounds: lr_min → lr_max (mid-training) → lr_min."""
+    if total <= 1:
+        return lr_min
+    x = abs(2.0 * r / total - 1.0)
+    return lr_min + (lr_max - lr_min) * (1.0 - x)
+
+
+def scheduled_lr(lr: float, r: int, total: int, schedule: str = "constant", min_ratio: float = 1.0) -> float:
+    """The local learning rate of round ``r`` of ``total``.
+
+    One owner: the run's ``lr`` (``--lr``) is the value a schedule is built from and is never replaced.
+    ``constant`` returns it; ``cyclic`` is a triangular cycle over all rounds whose *peak* is ``lr`` and whose
+    floor is ``min_ratio · lr`` (MSfusion App. A.2.2: 0.001 → 0.0012, i.e. ``min_ratio`` = 1/1.2).
+    Algorithms expose only the schedule's shape (its name and ``min_ratio``), never an absolute rate.
+    """
+    if schedule == "constant":
+        return float(lr)
+    if schedule == "cyclic":
+        if not 0.0 < min_ratio <= 1.0:
+            raise ValueError(f"lr_min_ratio must be in (0, 1], got {min_ratio}")
+        return cyclic_lr(r, total, min_ratio * float(lr), float(lr))
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+
+
 def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig, lr: float | None = None):
     lr = cfg.lr if lr is None else lr
     params = list(params)

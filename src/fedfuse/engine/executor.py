@@ -1,8 +1,20 @@
 """Executors: the ``for_each_client`` seam between the round loop and the clients' work.
 
-The loop hands an executor a list of jobs (client id, payload, client state) and a pure client
-function; the executor decides where and how they run.  Every job seeds its own random streams from
-(seed, purpose, round, stage, client), so the result is the same whatever the order.
+The loop hands an executor a list of jobs (client id, payload, client state) and either a pure client
+function (``map``: evaluation, custom client steps) or the algorithm itself (``fit``: the client step, which
+an executor may run as the algorithm's declared :class:`~fedfuse.engine.program.ClientProgram`).  Every job
+seeds its own random streams from (seed, purpose, round, stage, client), so the result is the same whatever
+the order, the process or the batching.
+
+Executors (``executor`` config key / ``--executor``):
+
+- ``sequential`` — one client after another in this process (the reference);
+- ``batched`` — clients of a declared program trained together with ``torch.func`` (``engine/batched.py``);
+- ``processes`` — a pool of worker processes (``engine/processes.py``);
+- ``auto`` — a short probe picks one of the above (``engine/auto.py``).
+
+The engine imports no algorithm: ``fit`` only needs an object with ``fit`` and, optionally,
+``client_program`` (:class:`~fedfuse.engine.program.ProgramSource`).
 """
 
 from __future__ import annotations
@@ -13,7 +25,6 @@ from typing import Any
 
 import torch
 
-from fedfuse.algorithms.base import ClientState
 from fedfuse.rng import derive_seed, torch_generator
 from fedfuse.types import ClientData, Message
 
@@ -22,11 +33,21 @@ from fedfuse.types import ClientData, Message
 class Job:
     cid: int
     payload: Message
-    state: ClientState
+    state: Any  # the client's persistent state (the algorithm's ClientState)
     keys: tuple[int | str, ...]  # (purpose, round, stage): combined with the seed and the client id
 
 
-ClientFn = Callable[[Message, ClientState, ClientData, torch.Generator], Any]
+ClientFn = Callable[[Message, Any, ClientData, torch.Generator], Any]
+
+
+def job_generator(seed: int, job: Job) -> torch.Generator:
+    """The job's data-order generator (the same in every executor)."""
+    return torch_generator(seed, *job.keys, job.cid)
+
+
+def seed_global(seed: int, job: Job) -> None:
+    """Seed the global torch RNG for the job (dropout and other global-RNG users)."""
+    torch.manual_seed(derive_seed(seed, *job.keys, job.cid, "torch"))
 
 
 class SequentialExecutor:
@@ -44,11 +65,42 @@ class SequentialExecutor:
             out[job.cid] = self.run_one(fn, job)
         return out
 
+    def fit(self, target: Any, jobs: Sequence[Job]) -> dict[int, Any]:
+        """The client step of ``target`` (an algorithm) for every job."""
+        return self.map(target.fit, jobs)
+
     def run_one(self, fn: ClientFn, job: Job) -> Any:
         # Dropout and other global-RNG users are seeded per job; data order uses the explicit generator.
-        torch.manual_seed(derive_seed(self.seed, *job.keys, job.cid, "torch"))
-        gen = torch_generator(self.seed, *job.keys, job.cid)
-        return fn(job.payload, job.state, self.clients[job.cid], gen)
+        seed_global(self.seed, job)
+        return fn(job.payload, job.state, self.clients[job.cid], job_generator(self.seed, job))
+
+    def close(self) -> None:
+        """Release workers (no-op here)."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+EXECUTOR_NAMES = ("sequential", "batched", "processes", "auto")
+
+
+def make_executor(name: str, clients: Sequence[ClientData], seed: int, *, threads: int = 0) -> Any:
+    """The executor called ``name`` (one of :data:`EXECUTOR_NAMES`)."""
+    if name == "sequential":
+        return SequentialExecutor(clients, seed)
+    if name == "batched":
+        from fedfuse.engine.batched import BatchedExecutor
+
+        return BatchedExecutor(clients, seed)
+    if name == "processes":
+        from fedfuse.engine.processes import ProcessExecutor
+
+        return ProcessExecutor(clients, seed, threads=threads or 1)
+    if name == "auto":
+        from fedfuse.engine.auto import AutoExecutor
+
+        return AutoExecutor(clients, seed, threads=threads or 1)
+    raise ValueError(f"unknown executor {name!r}; choose one of: {', '.join(EXECUTOR_NAMES)}")
 
 
 EXECUTORS: dict[str, type[SequentialExecutor]] = {"sequential": SequentialExecutor}

@@ -23,8 +23,9 @@ from fedfuse.algorithms import get_algorithm
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.config import ConfigError, RunConfig, check_resume, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
-from fedfuse.engine.executor import Job, SequentialExecutor
+from fedfuse.engine.executor import Job, make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
+from fedfuse.engine.sampling import make_sampler
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError
 from fedfuse.rng import numpy_rng
@@ -82,7 +83,9 @@ def build_algorithm(cfg: RunConfig, ctx: RunContext) -> Algorithm:
         algo = cls(ctx, cls.Options(**cfg.algorithm_options))
         with torch.random.fork_rng(devices=[]):
             algo.init_state()  # a dry run: algorithms inspect the model's structure here
-    except (AttributeError, KeyError, NotImplementedError, TypeError, ValueError, IndexError) as e:
+    except ValueError as e:  # the algorithm's own check of its options and model
+        raise ConfigError(f"algorithm {cfg.algorithm!r} (model {cfg.model!r}): {e}") from e
+    except (AttributeError, KeyError, NotImplementedError, TypeError, IndexError) as e:
         raise ConfigError(f"algorithm {cfg.algorithm!r} cannot run with model {cfg.model!r} on {cfg.dataset!r}: "
                           f"{type(e).__name__}: {e}") from e
     return algo
@@ -121,7 +124,13 @@ class Experiment:
         self.ctx = build_context(self.cfg, self.fed, self.device)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.algo = build_algorithm(self.cfg, self.ctx)
-        self.executor = executor or SequentialExecutor(self.fed.clients, self.cfg.seed)
+        setup = getattr(self.algo, "setup", None)
+        if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
+            self.fed = setup(self.fed)
+            self.ctx.client_sizes = self.fed.client_sizes()
+        self.sampler = make_sampler(self.cfg.sampling, self.algo)
+        self.executor = executor or make_executor(self.cfg.executor, self.fed.clients, self.cfg.seed,
+                                                  threads=self.cfg.threads)
         self.progress = progress
         self.on_round = on_round
         self.out = Path(self.cfg.out) if self.cfg.out else None
@@ -175,6 +184,10 @@ class Experiment:
             self.ctx.train = dataclasses.replace(self.ctx.train, lr=float(ck["lr"]))
         if ck["config"].get("rounds") != self.cfg.rounds:  # a resume that extends the run
             dump_yaml(self.cfg, self.out / "config.yaml")
+        restore = getattr(self.executor, "restore", None)  # auto: keep the executor the probe chose
+        if restore is not None:
+            restore(ck.get("executor"))
+        self.sampler.load_state_dict(ck.get("sampler", {}))
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
         (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -188,8 +201,10 @@ class Experiment:
             "totals": dataclasses.asdict(self.totals),
             "best": self.best,
             "history": self.history,
+            "sampler": self.sampler.state_dict(),
             "config": self.cfg.to_dict(),
             "lr": self.ctx.train.lr,
+            "executor": _describe(self.executor),
         }
         tmp = self.out / (CHECKPOINT + ".tmp")
         torch.save(ck, tmp)
@@ -229,6 +244,9 @@ class Experiment:
                 self.on_round(rec)
         if bar is not None:
             bar.close()
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
         summary = self.summary()
         if self.out:
             self._finish(summary)
@@ -239,7 +257,8 @@ class Experiment:
         the state before it with half the learning rate)."""
         rollback = self.cfg.on_divergence == "rollback"
         for attempt in range(MAX_ROLLBACKS + 1):
-            saved = copy.deepcopy((self.state, self.client_states, self.totals)) if rollback else None
+            saved = copy.deepcopy((self.state, self.client_states, self.totals, self.sampler.state_dict())) \
+                if rollback else None
             rec = self._round(r)
             why = rec.pop("_diverged", None)
             if why is None:
@@ -249,7 +268,8 @@ class Experiment:
             lr = self.ctx.train.lr
             if saved is None or attempt == MAX_ROLLBACKS:
                 raise DivergenceError(self._divergence_message(r, why, lr))
-            self.state, self.client_states, self.totals = saved
+            self.state, self.client_states, self.totals, sampler_state = saved
+            self.sampler.load_state_dict(sampler_state)
             self.ctx.train = dataclasses.replace(self.ctx.train, lr=lr / 2)
             log.warning("round %d diverged (%s); rolled back, lr %.4g -> %.4g", r + 1, why, lr, lr / 2)
         raise AssertionError("unreachable")
@@ -269,7 +289,8 @@ class Experiment:
     def _round(self, r: int) -> dict[str, Any]:
         algo, seed, cfg = self.algo, self.cfg.seed, self.cfg
         info = RoundInfo(index=r, total=self.cfg.rounds)
-        clients = algo.select_clients(info, numpy_rng(seed, "select", r))
+        clients = self.sampler.select(algo, info, numpy_rng(seed, "select", r))
+        sampling_weight = self.sampler.weights()
         fates = self.faults.fates(r, clients)
         dropped = [c for c in clients if fates[c] == DROPOUT]
         late: list[int] = []
@@ -290,7 +311,8 @@ class Experiment:
             # a dropped-out client received its payload but never replies (and does no work)
             jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage))
                     for c in payloads if fates.get(c) != DROPOUT]
-            outs = self.executor.map(algo.fit, jobs)
+            fit = getattr(self.executor, "fit", None)  # executors that own the loop run declared programs
+            outs = fit(algo, jobs) if fit is not None else self.executor.map(algo.fit, jobs)
             results: dict[int, Message] = {}
             state_like = is_state_like(algo, payloads, outs_results(outs))
             for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
@@ -299,8 +321,14 @@ class Experiment:
                     late.append(c)
                     continue
                 res = self.faults.corrupt(c, payloads[c], res, state_like)
-                if res is not None:
-                    results[c] = res
+                if res is None:
+                    continue
+                results[c] = res
+                for key in getattr(algo, "echo_meta", ()):  # server-side bookkeeping of what was sent
+                    if key in payloads[c].meta:
+                        res.meta.setdefault(key, payloads[c].meta[key])
+                if c in sampling_weight:
+                    res.meta["sampling_weight"] = sampling_weight[c]
             down += sum(p.nbytes for p in payloads.values())
             up += sum(res.nbytes for res in results.values())
             comm_params += [sum(t.numel() for t in p.tensors.values()) for p in payloads.values()]
@@ -313,6 +341,8 @@ class Experiment:
                     if not self.faults.corrupts(c) and "non-finite" in reason:
                         honest_bad += 1
                     del results[c]
+            if stage == 0:  # the training stage: what gradient-based sampling policies learn from
+                self.sampler.observe(payloads, results)
             for res in results.values():
                 flops += float(res.meta.get("flops", 0.0))
                 if "trained_params" in res.meta:  # stages without training (e.g. BN statistics) do not count
@@ -432,6 +462,7 @@ class Experiment:
             "best": _block(self.best or final),
             "totals": dataclasses.asdict(self.totals),
             "wall_seconds": self.totals.wall_seconds,
+            "executor": _describe(self.executor),
         }
 
     def _finish(self, summary: dict[str, Any]) -> None:
@@ -471,6 +502,11 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str,
     if not isinstance(ck, dict) or any(k not in ck for k in needed):
         raise ConfigError(f"--resume: {path} is not a fedfuse run checkpoint (missing entries)")
     return ck
+
+
+def _describe(executor: Any) -> str:
+    describe = getattr(executor, "describe", None)
+    return describe() if describe is not None else str(getattr(executor, "name", type(executor).__name__))
 
 
 def _block(rec: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Small convolutional networks: McMahan et al. (2017)'s CNN and FedMR's LeNet-style CIFAR CNN."""
+"""Small convolutional networks: McMahan et al. (2017)'s CNN, FedMR's LeNet-style CIFAR CNN and the FedMR
+authors' FEMNIST / Fashion-MNIST CNN."""
 
 from __future__ import annotations
 
@@ -97,3 +98,36 @@ class CifarCNN(FedModel):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.fc1(x.flatten(1)))
         return F.relu(self.fc2(x))
+
+
+class FemnistCNN(FedModel):
+    """The FedMR/FedMut authors' FEMNIST and Fashion-MNIST CNN (``CNNFashionMnist`` in their ``models/Nets.py``).
+
+    conv5x5 16 -> max-pool 2 -> ReLU -> conv5x5 32 -> max-pool 2 -> ReLU -> fc 256 -> ReLU -> fc C, no padding.
+    On 1x28x28 inputs the flattened feature is 32x4x4 = 512 wide; with 62 classes the model has 160,510
+    parameters (10 classes: 147,146).  The authors' class also creates a ``Dropout2d`` that its forward pass
+    never calls, so there is no dropout here.
+    """
+
+    def __init__(
+        self, image: tuple[int, int, int], num_classes: int, channels: Sequence[int] = (16, 32), hidden: int = 256
+    ) -> None:
+        super().__init__("classification")
+        if len(channels) != 2:
+            raise ValueError(f"cnn-femnist needs two conv widths, got {tuple(channels)}")
+        c, h, w = image
+        self.image = image
+        for _ in range(2):
+            h, w = _conv_pool_size(h, 5, 0), _conv_pool_size(w, 5, 0)
+        if min(h, w) < 1:
+            raise ValueError(f"input {image} is too small for cnn-femnist (needs H, W >= 16)")
+        self.conv1 = nn.Conv2d(c, channels[0], 5)
+        self.conv2 = nn.Conv2d(channels[0], channels[1], 5)
+        self.fc1 = nn.Linear(channels[1] * h * w, hidden)
+        self.fc = nn.Linear(hidden, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = as_images(x, self.image)
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2(x), 2))
+        return F.relu(self.fc1(x.flatten(1)))

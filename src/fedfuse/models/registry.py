@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fedfuse.models.base import FedModel, check_task, image_shape, scaled
-from fedfuse.models.cnn import CNN, CifarCNN
+from fedfuse.models.cnn import CNN, CifarCNN, FemnistCNN
 from fedfuse.models.mlp import MLP
 from fedfuse.models.resnet import ResNet
 from fedfuse.models.rnn import CharRNN
@@ -80,6 +80,13 @@ def _cnn_cifar(
 ) -> FedModel:
     check_task(task, CLS, "cnn-cifar")
     return CifarCNN(image_shape(input_shape), num_classes, tuple(channels), tuple(hidden), padding)
+
+
+def _cnn_femnist(
+    input_shape: Shape, num_classes: int, task: str, *, channels: Sequence[int] = (16, 32), hidden: int = 256
+) -> FedModel:
+    check_task(task, CLS, "cnn-femnist")
+    return FemnistCNN(image_shape(input_shape), num_classes, tuple(channels), hidden)
 
 
 def _resnet(name: str, stem: int, widths: Sequence[int], blocks: Sequence[int], strides: Sequence[int]):
@@ -190,6 +197,8 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("simple-mlp", "FedMA's SimpleMLP: MLP with widths 20-100-120-84", _simple_mlp, CLS),
         ModelInfo("cnn", "McMahan et al. 2017 CNN: conv5x5 32, conv5x5 64 ('same'), fc 512, fc", _cnn, CLS),
         ModelInfo("cnn-cifar", "FedMR's CIFAR CNN: conv 6, conv 16, fc 120, fc 84, fc", _cnn_cifar, CLS),
+        ModelInfo("cnn-femnist", "FedMR authors' FEMNIST/Fashion-MNIST CNN: conv 16, conv 32, fc 256, fc",
+                  _cnn_femnist, CLS),
         ModelInfo(
             "resnet9",
             "FedMerge's narrow ResNet-9: widths 8/16/32/64, one BasicBlock per stage",

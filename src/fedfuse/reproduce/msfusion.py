@@ -65,7 +65,7 @@ def cifar_base(s: dict[str, Any], data_dir: str | None, seed: int, partition: st
     }
 
 
-LR = {"lr_schedule": "cyclic", "lr_min": 0.05, "lr_max": 0.1}
+LR = {"lr_schedule": "cyclic", "lr_min_ratio": 0.5}  # with the run's lr 0.1: CyclicLR 0.05 → 0.1
 
 
 def algo_options(algo: str, mu: float, eval_every: int, rounds: int = 500, **extra: Any) -> dict[str, Any]:
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         base = {
             "dataset": "ptb", "data_dir": data_dir, "partition": "contiguous", "partition_options": {},
             "model": "transformer", "clients": 10, "clients_per_round": 10, "rounds": s["ptb_rounds"],
-            "local_epochs": 1, "batch_size": 20, "lr": 0.5, "seed": args.seed, "eval_every": s["ptb_rounds"],
+            "local_epochs": 1, "batch_size": 20, "lr": 1.0, "seed": args.seed, "eval_every": s["ptb_rounds"],
             "checkpoint_every": 1000, "plots": False, "device": "cpu",
             "model_options": {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "dropout": 0.2},
             "dataset_options": {"seq_len": 32},
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             t = time.time()
             cfg = validate(apply(RunConfig(), {**base, "algorithm": algo, "out": str(out / "ptb" / algo),
                                                "algorithm_options": {"mu": 0.25, "lr_schedule": "cyclic",
-                                                                     "lr_min": 0.5, "lr_max": 1.0}}))
+                                                                     "lr_min_ratio": 0.5}}))
             exp = Experiment(cfg, fed=truncated(federation_for(cfg), s["ptb_seqs"], s["ptb_test"]),
                              progress=progress)
             summ = exp.run()

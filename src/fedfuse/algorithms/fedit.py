@@ -1,0 +1,126 @@
+"""Single-adapter LoRA baselines of FedMerge's foundation-model experiments (seed 001, Baselines):
+
+* ``fedit`` — FedIT (Zhang et al. 2024, "Towards building the federated GPT"): FedAvg over LoRA adapters.
+  Server: one adapter; each sampled client trains it locally (frozen base) and sends it back; the server
+  takes the sample-weighted average of A and B separately (what FedIT and the FedMerge code do; the product
+  of averages is not the average of products — see docs/lora.md).  Personal model = the global adapter.
+* ``fedlora`` — the papers' "FedLoRA" baseline (replaces FedAvg+): FedIT training, and before personalised
+  evaluation each client fine-tunes the received global adapter on its own training split for ``ft_epochs``
+  (not sent back).  (Yi et al.'s FedLoRA is a model-heterogeneous method; the FedMerge paper uses the name for
+  FedIT + local fine-tuning, which is what this is.)
+* ``local-lora`` — every client trains its own adapter, nothing is communicated.
+
+All start from the same adapter (``A`` Kaiming-uniform from the run seed, ``B`` = 0), so the first merged or
+averaged model is the base itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
+from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
+from fedfuse.fusion.average import weighted_average
+from fedfuse.options import opt
+from fedfuse.types import ClientData, Message
+
+
+class FedIT(LoraAlgorithm):
+    name = "fedit"
+    description = "FedIT: FedAvg of LoRA adapters on a frozen base LM (only A and B travel)"
+
+    @dataclass
+    class Options(LoraOptions):
+        pass
+
+    def init_state(self) -> ServerState:
+        return {"adapter": self.new_adapter("lora-init")}
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        msg = Message(state["adapter"])
+        return {c: msg for c in clients}
+
+    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
+            gen: torch.Generator) -> tuple[Message, ClientState]:
+        adapter, stats = self.train_adapter(payload.tensors, data, gen)
+        return Message(adapter, self.adapter_meta(data, stats)), client_state
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        clients = sorted(results)
+        if not clients:
+            return state
+        states = [results[c].tensors for c in clients]
+        return {**state, "adapter": weighted_average(states, size_weights(results, clients), base=state["adapter"])}
+
+    def global_model(self, state: ServerState) -> None:
+        return None  # the adapter is evaluated per client (configure_evaluate), not as a fedfuse model
+
+    def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
+        msg = Message(state["adapter"])
+        return {c: msg for c in clients}
+
+    def server_parameters(self, state: ServerState) -> int:
+        return self.adapter_parameters()
+
+    def evaluate(self, payload: Message, client_state: ClientState, data: ClientData,
+                 gen: torch.Generator) -> dict[str, float]:
+        return self.evaluate_mixture(([payload.tensors], [1.0]), data)
+
+
+class FedLoRA(FedIT):
+    name = "fedlora"
+    description = "FedLoRA (FedMerge's FedAvg+ for LoRA): FedIT, then local adapter fine-tuning before evaluation"
+
+    @dataclass
+    class Options(LoraOptions):
+        ft_epochs: int = opt(1, "local fine-tuning epochs of the global adapter before evaluation", ge=0)
+        ft_lr: float = opt(0.0, "fine-tuning learning rate (0 = the run's local learning rate)", ge=0.0)
+
+    def evaluate(self, payload: Message, client_state: ClientState, data: ClientData,
+                 gen: torch.Generator) -> dict[str, float]:
+        adapter = payload.tensors
+        if self.opt.ft_epochs > 0:
+            adapter, _ = self.train_adapter(adapter, data, gen, epochs=int(self.opt.ft_epochs),
+                                            lr=float(self.opt.ft_lr) or None)
+        return self.evaluate_mixture(([adapter], [1.0]), data)
+
+
+class LocalLoRA(LoraAlgorithm):
+    name = "local-lora"
+    description = "Local LoRA: each client fine-tunes its own adapter (no communication)"
+
+    @dataclass
+    class Options(LoraOptions):
+        pass
+
+    def init_state(self) -> ServerState:
+        return {}
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        return {c: Message(meta={"init_seed": self.ctx.seed}) for c in clients}  # a shared seed, not a transfer
+
+    def _own(self, client_state: ClientState) -> dict[str, torch.Tensor]:
+        return client_state["adapter"] if client_state else self.new_adapter("lora-init")
+
+    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
+            gen: torch.Generator) -> tuple[Message, ClientState]:
+        adapter, stats = self.train_adapter(self._own(client_state), data, gen)
+        return Message(meta=self.adapter_meta(data, stats)), {"adapter": adapter}
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        return state
+
+    def global_model(self, state: ServerState) -> None:
+        return None
+
+    def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
+        return {c: Message() for c in clients}
+
+    def server_parameters(self, state: ServerState) -> int:
+        return 0
+
+    def evaluate(self, payload: Message, client_state: ClientState, data: ClientData,
+                 gen: torch.Generator) -> dict[str, float]:
+        return self.evaluate_mixture(([self._own(client_state)], [1.0]), data)

@@ -1,0 +1,272 @@
+"""FedMerge on LoRA adapters (seed 001, "Foundation model FL"; author code shutong043/FedMerge merges the
+LoRA matrices): the server keeps d adapters and sends each client one merged rank-r adapter.
+
+Notation as :mod:`fedfuse.algorithms.fedmerge` with Θ_j the j-th global *adapter* (its ``lora_A`` and
+``lora_B`` tensors) on a frozen base:
+
+1. client i receives θ_i = Σ_j w_ij Θ_j, merged tensor by tensor (A with A, B with B, as the authors' code
+   does: the client's ΔW is then (Σ_j w_ij B_j)(Σ_j w_ij A_j), not Σ_j w_ij B_j A_j — see docs/lora.md);
+2. it trains θ_i with the run's local optimiser (base frozen) and returns Δθ_i (adapter tensors only);
+3. logits (App. D, delta form of Eq. 9): g_ij = s_i w_ij ⟨Δθ_i, Θ_j − θ_i⟩ over ``merge_params`` adapter
+   tensors, a ← a + merge_step · G / max|G| (``merge_update="fixed"``, 000 §4.1) or a + merge_step · G;
+4. adapters (Eq. 8/10): Θ_j ← Θ_j + theta_lr Σ_i s_i w_ij Δθ_i (``"paper"``) or the code's column-normalised
+   weights (``"column_normalised"``).
+
+Every fusion step calls :mod:`fedfuse.fusion.merge`'s public functions unchanged.  The d adapters start with
+independent ``A`` (seeded) and ``B`` = 0, so every merged adapter starts as the identity (ΔW = 0) like a
+fresh LoRA.  There are no buffers or integer entries in an adapter; tensors a client did not train cannot
+occur (every client trains the whole adapter).
+
+``fedem-lora`` (FedEM with a personalised router over LoRA modules, seed 001 App. B.2) lives here too:
+M adapters are all sent, trained with the E-step responsibilities and averaged; each client's router is
+its mixture weights π (learned by EM), and its prediction is Σ_m π_m softmax(f_m(x)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
+from fedfuse.adapters.evaluate import row_losses
+from fedfuse.adapters.lora import cross_term_gap
+from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
+from fedfuse.algorithms.fedem import e_step
+from fedfuse.engine.client import make_optimizer, task_loss
+from fedfuse.fusion.average import delta, weighted_average
+from fedfuse.fusion.merge import (
+    cluster_ari,
+    column_normalised,
+    fixed_magnitude_step,
+    inner_products,
+    logit_gradient,
+    merge_states,
+    paper_coefficients,
+    row_softmax,
+    update_globals,
+)
+from fedfuse.options import opt
+from fedfuse.types import ClientData, Message, TensorDict
+
+
+def adapter_keys(keys: list[str], spec: str) -> list[str]:
+    """Adapter tensors in the logit inner product: ``all`` | ``lora_A`` | ``lora_B`` | ``last-K`` modules."""
+    if spec == "all":
+        return list(keys)
+    if spec in ("lora_A", "lora_B"):
+        return [k for k in keys if f".{spec}." in k]
+    if spec.startswith("last-"):
+        n = int(spec.split("-", 1)[1])
+        modules = list(dict.fromkeys(k.split(".lora_")[0] for k in keys))
+        keep = set(modules[-n:])
+        return [k for k in keys if k.split(".lora_")[0] in keep]
+    raise ValueError(f"merge_params={spec!r}; choose all, lora_A, lora_B or last-K")
+
+
+def pack(adapters: list[TensorDict]) -> TensorDict:
+    return {f"{m}/{k}": v for m, a in enumerate(adapters) for k, v in a.items()}
+
+
+def unpack(tensors: TensorDict, count: int) -> list[TensorDict]:
+    out: list[TensorDict] = [{} for _ in range(count)]
+    for k, v in tensors.items():
+        m, name = k.split("/", 1)
+        out[int(m)][name] = v
+    return out
+
+
+class FedMergeLoRA(LoraAlgorithm):
+    name = "fedmerge-lora"
+    description = "FedMerge on LoRA adapters: d global adapters, each client receives one merged rank-r adapter"
+
+    @dataclass
+    class Options(LoraOptions):
+        d: int = opt(4, "number of global adapters (the papers' parameter-scale study: 2..12)", ge=1)
+        merge_params: str = opt("all", "adapter tensors in the merging-logit inner product: all, lora_A, "
+                                "lora_B or last-K (the last K adapted modules)")
+        merge_step: float = opt(0.01, "logit step (paper: 0.01 per round over 50 rounds)", ge=0.0)
+        merge_update: str = opt("fixed", "fixed: largest logit change = merge_step (paper 000 §4.1, code's "
+                                "search); gradient: a += merge_step · G", choices=("fixed", "gradient"))
+        theta_lr: float = opt(1.0, "step on the global adapters (Eq. 8)", gt=0.0)
+        theta_update: str = opt("paper", "paper: Θ_j += Σ_i s_i w_ij Δθ_i; column_normalised: author code's "
+                                "w_ij n_i / Σ_k w_kj n_k", choices=("paper", "column_normalised"))
+        weights_first: bool = opt(False, "author code: update the logits first, then Θ with the new weights")
+        size_norm: str = opt("sampled", "n in s_i = n_i / n: sampled clients' total or all clients' total",
+                             choices=("sampled", "all"))
+
+    def __init__(self, ctx: Any, options: Any | None = None) -> None:
+        super().__init__(ctx, options)
+        adapter_keys(["x.lora_A.w"], self.opt.merge_params if not self.opt.merge_params.startswith("last-")
+                     else "all")
+
+    @property
+    def keys(self) -> list[str]:
+        return adapter_keys(self.am.keys, self.opt.merge_params)
+
+    def init_state(self) -> ServerState:
+        d, m = int(self.opt.d), self.ctx.num_clients
+        return {"globals": [self.new_adapter("lora-merge-init", j) for j in range(d)],
+                "logits": torch.zeros(m, d, dtype=torch.float64)}
+
+    def weights(self, state: ServerState) -> torch.Tensor:
+        return row_softmax(state["logits"])
+
+    def merged(self, state: ServerState, cid: int) -> TensorDict:
+        return merge_states(state["globals"], self.weights(state)[cid])
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        return {c: Message(self.merged(state, c)) for c in clients}
+
+    def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
+        return {c: Message(self.merged(state, c)) for c in clients}
+
+    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
+            gen: torch.Generator) -> tuple[Message, ClientState]:
+        adapter, stats = self.train_adapter(payload.tensors, data, gen)
+        return Message(delta(adapter, payload.tensors), self.adapter_meta(data, stats)), client_state
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        if not results:
+            return state
+        o = self.opt
+        clients = sorted(results)
+        idx = torch.tensor(clients)
+        deltas = [results[c].tensors for c in clients]
+        sizes = torch.tensor(size_weights(results, clients), dtype=torch.float64)
+        total = float(sizes.sum()) if o.size_norm == "sampled" else float(self.ctx.client_sizes.sum())
+        scale = sizes / total if total > 0 else torch.zeros_like(sizes)
+        logits = state["logits"].clone()
+        w_old = row_softmax(logits[idx])
+        keys = self.keys
+        if o.merge_step > 0:
+            sent = [merge_states([{k: g[k] for k in keys} for g in state["globals"]], w_old[r])
+                    for r in range(len(clients))]
+            grad = logit_gradient(w_old, inner_products(deltas, state["globals"], sent, keys), scale)
+            if o.merge_update == "fixed":
+                logits[idx] = fixed_magnitude_step(logits[idx], grad, o.merge_step)
+            else:
+                logits[idx] = logits[idx] + o.merge_step * grad
+        w = row_softmax(logits[idx]) if o.weights_first else w_old
+        if o.theta_update == "paper":
+            coef, normalised = paper_coefficients(w, scale), False
+        else:
+            coef, normalised = column_normalised(w, sizes), True
+        globals_ = update_globals(state["globals"], deltas, coef, o.theta_lr, normalised=normalised)
+        return {**state, "globals": globals_, "logits": logits}
+
+    def global_model(self, state: ServerState) -> None:
+        return None
+
+    def server_parameters(self, state: ServerState) -> int:
+        return int(self.opt.d) * self.adapter_parameters()
+
+    def evaluate(self, payload: Message, client_state: ClientState, data: ClientData,
+                 gen: torch.Generator) -> dict[str, float]:
+        return self.evaluate_mixture(([payload.tensors], [1.0]), data)
+
+    def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
+        out = super().diagnostics(state, fed, info)
+        w = self.weights(state)
+        wn = w.numpy()
+        out["merge_entropy"] = float(-(wn * np.log(np.clip(wn, 1e-300, None))).sum(1).mean())
+        out["merge_cross_term"] = float(np.mean([cross_term_gap(state["globals"], w[i].tolist())
+                                                 for i in range(w.shape[0])]))
+        groups = self.ctx.client_groups
+        out["ari"] = cluster_ari(wn, groups, self.ctx.seed) if groups else None
+        if info.index + 1 == info.total:
+            out["merge_weights"] = wn.round(4).tolist()
+        return out
+
+
+class FedEMLoRA(LoraAlgorithm):
+    name = "fedem-lora"
+    description = "FedEM over LoRA adapters: M shared adapters, a personalised router (mixture weights) per client"
+
+    @dataclass
+    class Options(LoraOptions):
+        m: int = opt(4, "number of shared adapters (all sent to and trained by every client)", ge=1)
+
+    def init_state(self) -> ServerState:
+        return {"adapters": [self.new_adapter("lora-em-init", j) for j in range(int(self.opt.m))]}
+
+    def init_client_state(self, cid: int) -> ClientState:
+        m = int(self.opt.m)
+        return {"pi": torch.full((m,), 1.0 / m, dtype=torch.float64)}
+
+    def _msg(self, state: ServerState) -> Message:
+        return Message(pack(state["adapters"]), {"m": len(state["adapters"])})
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        msg = self._msg(state)
+        return {c: msg for c in clients}
+
+    def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
+        msg = self._msg(state)
+        return {c: msg for c in clients}
+
+    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
+            gen: torch.Generator) -> tuple[Message, ClientState]:
+        adapters = unpack(payload.tensors, int(payload.meta["m"]))
+        pi = (client_state or self.init_client_state(data.cid))["pi"]
+        n, cfg, am = len(data.train), self.ctx.train, self.am
+        if n == 0:
+            return Message(pack(adapters), {"num_examples": 0, "samples": 0, "trained_params": 0}), {"pi": pi}
+        am.module.eval()
+        losses = torch.stack([row_losses(self.predictor(([a], [1.0])), data.train, self.ctx.eval_batch_size)
+                              for a in adapters])
+        q, pi = e_step(losses.cpu(), pi)
+        q = q.to(data.train.x.device, torch.float32)
+        bs = min(cfg.batch_size, n)
+        perms = [torch.randperm(n, generator=gen).to(data.train.x.device) for _ in range(cfg.local_epochs)]
+        out, loss_sum, samples, steps = [], 0.0, 0, 0
+        for m, a in enumerate(adapters):
+            am.load(a)
+            am.module.train()
+            params = list(am.params.values())
+            opt_ = make_optimizer(params, cfg)
+            for perm in perms:
+                for s in range(0, n, bs):
+                    idx = perm[s : s + bs]
+                    x, y = data.train.x[idx], data.train.y[idx]
+                    tok = task_loss(am(x), y, reduction="none").view(y.shape)
+                    counted = (y != -100).sum(1).clamp_min(1)
+                    loss = (q[idx, m] * tok.sum(1) / counted).sum() / idx.numel()
+                    opt_.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if cfg.grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                    opt_.step()
+                    steps += 1
+                    samples += int(idx.numel())
+                    loss_sum += float(loss.detach()) * int(idx.numel())
+            out.append(am.adapter())
+        fwd, train = self.flops_per_row(data)
+        meta = {"num_examples": n, "samples": samples, "steps": steps, "train_loss": loss_sum / max(samples, 1),
+                "flops": float(train * samples + fwd * n * len(adapters)),
+                "trained_params": len(adapters) * am.numel}
+        return Message(pack(out), meta), {"pi": pi}
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        clients = sorted(results)
+        if not clients:
+            return state
+        M = len(state["adapters"])
+        per = [unpack(results[c].tensors, M) for c in clients]
+        w = size_weights(results, clients)
+        return {**state, "adapters": [weighted_average([p[m] for p in per], w, base=old)
+                                      for m, old in enumerate(state["adapters"])]}
+
+    def global_model(self, state: ServerState) -> None:
+        return None
+
+    def server_parameters(self, state: ServerState) -> int:
+        return int(self.opt.m) * self.adapter_parameters()
+
+    def evaluate(self, payload: Message, client_state: ClientState, data: ClientData,
+                 gen: torch.Generator) -> dict[str, float]:
+        adapters = unpack(payload.tensors, int(payload.meta["m"]))
+        pi = (client_state or self.init_client_state(data.cid))["pi"]
+        return self.evaluate_mixture((adapters, [float(p) for p in pi]), data)

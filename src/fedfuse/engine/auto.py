@@ -1,0 +1,108 @@
+"""``--executor auto``: a short probe on the first round's clients picks the executor.
+
+The probe trains copies of the first jobs' declared programs for a few steps (nothing it computes is kept;
+the round itself then runs normally) and times, per client-step,
+
+- the sequential executor (two clients, ``probe_steps`` steps each, after one warm-up step);
+- the batched executor (all probed clients together, same steps) when the program can be batched;
+
+and estimates the process executor as the sequential time divided by the usable workers (cores available,
+at most the clients per round) plus a 15 % transfer margin, considered only with ≥ 2 cores.  The fastest
+wins.  Algorithms without a declared program choose between sequential and processes on the same estimate.
+The choice is recorded in the summary and the checkpoint, so a resumed run keeps it (bit-identical resume).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fedfuse.engine.batched import BatchedExecutor, unbatchable_reason
+from fedfuse.engine.executor import ClientFn, Job, SequentialExecutor, job_generator, seed_global
+from fedfuse.engine.processes import ProcessExecutor, available_cores
+from fedfuse.types import ClientData
+
+
+class AutoExecutor:
+    name = "auto"
+
+    def __init__(self, clients: Sequence[ClientData], seed: int, *, threads: int = 1, probe_steps: int = 3,
+                 probe_clients: int = 8) -> None:
+        self.clients = clients
+        self.seed = seed
+        self.threads = threads
+        self.probe_steps = probe_steps
+        self.probe_clients = probe_clients
+        self.inner: Any = None
+        self.timings: dict[str, float] = {}  # seconds per client-step measured or estimated by the probe
+
+    # ---- choice --------------------------------------------------------------------------------
+    def restore(self, choice: str | None) -> None:
+        """Reuse a recorded choice (resume)."""
+        if choice:
+            self._use(choice.split("(")[0].replace("auto→", ""))
+
+    def _use(self, name: str) -> None:
+        if name == "batched":
+            self.inner = BatchedExecutor(self.clients, self.seed)
+        elif name == "processes":
+            self.inner = ProcessExecutor(self.clients, self.seed, threads=self.threads)
+        else:
+            self.inner = SequentialExecutor(self.clients, self.seed)
+
+    def probe(self, target: Any, jobs: Sequence[Job]) -> str:
+        jobs = list(jobs)[: self.probe_clients]
+        declare = getattr(target, "client_program", None)
+        progs = [declare(j.payload, j.state, self.clients[j.cid]) if declare else None for j in jobs]
+        workers = min(available_cores(), len(jobs))
+        seq = BatchedExecutor(self.clients, self.seed)  # its _run_program is the sequential execution
+        if any(p is None for p in progs) or not jobs:
+            t0 = time.perf_counter()
+            if jobs:  # no declared program: time one whole client step (discarded)
+                SequentialExecutor(self.clients, self.seed).run_one(target.fit, jobs[0])
+            self.timings["sequential"] = time.perf_counter() - t0
+        else:
+            steps = self.probe_steps
+            short = [p.with_spec(max_steps=steps) for p in progs]
+            seq._run_program(progs[0].with_spec(max_steps=1), jobs[0])  # warm-up (FLOP counting, caches)
+            t0 = time.perf_counter()
+            n = min(2, len(jobs))
+            for j, p in zip(jobs[:n], short[:n], strict=True):
+                seq._run_program(p, j)
+            self.timings["sequential"] = (time.perf_counter() - t0) / (n * steps)
+            if len(jobs) > 1 and unbatchable_reason(progs[0].model) is None:
+                bat = BatchedExecutor(self.clients, self.seed)
+                try:
+                    group = list(zip(jobs, [p.with_spec(max_steps=1) for p in progs], strict=True))
+                    bat.train_group(group)  # warm-up
+                    t0 = time.perf_counter()
+                    bat.train_group(list(zip(jobs, short, strict=True)))
+                    self.timings["batched"] = (time.perf_counter() - t0) / (len(jobs) * steps)
+                except (RuntimeError, NotImplementedError):
+                    pass
+        if workers >= 2:
+            self.timings["processes"] = self.timings["sequential"] / workers * 1.15
+        return min(self.timings, key=self.timings.__getitem__)
+
+    # ---- the seam ------------------------------------------------------------------------------
+    def fit(self, target: Any, jobs: Sequence[Job]) -> dict[int, Any]:
+        if self.inner is None:
+            self._use(self.probe(target, jobs))
+        return self.inner.fit(target, jobs)
+
+    def map(self, fn: ClientFn, jobs: Sequence[Job]) -> dict[int, Any]:
+        if self.inner is None:
+            self.inner = SequentialExecutor(self.clients, self.seed)
+        return self.inner.map(fn, jobs)
+
+    def run_one(self, fn: ClientFn, job: Job) -> Any:
+        seed_global(self.seed, job)
+        return fn(job.payload, job.state, self.clients[job.cid], job_generator(self.seed, job))
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+    def describe(self) -> str:
+        return f"auto→{self.inner.describe()}" if self.inner is not None else "auto"

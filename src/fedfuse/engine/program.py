@@ -1,0 +1,171 @@
+"""Declared client programs: a client step described as data and pure functions.
+
+An algorithm that declares its client step as a :class:`ClientProgram` hands the *training loop* to the
+executor: the sequential executor runs it on a stateful module (bit-identical to
+:func:`fedfuse.engine.client.train_local`), the batched executor trains many clients at once with
+``torch.func.functional_call`` + ``vmap``, and the process executor runs it in worker processes.
+
+A program says
+
+- where training starts: the architecture ``model`` (a template; its own values are never read) and the
+  full starting state ``init`` (parameters and buffers, e.g. the received global model);
+- the local spec (:class:`LocalSpec`): epochs, batch size, optimiser, learning rate, clipping, step cap;
+- the loss: the task loss (cross-entropy) plus declared :class:`LossTerm` s, pure functions of the functional
+  parameters, buffers, per-client reference tensors ``refs`` (e.g. FedProx's anchor) and the batch;
+- which parameters are optimised (``trainable``; ``None`` = every parameter with ``requires_grad``);
+- how the client finalises its reply from the trained state and the training statistics (``finalize``).
+
+Executors never import algorithms: anything with a ``client_program(payload, client_state, data)`` method
+(:class:`ProgramSource`) can be run; it returns ``None`` when its client step is not declared, and the
+executor then calls the object's opaque ``fit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from fedfuse.engine.client import TrainConfig, TrainStats, train_local
+from fedfuse.types import ClientData, Message, TensorDict
+
+#: ``fn(params, buffers, refs, x, y, logits) -> Tensor``: a scalar, or per-sample values ``(B,)`` when the
+#: term is declared ``per_sample``.  ``params``/``buffers`` are the functional state of the model being
+#: trained (name → tensor), ``refs`` the program's per-client constant tensors.
+TermFn = Callable[[TensorDict, TensorDict, TensorDict, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: ``finalize(trained_state, stats) -> (reply, new_client_state)``.
+Finalize = Callable[[TensorDict, TrainStats], tuple[Message, Any]]
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    """Local optimisation of one client step (a fresh optimiser per step, as in the seed papers' code)."""
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    optimizer: str = "sgd"  # "sgd" | "adam"
+    grad_clip: float = 0.0  # 0 = off; otherwise the max global L2 norm of the gradient
+    max_steps: int = 0  # 0 = no cap
+
+    @classmethod
+    def from_train(cls, cfg: TrainConfig, *, epochs: int | None = None, lr: float | None = None) -> LocalSpec:
+        return cls(
+            epochs=cfg.local_epochs if epochs is None else int(epochs),
+            batch_size=cfg.batch_size,
+            lr=cfg.lr if lr is None else float(lr),
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            optimizer=cfg.optimizer,
+            grad_clip=cfg.grad_clip,
+            max_steps=cfg.max_steps,
+        )
+
+    def as_train(self) -> TrainConfig:
+        return TrainConfig(
+            local_epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
+            weight_decay=self.weight_decay, optimizer=self.optimizer, grad_clip=self.grad_clip,
+            max_steps=self.max_steps,
+        )
+
+    def schedule(self, n: int) -> list[int]:
+        """The batch size of every optimiser step on ``n`` samples, in order (what ``train_local`` does)."""
+        if n == 0:
+            return []
+        bs = min(self.batch_size, n)
+        per_epoch = [min(bs, n - s) for s in range(0, n, bs)]
+        steps = per_epoch * self.epochs
+        return steps[: self.max_steps] if self.max_steps else steps
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """A declared addition to the task loss.
+
+    ``per_sample``: ``fn`` returns one value per sample and the executor averages over the real samples of
+    the batch (safe with padded batches).  ``uses_batch=False`` declares that a scalar ``fn`` reads only
+    params/buffers/refs (a proximal term), so batches padded for batching cannot change it.  A scalar term
+    that reads the batch forces exact batching (no padding) in the batched executor.
+    """
+
+    name: str
+    fn: TermFn
+    per_sample: bool = False
+    uses_batch: bool = True
+
+
+@dataclass
+class ClientProgram:
+    """One client's declared step; see the module docstring."""
+
+    model: nn.Module
+    init: TensorDict
+    spec: LocalSpec
+    finalize: Finalize
+    terms: tuple[LossTerm, ...] = ()
+    refs: TensorDict = field(default_factory=dict)
+    trainable: frozenset[str] | None = None
+
+    def optimised_names(self) -> list[str]:
+        """Parameter names the optimiser updates, in ``named_parameters`` order."""
+        return [n for n, p in self.model.named_parameters()
+                if p.requires_grad and (self.trainable is None or n in self.trainable)]
+
+    def with_spec(self, **changes: Any) -> ClientProgram:
+        return dataclasses.replace(self, spec=dataclasses.replace(self.spec, **changes))
+
+
+class ProgramSource(Protocol):
+    """What executors need from an algorithm (structural: executors never import algorithms)."""
+
+    def client_program(self, payload: Message, client_state: Any, data: ClientData) -> ClientProgram | None: ...
+
+    def fit(self, payload: Message, client_state: Any, data: ClientData,
+            gen: torch.Generator) -> tuple[Message, Any]: ...
+
+
+def term_values(
+    terms: tuple[LossTerm, ...], params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+    refs: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The sum of the declared terms on one batch (``mask`` weights per-sample terms; ``None`` = all real)."""
+    total: torch.Tensor | None = None
+    for t in terms:
+        v = t.fn(dict(params), dict(buffers), dict(refs), x, y, logits)
+        if t.per_sample:
+            v = v.mean() if mask is None else (v * mask).sum() / mask.sum().clamp_min(1)
+        total = v if total is None else total + v
+    return total
+
+
+def run_program(program: ClientProgram, data: ClientData, gen: torch.Generator) -> tuple[Message, Any]:
+    """The reference execution: load ``init`` into the module and train it with ``train_local``.
+
+    Gives exactly today's sequential results (same batches, same operations, same optimiser).
+    """
+    model = program.model
+    model.load_state_dict(program.init, strict=True)
+    extra = None
+    if program.terms:
+        terms, refs = program.terms, program.refs
+
+        def extra(m: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            out = term_values(terms, dict(m.named_parameters()), dict(m.named_buffers()), refs, x, y, logits)
+            assert out is not None
+            return out
+
+    params = None
+    if program.trainable is not None:
+        named = dict(model.named_parameters())
+        params = [named[n] for n in program.optimised_names()]
+    stats = train_local(model, data.train, program.spec.as_train(), gen, extra_loss=extra, params=params)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return program.finalize(state, stats)

@@ -1,0 +1,181 @@
+"""``fedfuse report DIR``: one Markdown and one HTML page for a run, a sweep or any tree of runs.
+
+The page holds the configuration (the first run's in full, and what differs between labels), the statistics
+table (:class:`fedfuse.sweep.ResultTable`), one figure per metric (mean line with a ±std band over seeds; loss
+and perplexity on a log scale; accuracy against cumulative communication), the partition plot and the
+algorithm's own diagnostic images found in the run directories (merge heat-maps, similarity curves, ...).
+Figures go to ``DIR/report/``; the pages are ``DIR/report.md`` and ``DIR/report.html``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fedfuse.api import Result
+from fedfuse.plots import available_metrics, plot_metric
+from fedfuse.sweep import ResultTable, _flatten, load_sweep
+
+CURVE_METRICS = ("global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "val_accuracy", "loss",
+                 "val_loss", "train_loss", "perplexity", "personal_perplexity")
+# Files every run writes; anything else that is a PNG in a run directory is the algorithm's own diagnostic.
+_STANDARD_PNG = {"curves.png", "partition.png"}
+
+
+class _Page:
+    """Blocks rendered both as Markdown and as HTML."""
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[str, Any]] = []
+
+    def h(self, level: int, text: str) -> None:
+        self.blocks.append(("h", (level, text)))
+
+    def p(self, text: str) -> None:
+        self.blocks.append(("p", text))
+
+    def code(self, text: str) -> None:
+        self.blocks.append(("code", text))
+
+    def table(self, rows: list[dict[str, Any]], note: str = "") -> None:
+        self.blocks.append(("table", (rows, note)))
+
+    def img(self, rel: str, alt: str) -> None:
+        self.blocks.append(("img", (rel, alt)))
+
+    def markdown(self) -> str:
+        from fedfuse.reproduce.common import markdown
+
+        out = []
+        for kind, v in self.blocks:
+            if kind == "h":
+                out.append("#" * v[0] + " " + v[1])
+            elif kind == "p":
+                out.append(v)
+            elif kind == "code":
+                out.append("```yaml\n" + v.rstrip() + "\n```")
+            elif kind == "table":
+                out.append(markdown(v[0]) + (f"\n\n{v[1]}" if v[1] else ""))
+            elif kind == "img":
+                out.append(f"![{v[1]}]({v[0]})")
+        return "\n\n".join(out) + "\n"
+
+    def html(self, title: str) -> str:
+        e = html.escape
+        out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>"
+               "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+               "table{border-collapse:collapse;font-size:14px}td,th{border:1px solid #ccc;padding:4px 8px;"
+               "text-align:right}td:first-child,th:first-child{text-align:left}pre{background:#f6f6f6;"
+               "padding:8px;overflow:auto}img{max-width:100%}.note{color:#555;font-size:13px}"
+               "</style></head><body>"]
+        for kind, v in self.blocks:
+            if kind == "h":
+                out.append(f"<h{v[0]}>{e(v[1])}</h{v[0]}>")
+            elif kind == "p":
+                out.append(f"<p>{e(v)}</p>")
+            elif kind == "code":
+                out.append(f"<pre>{e(v)}</pre>")
+            elif kind == "table":
+                rows, note = v
+                if rows:
+                    cols = list(rows[0])
+                    out.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
+                    for r in rows:
+                        out.append("<tr>" + "".join(f"<td>{e(str(r.get(c, '')))}</td>" for c in cols) + "</tr>")
+                    out.append("</table>")
+                if note:
+                    out.append(f"<p class='note'>{e(note)}</p>")
+            elif kind == "img":
+                out.append(f"<p><img src='{e(v[0])}' alt='{e(v[1])}'></p>")
+        out.append("</body></html>")
+        return "\n".join(out)
+
+
+def _config_diffs(results: dict[str, list[Result]]) -> list[dict[str, Any]]:
+    """Per label, the config keys (flattened) whose value differs between labels."""
+    flat = {label: _flatten({**rs[0].config.to_dict(), "seed": None, "out": None})
+            for label, rs in results.items() if rs}
+    keys = sorted({k for f in flat.values() for k in f})
+    varying = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in flat.values()}) > 1]
+    return [{"label": label, **{k: json.dumps(f.get(k)) if isinstance(f.get(k), list | dict) else f.get(k)
+                                for k in varying}} for label, f in flat.items()] if varying else []
+
+
+def write_report(path: str | Path, *, metric: str = "auto", last: int = 5, target: float | None = None,
+                 baseline: str | None = None, test: str = "t", title: str | None = None,
+                 metrics: Sequence[str] | None = None) -> Path:
+    """Write ``report.md``, ``report.html`` and ``report/*.png`` into ``path`` (a run directory, a sweep
+    directory with ``sweep.json`` or any directory with run directories below it); returns the Markdown path."""
+    root = Path(path)
+    results = {k: v for k, v in load_sweep(root).items() if v}
+    table = ResultTable(results, metric=metric, last=last, target=target, baseline=baseline, test=test)
+    first = next(iter(results.values()))[0]
+    cfg = first.config
+    figdir = root / "report"
+    if figdir.exists():
+        shutil.rmtree(figdir)
+    figdir.mkdir(parents=True)
+    page = _Page()
+    nseeds = sorted({len(v) for v in results.values()})
+    head = title or f"{', '.join(results)} on {cfg.dataset}"
+    page.h(1, head)
+    page.p(f"{cfg.dataset} · partition {cfg.partition} {json.dumps(cfg.partition_options)} · model {cfg.model} · "
+           f"{cfg.clients} clients, {cfg.clients_per_round} per round · {cfg.rounds} rounds · "
+           f"seeds per label: {'/'.join(map(str, nseeds))}.")
+    page.h(2, "Results")
+    rows = table.display_rows()
+    md = table.to_markdown()
+    page.table(rows, md.split("\n\n", 1)[1] if "\n\n" in md else "")
+    histories = table.histories()
+    every = [h for hs in histories.values() for h in hs]
+    keys = list(metrics) if metrics else available_metrics(every, CURVE_METRICS)
+    page.h(2, "Curves")
+    for key in keys:
+        p = plot_metric(histories, key, figdir / f"{key}.png")
+        if p is not None:
+            page.img(f"report/{p.name}", key)
+    acc = table.metric
+    p = plot_metric(histories, acc, figdir / f"{acc}_vs_bytes.png", x="total_bytes")
+    if p is not None:
+        page.img(f"report/{p.name}", f"{acc} against communication")
+    part = [r.out / "partition.png" for rs in results.values() for r in rs if r.out]
+    part = [p for p in part if p.exists()]
+    if part:
+        page.h(2, "Partition")
+        shutil.copy(part[0], figdir / "partition.png")
+        page.p(f"Per-client label histograms of seed {first.seed}'s partition (every label shares it for that "
+               "seed).")
+        page.img("report/partition.png", "partition")
+    diag: list[tuple[str, Path]] = []
+    for label, rs in results.items():
+        r = rs[0]
+        if r.out and r.out.is_dir():
+            diag += [(label, f) for f in sorted(r.out.glob("*.png")) if f.name not in _STANDARD_PNG]
+    if diag:
+        page.h(2, "Diagnostics")
+        page.p("The algorithms' own figures, from each label's first seed.")
+        for label, f in diag:
+            safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{label}_{f.name}")
+            shutil.copy(f, figdir / safe)
+            page.img(f"report/{safe}", f"{label}: {f.stem}")
+    page.h(2, "Configuration")
+    diffs = _config_diffs(results)
+    if diffs:
+        page.p("Options that differ between labels:")
+        page.table(diffs)
+    page.p(f"Resolved configuration of {next(iter(results))} (seed {first.seed}); rerun with "
+           "`fedfuse run --config config.yaml`:")
+    page.code(yaml.safe_dump({**cfg.to_dict(), "out": None}, sort_keys=False))
+    seeds_rows = table.per_seed().to_dict("records")
+    page.h(2, "Runs")
+    page.table([{k: (f"{100 * v:.2f}" if k in ("final", "best") and v is not None else v) for k, v in r.items()}
+                for r in seeds_rows], f"final / best {table.metric} (%) of every run.")
+    (root / "report.md").write_text(page.markdown())
+    (root / "report.html").write_text(page.html(head))
+    return root / "report.md"

@@ -1,0 +1,499 @@
+"""Seeds, grids and cached, optionally parallel, execution of many runs; the statistics table over them.
+
+A :class:`Sweep` is a list of labelled points (an algorithm and option overrides) times a list of seeds.
+:meth:`Sweep.execute` runs what is missing from a *store*: one directory per run named by the hash of its
+full resolved config (:func:`fedfuse.api.config_hash`).  A finished run there is loaded, an interrupted one
+resumes from its checkpoint, so rerunning a sweep with more seeds or more grid values runs only the new runs.
+With ``jobs > 1`` runs execute in separate processes; every random draw depends only on the seed, so the
+metrics are the same as a serial run's.
+
+:class:`ResultTable` holds the runs by label and reports, per label: n, final accuracy (mean of the last k
+evaluations) and best accuracy as mean ± std over seeds, rounds / MB / GFLOPs to a target accuracy, total
+communication, and a paired test against a baseline label over the shared seeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedfuse.api import ConfigLike, Result, config_hash, load, make_config
+from fedfuse.config import ConfigError, RunConfig, apply, parse_value, validate
+from fedfuse.stats import (
+    MeanStd,
+    best_value,
+    cost_to_target,
+    mean_std,
+    paired_test,
+    parse_seeds,
+    rounds_to_target,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+    from fedfuse.engine.callbacks import Callback
+
+
+# ---- grids ---------------------------------------------------------------------------------------------------
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets: ``"[1,2],[3]"`` → ``["[1,2]", "[3]"]``."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
+    """``["lr=0.01,0.05", "mu=0.1,0.25"]`` → ``{"lr": [0.01, 0.05], "mu": [0.1, 0.25]}`` (YAML values; lists
+    such as ``widths=[64],[128]`` keep their brackets)."""
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--grid expects KEY=V1,V2,..., got {item!r}")
+        k, v = item.split("=", 1)
+        values = [parse_value(x) for x in _split_top(v)]
+        if not values:
+            raise ConfigError(f"--grid {item}: no values")
+        grid[k.strip()] = values
+    return grid
+
+
+def expand_grid(grid: Mapping[str, Sequence[Any]] | None) -> list[dict[str, Any]]:
+    """The Cartesian product of a grid, in key order (the last key varies fastest); ``[{}]`` for no grid."""
+    if not grid:
+        return [{}]
+    keys = list(grid)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(list(grid[k]) for k in keys))]
+
+
+def _fmt_value(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":")) if isinstance(v, list | dict) else str(v)
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------
+@dataclass
+class Point:
+    """One labelled configuration (without its seed)."""
+
+    label: str
+    config: RunConfig
+
+
+@dataclass
+class Sweep:
+    """Labelled configurations × seeds.  Build with :meth:`plan`, run with :meth:`execute`."""
+
+    points: list[Point]
+    seeds: list[int]
+    results: dict[str, list[Result]] = field(default_factory=dict)
+    out: Path | None = None
+
+    @classmethod
+    def plan(cls, algorithms: Sequence[str] | str | None = None, config: ConfigLike = None, /, *,
+             seeds: int | str | Sequence[int] = 1, grid: Mapping[str, Sequence[Any]] | None = None,
+             per_algorithm: Mapping[str, Mapping[str, Any]] | None = None, **options: Any) -> Sweep:
+        """Validate every point before anything runs.  A grid key applies to each algorithm that accepts it
+        (it is an error only when no algorithm does); ``per_algorithm[name]`` options apply to that one."""
+        base = make_config(config, **options)
+        if isinstance(algorithms, str):
+            algorithms = [a.strip() for a in algorithms.split(",") if a.strip()]
+        names = list(algorithms) if algorithms else [base.algorithm]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"algorithms: listed twice in {', '.join(names)}")
+        per_algorithm = dict(per_algorithm or {})
+        stray = sorted(set(per_algorithm) - set(names))
+        if stray:
+            raise ConfigError(f"options given for {', '.join(stray)}, which is not among the algorithms")
+        seed_list = parse_seeds(seeds)
+        if len(set(seed_list)) != len(seed_list):
+            raise ConfigError(f"seeds: listed twice in {seed_list}")
+        grid = dict(grid or {})
+        used: set[str] = set()
+        points: list[Point] = []
+        for name in names:
+            start = base.to_dict()
+            if algorithms:  # a new algorithm starts from its own option defaults
+                start = {**start, "algorithm": name, "algorithm_options": {}}
+            cfg = validate(apply(apply(RunConfig(), start), dict(per_algorithm.get(name, {}))))
+            keys = [k for k in grid if _accepts(cfg, k, grid[k][0])]
+            used.update(keys)
+            for combo in expand_grid({k: grid[k] for k in keys}):
+                c = cfg
+                for k, v in combo.items():
+                    c = apply(c, {k: v})
+                c = validate(c)
+                parts = [name] if (len(names) > 1 or not combo) else []
+                parts += [f"{k}={_fmt_value(v)}" for k, v in combo.items()]
+                points.append(Point(" ".join(parts), c))
+        unused = [k for k in grid if k not in used]
+        if unused:
+            raise ConfigError(f"--grid {', '.join(unused)}: no algorithm among {', '.join(names)} has this option")
+        labels = [p.label for p in points]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"two sweep points share a label: {labels}")
+        return cls(points, seed_list)
+
+    def configs(self) -> list[tuple[str, RunConfig]]:
+        """(label, config with its seed) for every run, seeds outermost."""
+        out = []
+        for s in self.seeds:
+            for p in self.points:
+                out.append((p.label, validate(apply(p.config, {"seed": s}))))
+        return out
+
+    # ---- execution ---------------------------------------------------------------------------------------
+    def execute(self, *, out: str | Path | None = None, store: str | Path | None = None, jobs: int = 1,
+                rerun: bool = False, progress: bool = False, log: Sequence[str] = (),
+                callbacks: Sequence[Callback] = (), verbose: bool = False) -> Sweep:
+        """Run every missing run; returns ``self`` with :attr:`results` filled (label → results in seed order).
+
+        ``store``: where runs live (default ``out/runs``; in memory when both are None).  ``out``: where
+        ``sweep.json`` (the list of runs, read by ``fedfuse report``) is written.
+        """
+        self.out = Path(out) if out else None
+        store_dir = Path(store) if store else (self.out / "runs" if self.out else None)
+        todo: list[tuple[int, str, RunConfig, bool]] = []  # (index, label, cfg, resume)
+        done: dict[int, Result] = {}
+        plan = self.configs()
+        for i, (label, cfg) in enumerate(plan):
+            if store_dir is None:
+                todo.append((i, label, cfg, False))
+                continue
+            run_dir = store_dir / run_dir_name(cfg)
+            cfg.out = str(run_dir)
+            status = _status(run_dir, cfg)
+            if rerun and status != "empty":
+                shutil.rmtree(run_dir)
+                status = "empty"
+            if status == "done":
+                res = load(run_dir)
+                res.cached = True
+                done[i] = res
+            else:
+                todo.append((i, label, cfg, status == "partial"))
+        if verbose:
+            print(f"{len(plan)} runs: {len(done)} cached, {len(todo)} to run"
+                  + (f" in {jobs} processes" if jobs > 1 and len(todo) > 1 else ""), file=sys.stderr)
+        if jobs > 1 and len(todo) > 1:
+            done.update(_run_parallel(todo, jobs, list(log), list(callbacks), verbose))
+        else:
+            from fedfuse.reproduce.common import federation_for
+
+            for i, label, cfg, resume in todo:
+                res = _run_job(cfg, resume, progress, list(log), list(callbacks), fed=federation_for(cfg))
+                if verbose:
+                    print(f"  done: {label} seed {cfg.seed}", file=sys.stderr)
+                done[i] = res
+        self.results = {p.label: [] for p in self.points}
+        for i, (label, _) in enumerate(plan):
+            self.results[label].append(done[i])
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+            entries = [{"label": label, "seed": cfg.seed, "hash": config_hash(cfg),
+                        "dir": str(Path(done[i].out).resolve()) if done[i].out else None}
+                       for i, (label, cfg) in enumerate(plan)]
+            (self.out / "sweep.json").write_text(json.dumps({"labels": [p.label for p in self.points],
+                                                             "seeds": self.seeds, "runs": entries}, indent=2))
+        return self
+
+    def table(self, **kwargs: Any) -> ResultTable:
+        return ResultTable(self.results, **kwargs)
+
+
+def run_dir_name(cfg: RunConfig) -> str:
+    """``<algorithm>-<dataset>-s<seed>-<first 12 hex digits of the config hash>``."""
+    return f"{cfg.algorithm}-{cfg.dataset}-s{cfg.seed}-{config_hash(cfg)[:12]}"
+
+
+def _status(run_dir: Path, cfg: RunConfig) -> str:
+    """``done`` (finished, same config), ``partial`` (a checkpoint to resume), or ``empty``."""
+    if not (run_dir / "config.yaml").exists():
+        return "empty"
+    try:
+        old = load(run_dir).config
+    except Exception:  # unreadable leftovers: start again
+        return "empty"
+    if config_hash(old) != config_hash(cfg):
+        raise ConfigError(f"{run_dir} holds a different configuration than its name says; delete it")
+    if (run_dir / "summary.json").exists():
+        return "done"
+    return "partial" if (run_dir / "checkpoint.pt").exists() else "empty"
+
+
+def _accepts(cfg: RunConfig, key: str, value: Any) -> bool:
+    try:
+        apply(RunConfig(**{**cfg.to_dict()}), {key: value})
+    except ConfigError as e:
+        if "unknown" in str(e):
+            return False
+        raise
+    return True
+
+
+def _run_job(cfg: RunConfig, resume: bool, progress: bool, log: list[str], callbacks: list[Any],
+             fed: Any = None) -> Result:
+    from fedfuse.api import _execute
+
+    if cfg.out and not resume and Path(cfg.out).exists():
+        shutil.rmtree(cfg.out)  # an incomplete run without a checkpoint: start it again
+    return _execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume, fed=fed)
+
+
+def _worker(args: tuple[dict[str, Any], bool, list[str], list[Any]]) -> Result:
+    import torch
+
+    cfg_dict, resume, log, callbacks = args
+    cfg = RunConfig(**cfg_dict)
+    torch.set_num_threads(cfg.threads or 1)  # one process per core: no oversubscription
+    return _run_job(cfg, resume, False, log, callbacks)
+
+
+def _run_parallel(todo: list[tuple[int, str, RunConfig, bool]], jobs: int, log: list[str],
+                  callbacks: list[Any], verbose: bool) -> dict[int, Result]:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # Workers fork from a clean server process that imported fedfuse once (never from this process, which may
+    # already run torch threads); spawn where forkserver does not exist.
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["fedfuse.sweep", "fedfuse.engine.loop", "fedfuse.algorithms"])
+    else:
+        ctx = mp.get_context("spawn")
+    out: dict[int, Result] = {}
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx) as pool:
+        futs = {pool.submit(_worker, (cfg.to_dict(), resume, log, callbacks)): (i, label, cfg.seed)
+                for i, label, cfg, resume in todo}
+        for fut in as_completed(futs):
+            i, label, seed = futs[fut]
+            out[i] = fut.result()
+            if verbose:
+                print(f"  done: {label} seed {seed}", file=sys.stderr)
+    return out
+
+
+# ---- statistics table ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Row:
+    """The numbers of one label (accuracies as fractions, costs in bytes/FLOPs)."""
+
+    label: str
+    seeds: list[int]
+    final: MeanStd
+    best: MeanStd
+    rounds_to_target: MeanStd  # over the seeds that reached the target
+    reached: int
+    bytes_to_target: MeanStd
+    flops_to_target: MeanStd
+    total_bytes: MeanStd
+    total_flops: MeanStd
+    seconds: MeanStd
+    vs_baseline: Any = None  # fedfuse.stats.PairedTest, None for the baseline itself
+
+
+class ResultTable:
+    """Runs by label with the statistics a reviewer expects.
+
+    ``metric``: the accuracy compared (``auto``: ``global_accuracy`` when every run has a global model, else
+    ``personal_accuracy``).  ``last``: final = mean of the last ``last`` evaluations.  ``target``: accuracy for
+    the rounds/bytes/FLOPs-to-target columns (default: the lowest mean final accuracy among the labels, floored
+    to a whole percent, so every label is measured at an accuracy all of them reach on average).
+    ``baseline``: the label every other is tested against (default: the first), with a paired ``test``
+    (``t`` or ``wilcoxon``) over the seeds both have; ``(n.s.)`` marks p >= ``alpha``.
+    """
+
+    def __init__(self, results: Mapping[str, Sequence[Result]], *, metric: str = "auto", last: int = 5,
+                 target: float | None = None, baseline: str | None = None, test: str = "t",
+                 alpha: float = 0.05) -> None:
+        self.results = {k: list(v) for k, v in results.items()}
+        if not self.results:
+            raise ValueError("ResultTable: no results")
+        if metric == "auto":
+            every = [r for rs in self.results.values() for r in rs]
+            metric = "global_accuracy" if all(r.final("global_accuracy") is not None for r in every) \
+                else "personal_accuracy"
+        self.metric, self.last, self.test, self.alpha = metric, last, test, alpha
+        if baseline is not None and baseline not in self.results:
+            raise ConfigError(f"baseline {baseline!r} is not a label; labels: {', '.join(self.results)}")
+        self.baseline = baseline or next(iter(self.results))
+        if target is None:
+            finals = [mean_std([r.final(metric, last) for r in rs]).mean for rs in self.results.values()]
+            finals = [f for f in finals if f == f]
+            target = int(100 * min(finals)) / 100 if finals else None
+        self.target = target
+        self.rows = [self._row(label, rs) for label, rs in self.results.items()]
+
+    def _values(self, label: str) -> dict[int, float | None]:
+        return {r.seed: r.final(self.metric, self.last) for r in self.results[label]}
+
+    def _row(self, label: str, rs: list[Result]) -> Row:
+        m, t = self.metric, self.target
+        rounds = [rounds_to_target(r.history, t, m) if t is not None else None for r in rs]
+        vs = None
+        if label != self.baseline:
+            a, b = self._values(label), self._values(self.baseline)
+            common = sorted(set(a) & set(b))
+            vs = paired_test([a[s] for s in common], [b[s] for s in common], self.test)
+        return Row(
+            label=label, seeds=[r.seed for r in rs],
+            final=mean_std([r.final(m, self.last) for r in rs]),
+            best=mean_std([best_value(r.history, m) for r in rs]),
+            rounds_to_target=mean_std(rounds), reached=sum(x is not None for x in rounds),
+            bytes_to_target=mean_std([cost_to_target(r.history, t, m, "total_bytes") if t is not None else None
+                                      for r in rs]),
+            flops_to_target=mean_std([cost_to_target(r.history, t, m, "total_client_flops")
+                                      if t is not None else None for r in rs]),
+            total_bytes=mean_std([r.history[-1].get("total_bytes") if r.history else None for r in rs]),
+            total_flops=mean_std([r.history[-1].get("total_client_flops") if r.history else None for r in rs]),
+            seconds=mean_std([r.history[-1].get("wall_seconds") if r.history else None for r in rs]),
+            vs_baseline=vs,
+        )
+
+    # -- views --
+    def display_rows(self) -> list[dict[str, str]]:
+        """Formatted rows (strings) as printed and written to ``compare.md``."""
+        short = self.metric.replace("_accuracy", "")
+        tgt = f"{100 * self.target:.0f}%" if self.target is not None else "target"
+        out = []
+        for row in self.rows:
+            n = len(row.seeds)
+            reach = "" if row.reached == n else f" ({row.reached}/{n})"
+            d: dict[str, str] = {
+                "label": row.label,
+                "n": str(n),
+                f"final {short} acc (%)": row.final.fmt(100),
+                f"best {short} acc (%)": row.best.fmt(100),
+                f"rounds to {tgt}": (row.rounds_to_target.fmt(1, 1) + reach) if row.reached else "never",
+                f"MB to {tgt}": (row.bytes_to_target.fmt(1e-6, 2) + reach) if row.reached else "—",
+                f"GFLOPs to {tgt}": (row.flops_to_target.fmt(1e-9, 2) + reach) if row.reached else "—",
+                "MB total": row.total_bytes.fmt(1e-6, 2),
+                "seconds": row.seconds.fmt(1, 1),
+            }
+            if len(self.rows) > 1:
+                if row.vs_baseline is None:
+                    d[f"vs {self.baseline}"] = "baseline"
+                else:
+                    pt = row.vs_baseline
+                    p = "" if pt.p_value != pt.p_value else f" p={pt.p_value:.3g}"
+                    d[f"vs {self.baseline}"] = f"{100 * pt.diff:+.2f} {pt.mark(self.alpha)}{p}"
+            out.append(d)
+        return out
+
+    def to_markdown(self) -> str:
+        from fedfuse.reproduce.common import markdown
+
+        note = (f"\n\nfinal = mean of the last {self.last} evaluations of {self.metric}; mean ± std over seeds "
+                f"(n = seeds); target = {self.target if self.target is None else f'{100 * self.target:.0f}%'}; "
+                f"paired {'t-test' if self.test == 't' else 'Wilcoxon signed-rank test'} over shared seeds "
+                f"against {self.baseline}: * p < {self.alpha}, (n.s.) not significant.")
+        return markdown(self.display_rows()) + note
+
+    def frame(self) -> pd.DataFrame:
+        """One row per label with numeric columns (means, stds, n, p-values)."""
+        import pandas as pd
+
+        recs = []
+        for r in self.rows:
+            recs.append({
+                "label": r.label, "n": len(r.seeds),
+                "final_mean": r.final.mean, "final_std": r.final.std,
+                "best_mean": r.best.mean, "best_std": r.best.std,
+                "rounds_to_target": r.rounds_to_target.mean, "reached": r.reached,
+                "bytes_to_target": r.bytes_to_target.mean, "flops_to_target": r.flops_to_target.mean,
+                "total_bytes": r.total_bytes.mean, "total_flops": r.total_flops.mean,
+                "diff_vs_baseline": None if r.vs_baseline is None else r.vs_baseline.diff,
+                "p_value": None if r.vs_baseline is None else r.vs_baseline.p_value,
+            })
+        return pd.DataFrame.from_records(recs).set_index("label")
+
+    def per_seed(self) -> pd.DataFrame:
+        """Final and best ``metric`` of every run: one row per (label, seed)."""
+        import pandas as pd
+
+        recs = [{"label": label, "seed": r.seed, "final": r.final(self.metric, self.last),
+                 "best": r.best(self.metric), "rounds": len(r.history), "dir": str(r.out) if r.out else None}
+                for label, rs in self.results.items() for r in rs]
+        return pd.DataFrame.from_records(recs)
+
+    def histories(self) -> dict[str, list[list[dict[str, Any]]]]:
+        return {label: [r.history for r in rs] for label, rs in self.results.items()}
+
+    def __getitem__(self, label: str) -> list[Result]:
+        return self.results[label]
+
+    def __repr__(self) -> str:
+        return self.to_markdown()
+
+    def _repr_markdown_(self) -> str:
+        return self.to_markdown()
+
+
+def load_sweep(path: str | Path) -> dict[str, list[Result]]:
+    """Runs of a sweep directory (``sweep.json``) or of any directory tree of run directories, by label.
+
+    Without ``sweep.json`` runs are grouped by their config without the seed; the label is the algorithm plus
+    the options in which the groups differ.
+    """
+    from fedfuse.api import is_run_dir
+
+    root = Path(path)
+    if (root / "sweep.json").exists():
+        meta = json.loads((root / "sweep.json").read_text())
+        out: dict[str, list[Result]] = {label: [] for label in meta["labels"]}
+        for e in meta["runs"]:
+            d = Path(e["dir"])
+            if not d.is_absolute() and not d.exists():
+                d = root / d
+            out[e["label"]].append(load(d))
+        return out
+    if is_run_dir(root):
+        r = load(root)
+        return {r.config.algorithm: [r]}
+    dirs = sorted({p.parent for p in root.rglob("metrics.jsonl") if is_run_dir(p.parent)})
+    if not dirs:
+        raise FileNotFoundError(f"{root}: no run directories (config.yaml + metrics.jsonl) below it")
+    groups: dict[str, list[Result]] = {}
+    keys: dict[str, dict[str, Any]] = {}
+    for d in dirs:
+        r = load(d)
+        k = {**r.config.to_dict(), "seed": None, "out": None}
+        h = json.dumps(k, sort_keys=True, default=str)
+        groups.setdefault(h, []).append(r)
+        keys[h] = k
+    flat = {h: _flatten(k) for h, k in keys.items()}
+    # a key labels the groups when the groups that have it disagree on it (an option only FedProx has, at one
+    # value, does not)
+    varying = sorted(k for k in {k for f in flat.values() for k in f} - {"algorithm"}
+                     if len({json.dumps(f[k], default=str) for f in flat.values() if k in f}) > 1)
+    out = {}
+    for h, rs in groups.items():
+        label = " ".join([keys[h]["algorithm"], *(f"{k.split('.')[-1]}={_fmt_value(flat[h][k])}"
+                                                 for k in varying if k in flat[h])])
+        out[label] = sorted(rs, key=lambda r: r.seed)
+    return out
+
+
+def _flatten(d: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out

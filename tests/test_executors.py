@@ -1,0 +1,268 @@
+"""Executors and declared client programs: the batched math against the reference, ragged clients, BatchNorm
+buffers, frozen parameters, fallbacks, the auto probe, resume bit-identity and configuration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
+from fedfuse.engine.auto import AutoExecutor
+from fedfuse.engine.batched import BatchedExecutor, batch_coupled, unbatchable_reason
+from fedfuse.engine.client import TrainConfig, train_local
+from fedfuse.engine.executor import Job, SequentialExecutor, job_generator, make_executor
+from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
+from fedfuse.types import ClientData, Message, Split
+
+EMPTY = Split(torch.zeros(0, 1, 6, 6), torch.zeros(0, dtype=torch.long))
+
+
+def _clients(sizes, shape=(1, 6, 6), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [ClientData(c, Split(torch.randn(n, *shape, generator=g), torch.randint(0, 5, (n,), generator=g)),
+                       EMPTY, EMPTY) for c, n in enumerate(sizes)]
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(36, 12), nn.ReLU(), nn.Dropout(dropout), nn.Linear(12, 5))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _identity_finalize(state, stats):
+    return state, stats
+
+
+def _program(model, spec, **kw) -> ClientProgram:
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ClientProgram(model=model, init=init, spec=spec, finalize=_identity_finalize, **kw)
+
+
+def _jobs(n):
+    return [Job(c, Message(), None, ("fit", 3, 0)) for c in range(n)]
+
+
+def _compare(ex, group, atol=2e-5):
+    batched = ex.train_group(group)
+    for job, prog in group:
+        ref_state, ref_stats = ex._run_program(prog, job)
+        state, stats = batched[job.cid]
+        assert stats.steps == ref_stats.steps and stats.samples == ref_stats.samples
+        assert stats.loss_sum == pytest.approx(ref_stats.loss_sum, rel=1e-5)
+        assert list(state) == list(ref_state)
+        for k in ref_state:
+            if ref_state[k].dtype == torch.int64:
+                assert torch.equal(state[k], ref_state[k]), k
+            else:
+                torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=atol, msg=k)
+    return batched
+
+
+def test_schedule_is_train_locals_batch_sequence():
+    assert LocalSpec(epochs=2, batch_size=4).schedule(10) == [4, 4, 2, 4, 4, 2]
+    assert LocalSpec(epochs=1, batch_size=32).schedule(5) == [5]  # batch capped at the client's size
+    assert LocalSpec(epochs=3, batch_size=4, max_steps=4).schedule(10) == [4, 4, 2, 4]
+    assert LocalSpec().schedule(0) == []
+
+
+def test_batched_indices_are_the_sequential_permutations():
+    clients = _clients([10, 7])
+    ex = BatchedExecutor(clients, seed=11)
+    spec = LocalSpec(epochs=2, batch_size=4)
+    group = [(j, _program(MLP(), spec)) for j in _jobs(2)]
+    scheds = [spec.schedule(10), spec.schedule(7)]
+    idx, mask = ex._batches(group, scheds, max(map(len, scheds)))
+    for i, (job, _) in enumerate(group):
+        gen = job_generator(11, job)
+        n = len(clients[i].train)
+        expected = [torch.randperm(n, generator=gen) for _ in range(2)]
+        got = [idx[i, t][mask[i, t] > 0] - (10 if i else 0) for t in range(len(scheds[i]))]
+        assert torch.equal(torch.cat(got), torch.cat(expected))
+    assert mask[1, len(scheds[1]):].sum() == 0  # the shorter client is padded with masked steps
+
+
+@pytest.mark.parametrize("optimizer,momentum,wd,clip", [("sgd", 0.0, 0.0, 0.0), ("sgd", 0.9, 1e-3, 0.5),
+                                                        ("adam", 0.0, 1e-3, 0.0)])
+def test_ragged_masked_group_equals_sequential(optimizer, momentum, wd, clip):
+    clients = _clients([23, 9, 16, 3])  # different sizes: padded batches and frozen finished clients
+    spec = LocalSpec(epochs=2, batch_size=5, lr=0.05 if optimizer == "sgd" else 0.01, momentum=momentum,
+                     weight_decay=wd, optimizer=optimizer, grad_clip=clip)
+    model = MLP()
+    prox = LossTerm("prox", lambda p, b, r, x, y, lg: sum((p[k] - r[k]).pow(2).sum() for k in p), uses_batch=False)
+    anchor = {k: v.detach() + 0.1 for k, v in model.named_parameters()}
+    group = [(j, _program(model, spec, terms=(prox,), refs=anchor)) for j in _jobs(4)]
+    ex = BatchedExecutor(clients, seed=2)
+    assert not batch_coupled(group[0][1])
+    assert len(ex.groups(group)) >= 1
+    _compare(ex, group)
+
+
+def test_batchnorm_group_updates_running_stats_per_client():
+    clients = _clients([12, 12, 12])  # equal sizes: one exact bucket
+    spec = LocalSpec(epochs=2, batch_size=5, lr=0.1)
+    model = BNNet()
+    group = [(j, _program(model, spec)) for j in _jobs(3)]
+    ex = BatchedExecutor(clients, seed=4)
+    assert batch_coupled(group[0][1])
+    out = _compare(ex, group)
+    steps = len(spec.schedule(12))
+    for state, _ in out.values():
+        assert int(state["bn.num_batches_tracked"]) == steps
+    means = [out[c][0]["bn.running_mean"] for c in range(3)]
+    assert not torch.allclose(means[0], means[1])  # each client keeps its own statistics
+
+
+def test_batchnorm_clients_of_different_sizes_are_bucketed_not_padded():
+    clients = _clients([12, 12, 9])
+    model = BNNet()
+    progs = [(j, _program(model, LocalSpec(batch_size=5))) for j in _jobs(3)]
+    ex = BatchedExecutor(clients, seed=0)
+    groups = ex.groups(progs)
+    assert sorted(len(g) for g in groups) == [1, 2]
+
+
+def test_frozen_parameters_stay_untouched():
+    clients = _clients([15, 15])
+    model = MLP()
+    spec = LocalSpec(epochs=1, batch_size=4, lr=0.1)
+    group = [(j, _program(model, spec, trainable=frozenset({"body.4.weight", "body.4.bias"}))) for j in _jobs(2)]
+    ex = BatchedExecutor(clients, seed=0)
+    out = _compare(ex, group)
+    for state, _ in out.values():
+        torch.testing.assert_close(state["body.1.weight"], group[0][1].init["body.1.weight"], rtol=0, atol=0)
+        assert not torch.equal(state["body.4.weight"], group[0][1].init["body.4.weight"])
+
+
+def test_run_program_is_train_local():
+    clients = _clients([14])
+    model = MLP()
+    prog = _program(model, LocalSpec(epochs=2, batch_size=4, lr=0.1))
+    state, stats = run_program(prog, clients[0], torch.Generator().manual_seed(3))
+    ref = MLP()
+    ref.load_state_dict(prog.init)
+    rstats = train_local(ref, clients[0].train, TrainConfig(local_epochs=2, batch_size=4, lr=0.1),
+                         torch.Generator().manual_seed(3))
+    assert stats == rstats
+    for k, v in ref.state_dict().items():
+        assert torch.equal(state[k], v)
+
+
+def test_dropout_falls_back_to_the_sequential_program():
+    assert unbatchable_reason(MLP(dropout=0.5)) is not None and unbatchable_reason(MLP()) is None
+
+    torch.manual_seed(5)
+    model = MLP(dropout=0.5)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class Algo:  # a declared program whose model draws dropout masks from the global RNG
+        def client_program(self, payload, state, data):
+            return ClientProgram(model=model, init=init, spec=LocalSpec(batch_size=4), finalize=_identity_finalize)
+
+        def fit(self, payload, state, data, gen):  # pragma: no cover - not called: the program is declared
+            raise AssertionError
+
+    clients = _clients([8, 8])
+    ex = BatchedExecutor(clients, seed=0)
+    out = ex.fit(Algo(), _jobs(2))
+    ref = SequentialExecutor(clients, 0)
+    for job in _jobs(2):
+        expected = ref.run_one(lambda p, s, d, g: run_program(Algo().client_program(p, s, d), d, g), job)
+        for k in expected[0]:
+            assert torch.equal(out[job.cid][0][k], expected[0][k])
+    assert any("dropout" in r for r in ex.fallbacks)
+
+
+def _cfg(tmp_path, **kw) -> RunConfig:
+    base = dict(dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=3, rounds=4,
+                batch_size=32, lr=0.05, seed=3, out=str(tmp_path / "run"), plots=False,
+                model_options={"widths": [16]}, partition_options={"alpha": 0.5, "min_size": 20})
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("executor,algorithm", [("batched", "fedprox"), ("auto", "fedavg")])
+def test_resume_is_bit_identical_within_an_executor(tmp_path, executor, algorithm):
+    def kill(rec):
+        if rec["round"] == 2:
+            raise Killed
+
+    killed = Experiment(_cfg(tmp_path / "b", executor=executor, algorithm=algorithm), on_round=kill)
+    with pytest.raises(Killed):
+        killed.run()
+    chosen = killed.executor.describe()
+    cfg = apply(RunConfig(), load_yaml(tmp_path / "b" / "run" / "config.yaml"))
+    resumed = Experiment(cfg, fed=killed.fed)
+    sb = resumed.run(resume=True)
+    assert sb["executor"] == chosen  # auto keeps the executor its probe chose before the kill
+    # the uninterrupted reference runs the executor that was actually used
+    concrete = chosen.replace("auto→", "").split("(")[0]
+    full = Experiment(_cfg(tmp_path / "a", executor=concrete, algorithm=algorithm), fed=killed.fed)
+    full.run()
+    read = lambda d: [strip_timing(json.loads(x)) for x in (d / "run" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert read(tmp_path / "a") == read(tmp_path / "b")
+    for k, v in full.state["global"].items():
+        assert torch.equal(resumed.state["global"][k], v)
+
+
+def test_auto_probe_picks_and_records_an_executor(tmp_path):
+    exp = Experiment(_cfg(tmp_path, executor="auto", rounds=1, out=None))
+    summary = exp.run()
+    assert isinstance(exp.executor, AutoExecutor)
+    assert summary["executor"].startswith("auto→")
+    assert {"sequential", "batched"} <= set(exp.executor.timings)
+    assert all(t > 0 for t in exp.executor.timings.values())
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_language_model_batched_equals_sequential(tmp_path):
+    g = torch.Generator().manual_seed(1)
+
+    def split(n):
+        x = torch.randint(0, 20, (n, 8), generator=g)
+        return Split(x, torch.roll(x, -1, 1))
+
+    from fedfuse.types import Federation
+
+    fed = Federation([ClientData(c, split(n), split(3), split(3)) for c, n in enumerate((11, 7, 9))], split(6), 20,
+                     (8,), task="lm", dataset="tiny-shakespeare", partition="iid")
+    runs = {}
+    for ex in ("sequential", "batched"):
+        cfg = apply(RunConfig(), dict(algorithm="fedprox", dataset="tiny-shakespeare", model="transformer", clients=3,
+                                      clients_per_round=3, rounds=2, batch_size=4, lr=0.1, seed=0, plots=False,
+                                      executor=ex, partition="iid",
+                                      model_options=dict(d_model=8, n_heads=2, n_layers=1, d_ff=12, dropout=0.0)))
+        runs[ex] = Experiment(cfg, fed=fed)
+        runs[ex].run()
+    assert runs["batched"].executor.fallbacks == {}
+    for k, v in runs["sequential"].state["global"].items():
+        torch.testing.assert_close(runs["batched"].state["global"][k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_executor_is_a_validated_config_key():
+    assert validate(apply(RunConfig(), {"executor": "batched"})).executor == "batched"
+    with pytest.raises(ConfigError, match="executor"):
+        validate(apply(RunConfig(), {"executor": "gpu-magic"}))
+    with pytest.raises(ValueError, match="unknown executor"):
+        make_executor("nope", [], 0)

@@ -1,0 +1,103 @@
+"""Reports (Markdown + HTML with per-metric mean ± std figures) and the metrics-callback interface."""
+
+import json
+
+import pytest
+
+import fedfuse
+from fedfuse.engine.callbacks import Callback, CSVLogger, make_loggers, scalars
+from fedfuse.plots import mean_band
+from fedfuse.report import write_report
+
+SMALL = dict(dataset="digits", rounds=2, clients=4, clients_per_round=2, model="mlp",
+             model_options={"widths": [8]}, threads=1)
+
+
+def _fake_run(d, algorithm, seed, accs, extra_png=False):
+    """A run directory written by hand: config.yaml, metrics.jsonl, summary.json (no training)."""
+    cfg = fedfuse.make_config(algorithm=algorithm, seed=seed, rounds=len(accs))
+    d.mkdir(parents=True)
+    from fedfuse.config import dump_yaml
+
+    dump_yaml(cfg, d / "config.yaml")
+    recs = [{"round": r + 1, "global_accuracy": a, "personal_accuracy": a - 0.1, "loss": 2.0 / (r + 1),
+             "total_bytes_down": 1000 * (r + 1), "total_bytes_up": 1000 * (r + 1), "clients": [0, 1]}
+            for r, a in enumerate(accs)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    (d / "summary.json").write_text(json.dumps({"final": recs[-1], "best": recs[-1]}))
+    if extra_png:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots()
+        ax.imshow([[0, 1], [1, 0]])
+        fig.savefig(d / "merge_weights_final.png")
+        plt.close(fig)
+
+
+def test_mean_band_by_hand():
+    h1 = [{"round": 1, "x": 0.2}, {"round": 2, "x": 0.4}]
+    h2 = [{"round": 1, "x": 0.4}, {"round": 2, "x": None}]
+    xs, m, s, n = mean_band([h1, h2], "x")
+    assert list(xs) == [1, 2] and list(n) == [2, 1]
+    assert m[0] == pytest.approx(0.3) and s[0] == pytest.approx(0.1414213, rel=1e-5) and s[1] == 0.0
+
+
+def test_report_of_a_tree_of_runs_groups_seeds_and_includes_diagnostics(tmp_path):
+    _fake_run(tmp_path / "a0", "fedavg", 0, [0.5, 0.6, 0.7])
+    _fake_run(tmp_path / "a1", "fedavg", 1, [0.5, 0.62, 0.72])
+    _fake_run(tmp_path / "b0", "fedprox", 0, [0.55, 0.7, 0.8], extra_png=True)
+    _fake_run(tmp_path / "b1", "fedprox", 1, [0.56, 0.71, 0.81])
+    md = write_report(tmp_path, last=1).read_text()
+    assert "| fedavg | 2 | 71.00 ± 1.41 |" in md and "| fedprox | 2 | 80.50 ± 0.71 |" in md
+    assert "![global_accuracy](report/global_accuracy.png)" in md and "![loss](report/loss.png)" in md
+    assert "fedprox_merge_weights_final.png" in md
+    assert (tmp_path / "report" / "fedprox_merge_weights_final.png").exists()
+    assert "Options that differ between labels" in md and "algorithm_options.mu" in md
+    html = (tmp_path / "report.html").read_text()
+    assert html.startswith("<!doctype html>") and "<table>" in html and "report/loss.png" in html
+    for f in ("global_accuracy", "personal_accuracy", "loss", "global_accuracy_vs_bytes"):
+        assert (tmp_path / "report" / f"{f}.png").stat().st_size > 0
+    one = write_report(tmp_path / "a0").read_text()  # a single run directory
+    assert "| fedavg | 1 |" in one and "vs fedavg" not in one
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.events = []
+
+    def on_run_start(self, config):
+        self.events.append(("start", config.algorithm))
+
+    def on_round(self, record):
+        self.events.append(("round", record["round"], record.get("global_accuracy")))
+
+    def on_run_end(self, summary):
+        self.events.append(("end", summary["rounds_completed"]))
+
+
+def test_callbacks_see_every_round_and_csv_logger_writes(tmp_path):
+    rec = Recorder()
+    res = fedfuse.run(algorithm="fedavg", out=str(tmp_path / "r"), callbacks=[rec], log=["csv"], **SMALL)
+    assert rec.events[0] == ("start", "fedavg") and rec.events[-1] == ("end", 2)
+    rounds = [e for e in rec.events if e[0] == "round"]
+    assert [(r, a) for _, r, a in rounds] == [(h["round"], h["global_accuracy"]) for h in res.history]
+    import pandas as pd
+
+    csv = pd.read_csv(tmp_path / "r" / "metrics.csv")
+    assert list(csv["round"]) == [1, 2]
+    assert csv["global_accuracy"].tolist() == pytest.approx(res.metrics["global_accuracy"].tolist())
+    assert scalars({"a": 1, "b": None, "c": float("nan"), "d": [1], "e": True, "f": 2.5}) == {"a": 1.0, "f": 2.5}
+    with pytest.raises(fedfuse.ConfigError, match="unknown logger 'nope'"):
+        make_loggers("csv,nope")
+    assert isinstance(make_loggers("csv")[0], CSVLogger)
+
+
+def test_tensorboard_logger_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    fedfuse.run(algorithm="fedavg", out=str(tmp_path / "r"), log=["tensorboard"], **SMALL)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(tmp_path / "r" / "tensorboard"))
+    ev.Reload()
+    acc = ev.Scalars("global_accuracy")
+    assert [e.step for e in acc] == [1, 2] and all(0 <= e.value <= 1 for e in acc)

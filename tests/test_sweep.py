@@ -1,0 +1,122 @@
+"""Seeds, grids, the run store (cache + resume), parallel = serial, and the statistics table."""
+
+import json
+import math
+
+import pytest
+
+from fedfuse.api import Result, make_config
+from fedfuse.config import ConfigError
+from fedfuse.engine.loop import strip_timing
+from fedfuse.sweep import ResultTable, Sweep, expand_grid, load_sweep, parse_grid
+
+SMALL = dict(dataset="digits", rounds=2, clients=4, clients_per_round=2, model="mlp",
+             model_options={"widths": [8]}, threads=1, plots=False)
+
+
+def test_parse_and_expand_grid():
+    g = parse_grid(["lr=0.01,0.05", "mu=0.1,0.25", "widths=[64],[128,128]"])
+    assert g == {"lr": [0.01, 0.05], "mu": [0.1, 0.25], "widths": [[64], [128, 128]]}
+    pts = expand_grid({"lr": [1, 2], "mu": [3, 4, 5]})
+    assert len(pts) == 6 and pts[0] == {"lr": 1, "mu": 3} and pts[1] == {"lr": 1, "mu": 4}
+    assert expand_grid(None) == [{}]
+    with pytest.raises(ConfigError, match="KEY=V1,V2"):
+        parse_grid(["lr"])
+
+
+def test_plan_applies_grid_keys_only_where_they_exist():
+    sw = Sweep.plan(["fedavg", "fedprox"], seeds=2, grid={"mu": [0.1, 0.5], "lr": [0.05]}, **SMALL)
+    labels = [p.label for p in sw.points]
+    assert labels == ["fedavg lr=0.05", "fedprox mu=0.1 lr=0.05", "fedprox mu=0.5 lr=0.05"]
+    assert [p.config.algorithm_options.get("mu") for p in sw.points] == [None, 0.1, 0.5]
+    assert len(sw.configs()) == 6 and [c.seed for _, c in sw.configs()] == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(ConfigError, match="no algorithm among fedavg has this option"):
+        Sweep.plan(["fedavg"], grid={"mu": [0.1]}, **SMALL)
+    with pytest.raises(ConfigError, match="not among the algorithms"):
+        Sweep.plan(["fedavg"], per_algorithm={"fedprox": {"mu": 1}}, **SMALL)
+    with pytest.raises(ConfigError, match="rounds: expected an integer"):
+        Sweep.plan(["fedavg"], grid={"rounds": ["x"]}, **SMALL)
+
+
+def _records(table):
+    return {(label, r.seed): [strip_timing(h) for h in r.history] for label, rs in table.results.items() for r in rs}
+
+
+def test_store_caches_extends_and_resumes(tmp_path):
+    store = tmp_path / "store"
+    first = Sweep.plan(["fedavg", "fedprox"], seeds=1, per_algorithm={"fedprox": {"mu": 0.1}}, **SMALL)
+    first.execute(store=store, out=tmp_path / "a")
+    assert len(list(store.iterdir())) == 2
+    ext = Sweep.plan(["fedavg", "fedprox"], seeds=2, per_algorithm={"fedprox": {"mu": 0.1}}, **SMALL)
+    ext.execute(store=store, out=tmp_path / "b")
+    cached = {(label, r.seed): r.cached for label, rs in ext.results.items() for r in rs}
+    assert cached == {("fedavg", 0): True, ("fedprox", 0): True, ("fedavg", 1): False, ("fedprox", 1): False}
+    assert len(list(store.iterdir())) == 4
+    meta = json.loads((tmp_path / "b" / "sweep.json").read_text())
+    assert meta["labels"] == ["fedavg", "fedprox"] and len(meta["runs"]) == 4
+    # an interrupted run (checkpoint, no summary) resumes and ends identical to the uninterrupted one
+    victim = ext.results["fedprox"][1].out
+    (victim / "summary.json").unlink()
+    again = Sweep.plan(["fedavg", "fedprox"], seeds=2, per_algorithm={"fedprox": {"mu": 0.1}}, **SMALL)
+    again.execute(store=store)
+    assert [r.cached for r in again.results["fedprox"]] == [True, False]
+    assert _records(again.table()) == _records(ext.table())
+    assert set(load_sweep(tmp_path / "b")) == {"fedavg", "fedprox"}
+
+
+def test_parallel_jobs_give_the_same_metrics_as_serial(tmp_path):
+    kw = dict(seeds=[1], per_algorithm={"fedprox": {"mu": 0.1}}, **SMALL)
+    serial = Sweep.plan(["fedavg", "fedprox"], **kw).execute(store=tmp_path / "s").table()
+    parallel = Sweep.plan(["fedavg", "fedprox"], **kw).execute(store=tmp_path / "p", jobs=2).table()
+    assert _records(parallel) == _records(serial)
+    assert all(not r.cached and r.out.parent == tmp_path / "p" for rs in parallel.results.values() for r in rs)
+
+
+def _fake(label_seed_acc, rounds=4):
+    """Results with hand-made histories: accuracy ``acc + 0.01 * round`` and 1 MB / 1 GFLOP per round."""
+    out = {}
+    for label, seed, acc in label_seed_acc:
+        cfg = make_config(seed=seed)
+        hist = [{"round": r, "global_accuracy": acc + 0.01 * r, "personal_accuracy": acc,
+                 "total_bytes_down": 1_000_000 * r, "total_client_flops": 1e9 * r, "wall_seconds": float(r)}
+                for r in range(1, rounds + 1)]
+        out.setdefault(label, []).append(Result(cfg, hist, {}))
+    return out
+
+
+def test_table_statistics_by_hand():
+    res = _fake([("a", 0, 0.50), ("a", 1, 0.52), ("a", 2, 0.54),
+                 ("b", 0, 0.60), ("b", 1, 0.63), ("b", 2, 0.65)])
+    t = ResultTable(res, last=2)
+    assert t.metric == "global_accuracy" and t.baseline == "a"
+    a, b = t.rows
+    # final = mean of last two evaluations = acc + 0.035; mean over seeds 0.52 + 0.035, std 0.02
+    assert a.final.mean == pytest.approx(0.555) and a.final.std == pytest.approx(0.02) and a.final.n == 3
+    assert a.best.mean == pytest.approx(0.52 + 0.04)
+    assert t.target == pytest.approx(0.55)  # lowest mean final, floored to a whole percent
+    # seed 0 of a: 0.51, 0.52, ... reaches 0.55 at round... never within 4 rounds (0.54); seeds 1/2 do
+    assert a.reached == 2 and a.rounds_to_target.mean == pytest.approx((3 + 1) / 2)
+    assert a.bytes_to_target.mean == pytest.approx(2e6) and a.flops_to_target.mean == pytest.approx(2e9)
+    assert b.reached == 3 and b.rounds_to_target.mean == pytest.approx(1)
+    diffs = [0.10, 0.11, 0.11]
+    assert b.vs_baseline.diff == pytest.approx(sum(diffs) / 3) and b.vs_baseline.significant()
+    rows = t.display_rows()
+    assert rows[0]["vs a"] == "baseline" and rows[1]["vs a"].startswith("+10.67 *")
+    assert rows[0]["final global acc (%)"] == "55.50 ± 2.00" and rows[0]["rounds to 55%"] == "2.0 ± 1.4 (2/3)"
+    frame = t.frame()
+    assert frame.loc["b", "n"] == 3 and frame.loc["b", "p_value"] < 0.05
+    assert frame.loc["a", "p_value"] is None or math.isnan(frame.loc["a", "p_value"])
+    md = t.to_markdown()
+    assert "| b | 3 |" in md and "(n.s.) not significant" in md
+
+
+def test_table_marks_non_significant_and_single_seed():
+    res = _fake([("a", 0, 0.5), ("a", 1, 0.6), ("b", 0, 0.52), ("b", 1, 0.57)])
+    t = ResultTable(res, target=0.9)
+    assert "(n.s.)" in t.display_rows()[1]["vs a"]
+    assert t.display_rows()[0]["rounds to 90%"] == "never"
+    one = ResultTable(_fake([("a", 0, 0.5), ("b", 0, 0.7)]))
+    assert "(n.s.)" in one.display_rows()[1]["vs a"]  # n = 1: no claim
+    assert one.display_rows()[0]["final global acc (%)"] == "52.50"  # no ± for one seed (mean of all 4 rounds)
+    with pytest.raises(ConfigError, match="baseline 'zz' is not a label"):
+        ResultTable(res, baseline="zz")
