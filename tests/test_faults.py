@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedfuse.algorithms import ALGORITHMS
-from fedfuse.config import RunConfig, apply, validate
+from fedfuse.config import ConfigError, RunConfig, apply, validate
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan, update_norm
 from fedfuse.engine.loop import Experiment, build_federation, strip_timing
 from fedfuse.engine.validate import check_replies
@@ -218,6 +218,20 @@ def test_every_algorithm_runs_a_partial_round(fed, algorithm):
     if algorithm in ("fedmr", "fedma", "msfusion"):  # same seed, same faults: identical metrics
         b = _run(fed, **kw)
         assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
+
+
+def test_late_replies_join_the_next_round(fed):
+    kw = dict(stragglers=0.6, deadline=1.2, rounds=3, seed=5)
+    dropped = _run(fed, **kw)
+    late = _run(fed, late_replies="next-round", **kw)
+    assert sum(len(h["late"]) for h in late.history[:-1]) > 0
+    for r in range(1, 3):  # what missed round r arrives in round r + 1 (unless that client replied afresh)
+        missed = set(late.history[r - 1]["late"]) - (set(late.history[r]["clients"]) - set(late.history[r]["late"]))
+        assert set(late.history[r]["delivered_late"]) == missed
+    assert not _same(_global(dropped), _global(late))
+    assert all(not h["quarantined"] for h in late.history)
+    with pytest.raises(ConfigError, match="late_replies: 'fedmr' cannot fuse"):
+        _cfg(algorithm="fedmr", late_replies="next-round")
 
 
 def test_quorum_skips_a_round_and_keeps_the_server_state(fed):

@@ -66,6 +66,9 @@ class RunConfig:
     stragglers: float = opt(0.0, "probability that a sampled client is slow in a round", ge=0.0, le=1.0)
     deadline: float = opt(2.0, "round deadline in units of a normal client's time; slower stragglers miss "
                                "the round", gt=1.0)
+    late_replies: str = opt("drop", "a straggler's reply after the deadline: drop it, or deliver it with the next "
+                                    "round (next-round; algorithms that accept stale replies: the FedAvg family)",
+                            choices=("drop", "next-round"))
     quorum: int = opt(1, "fewest replies a round stage needs; with fewer the round is skipped", ge=1)
     check_updates: bool = opt(True, "check every client update before fusion and quarantine bad ones")
     norm_bound: float = opt(10.0, "quarantine an update whose norm exceeds this multiple of the round's "
@@ -342,6 +345,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.corrupt != "none" and not cfg.corrupt_clients:
         raise ConfigError(f"corrupt: {cfg.corrupt!r} needs corrupt_clients (e.g. --set corrupt_clients=[0])")
     check_device(cfg.device)
+    if cfg.late_replies == "next-round":
+        from fedfuse.algorithms import ALGORITHMS
+
+        if not getattr(ALGORITHMS[cfg.algorithm], "accepts_late", False):
+            late = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "accepts_late", False))
+            raise ConfigError(f"late_replies: {cfg.algorithm!r} cannot fuse a reply from an earlier round; "
+                              f"next-round works with {', '.join(late)}")
     cfg = dataclasses.replace(cfg, model=resolved_model(cfg))
     resolved: dict[str, dict[str, Any]] = {}
     for ns in NAMESPACES:
@@ -481,7 +491,7 @@ def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
 RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "clients_per_round", "seed", "val_fraction",
                 "local_epochs", "batch_size", "lr", "momentum", "weight_decay", "optimizer", "grad_clip",
                 "algorithm_options", "model_options", "partition_options", "dataset_options", "dropout",
-                "stragglers", "deadline", "quorum", "corrupt", "corrupt_clients")
+                "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients")
 
 
 def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source: str) -> None:

@@ -24,6 +24,7 @@ from fedfuse.types import Message
 class FedAvg(Algorithm):
     name = "fedavg"
     description = "FedAvg: sample-weighted average of the clients' full state (BN statistics included)"
+    accepts_late = True  # a straggler's model from an earlier round can join a later average (late_replies)
 
     @dataclass
     class Options:

@@ -141,6 +141,7 @@ class Experiment:
         self.state: ServerState = {}
         self.client_states: dict[int, ClientState] = {}
         self.faults = FaultPlan.from_config(self.cfg)
+        self.late_box: dict[int, tuple[Message, Message]] = {}  # late_replies=next-round: cid -> (reply, sent)
 
     # ---- setup / resume ------------------------------------------------------------------------
     def _fresh(self) -> None:
@@ -188,6 +189,7 @@ class Experiment:
         if restore is not None:
             restore(ck.get("executor"))
         self.sampler.load_state_dict(ck.get("sampler", {}))
+        self.late_box = ck.get("late_box", {})
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
         (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -202,6 +204,7 @@ class Experiment:
             "best": self.best,
             "history": self.history,
             "sampler": self.sampler.state_dict(),
+            "late_box": self.late_box,
             "config": self.cfg.to_dict(),
             "lr": self.ctx.train.lr,
             "executor": _describe(self.executor),
@@ -257,8 +260,8 @@ class Experiment:
         the state before it with half the learning rate)."""
         rollback = self.cfg.on_divergence == "rollback"
         for attempt in range(MAX_ROLLBACKS + 1):
-            saved = copy.deepcopy((self.state, self.client_states, self.totals, self.sampler.state_dict())) \
-                if rollback else None
+            saved = copy.deepcopy((self.state, self.client_states, self.totals, self.sampler.state_dict(),
+                                   self.late_box)) if rollback else None
             rec = self._round(r)
             why = rec.pop("_diverged", None)
             if why is None:
@@ -268,7 +271,7 @@ class Experiment:
             lr = self.ctx.train.lr
             if saved is None or attempt == MAX_ROLLBACKS:
                 raise DivergenceError(self._divergence_message(r, why, lr))
-            self.state, self.client_states, self.totals, sampler_state = saved
+            self.state, self.client_states, self.totals, sampler_state, self.late_box = saved
             self.sampler.load_state_dict(sampler_state)
             self.ctx.train = dataclasses.replace(self.ctx.train, lr=lr / 2)
             log.warning("round %d diverged (%s); rolled back, lr %.4g -> %.4g", r + 1, why, lr, lr / 2)
@@ -294,6 +297,8 @@ class Experiment:
         fates = self.faults.fates(r, clients)
         dropped = [c for c in clients if fates[c] == DROPOUT]
         late: list[int] = []
+        new_late: dict[int, tuple[Message, Message]] = {}
+        delivered_late: list[int] = []
         quarantined: dict[str, str] = {}
         active = list(clients)  # who takes part in the next stage: everyone sampled, then whoever replied
         down = up = peer = 0
@@ -319,6 +324,10 @@ class Experiment:
                 self.client_states[c] = cstate
                 if fates.get(c) == LATE:  # worked, but the reply missed the deadline
                     late.append(c)
+                    if cfg.late_replies == "next-round" and stage == 0:
+                        stale = self.faults.corrupt(c, payloads[c], res, state_like)
+                        if stale is not None:
+                            new_late[c] = (stale, payloads[c])
                     continue
                 res = self.faults.corrupt(c, payloads[c], res, state_like)
                 if res is None:
@@ -329,12 +338,20 @@ class Experiment:
                         res.meta.setdefault(key, payloads[c].meta[key])
                 if c in sampling_weight:
                     res.meta["sampling_weight"] = sampling_weight[c]
+            sent = payloads
+            if stage == 0 and self.late_box:  # replies that missed an earlier deadline arrive now
+                sent = dict(payloads)
+                for c, (reply, was_sent) in sorted(self.late_box.items()):
+                    if c not in results:  # a fresh reply supersedes a stale one
+                        results[c], sent[c] = Message(reply.tensors, {**reply.meta, "late": True}), was_sent
+                        delivered_late.append(c)
+                self.late_box = {}
             down += sum(p.nbytes for p in payloads.values())
             up += sum(res.nbytes for res in results.values())
             comm_params += [sum(t.numel() for t in p.tensors.values()) for p in payloads.values()]
             honest_replies += sum(1 for c in results if not self.faults.corrupts(c))
             if cfg.check_updates and results:
-                bad = check_replies(algo, payloads, results, self.ctx.client_sizes, cfg.norm_bound)
+                bad = check_replies(algo, sent, results, self.ctx.client_sizes, cfg.norm_bound)
                 for c, reason in bad.items():
                     quarantined[str(c)] = f"stage {stage}: {reason}" if stage else reason
                     log.warning("round %d: quarantined the update of client %d: %s", r + 1, c, reason)
@@ -358,6 +375,7 @@ class Experiment:
             results, moved = algo.exchange(info, results)
             peer += moved
             self.state = algo.aggregate_fit(self.state, info, results)
+        self.late_box = new_late
         t = self.totals
         t.bytes_down += down
         t.bytes_up += up
@@ -373,6 +391,7 @@ class Experiment:
             "replied": len(active),
             "dropped": dropped,
             "late": sorted(set(late)),
+            "delivered_late": delivered_late,
             "quarantined": quarantined,
             "round_skipped": skipped,
             "train_loss": train_loss / train_n if train_n else None,
