@@ -93,6 +93,7 @@ def main() -> None:
                 v = f.get(key)
                 row[f"{short} p={p}"] = None if v is None else round(100 * v, 2)
             row[f"dropped p={p}"] = exp.totals.dropped
+            row[f"quarantined p={p}"] = exp.totals.quarantined
             row[f"rounds p={p}"] = s["rounds_completed"]
             row[f"s p={p}"] = round(time.perf_counter() - t0, 1)
             print(json.dumps(row), flush=True)

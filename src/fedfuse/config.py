@@ -65,7 +65,7 @@ class RunConfig:
     dropout: float = opt(0.0, "probability that a sampled client fails to reply in a round", ge=0.0, lt=1.0)
     stragglers: float = opt(0.0, "probability that a sampled client is slow in a round", ge=0.0, le=1.0)
     deadline: float = opt(2.0, "round deadline in units of a normal client's time; slower stragglers miss "
-                               "the round", gt=1.0)
+                               "the round (1 = every straggler misses it)", ge=1.0)
     late_replies: str = opt("drop", "a straggler's reply after the deadline: drop it, or deliver it with the next "
                                     "round (next-round; algorithms that accept stale replies: the FedAvg family)",
                             choices=("drop", "next-round"))

@@ -4,9 +4,10 @@ A reply is quarantined, with its reason, when
 
 1. it declares a non-integer, negative, or larger example count than the client's known training size;
 2. it reports a non-finite training loss, or any of its tensors holds a NaN or an Inf;
-3. a tensor has another shape or dtype than the tensor of the same name that was sent, or — for tensors the
-   payload did not hold (FedMA's layer-wise replies, MSfusion's sub-models) — than the shape and dtype that a
-   strict majority of the round's other replies agree on;
+3. a tensor has another shape or dtype than the tensor of the same name that was sent (when replies live in the
+   payload's space: model states, or deltas as in FedMerge), or — otherwise (FedMA's own-size layers, MSfusion's
+   sub-models, IFCA's chosen cluster model) — than the shape and dtype that a strict majority of the round's
+   replies agree on;
 4. it holds a key that was not sent, in algorithms whose replies are the sent model trained further
    ("state-like": every other reply's keys are a subset of its payload's keys);
 5. its update norm exceeds ``norm_bound`` times the median norm of the round's replies (with >= 3 replies).
