@@ -71,7 +71,7 @@ class RunConfig:
                             choices=("drop", "next-round"))
     quorum: int = opt(1, "fewest replies a round stage needs; with fewer the round is skipped", ge=1)
     check_updates: bool = opt(True, "check every client update before fusion and quarantine bad ones")
-    norm_bound: float = opt(10.0, "quarantine an update whose norm exceeds this multiple of the round's "
+    norm_bound: float = opt(100.0, "quarantine an update whose norm exceeds this multiple of the round's "
                                   "median norm (0 = off; needs >= 3 replies)", ge=0.0)
     on_divergence: str = opt("stop", "non-finite loss or model: stop (keep the last good checkpoint) or "
                                      "rollback (redo the round with half the lr)", choices=("stop", "rollback"))
