@@ -223,3 +223,19 @@ def test_shakespeare_roles_split():
     assert len(set(fed.info["plays"])) == 5  # round-robin over the 5 plays first
     assert all(len(c.train) and len(c.test) for c in fed.clients)
     assert np.array_equal(fed.clients[0].train.x[0, 1:].numpy(), fed.clients[0].train.y[0, :-1].numpy())
+
+
+def test_fedmerge_lora_merge_preserving_init(base, fed):
+    """init_scale=merge: each A_j is the peft init × √d, so the uniform merge keeps a fresh LoRA's scale."""
+    a, _ = run(fed, "fedmerge-lora", base, rounds=1, d=4, merge_step=0.0)
+    algo = a.algo
+    peft_init = algo.init_state()["globals"]
+    algo.opt.init_scale = "merge"
+    scaled = algo.init_state()["globals"]
+    for p, s in zip(peft_init, scaled):
+        for k in p:
+            assert torch.allclose(s[k], p[k] * (2.0 if ".lora_A." in k else 1.0))
+    k = next(k for k in peft_init[0] if ".lora_A." in k)
+    merged = sum(g[k] for g in scaled) / 4
+    single = algo.am.init_adapter(123)[k]
+    assert 0.6 < float(merged.std() / single.std()) < 1.6

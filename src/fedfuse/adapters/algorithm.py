@@ -174,7 +174,8 @@ class LoraAlgorithm(Algorithm):
     def diagnostics(self, state: ServerState, fed: Federation, info: RoundInfo) -> dict[str, Any]:
         out: dict[str, Any] = {"adapter_parameters": self.adapter_parameters(),
                                "base_parameters": self.am.base_parameters()}
-        losses = [v["test_loss"] for v in self._client_eval.values() if v.get("test_count")]
+        # client-id order: the mean must not depend on the order the executor evaluated the clients in
+        losses = [v["test_loss"] for _, v in sorted(self._client_eval.items()) if v.get("test_count")]
         if losses:
             out["personal_perplexity_clients"] = float(np.mean([math.exp(min(x, 700.0)) for x in losses]))
         if self.rouge_due(info):

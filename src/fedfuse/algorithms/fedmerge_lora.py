@@ -9,13 +9,20 @@ Notation as :mod:`fedfuse.algorithms.fedmerge` with Θ_j the j-th global *adapte
 2. it trains θ_i with the run's local optimiser (base frozen) and returns Δθ_i (adapter tensors only);
 3. logits (App. D, delta form of Eq. 9): g_ij = s_i w_ij ⟨Δθ_i, Θ_j − θ_i⟩ over ``merge_params`` adapter
    tensors, a ← a + merge_step · G / max|G| (``merge_update="fixed"``, 000 §4.1) or a + merge_step · G;
-4. adapters (Eq. 8/10): Θ_j ← Θ_j + theta_lr Σ_i s_i w_ij Δθ_i (``"paper"``) or the code's column-normalised
-   weights (``"column_normalised"``).
+4. adapters: the author code's column-normalised weights Θ_j ← Θ_j + theta_lr Σ_i ŵ_ij Δθ_i with
+   ŵ_ij = w_ij n_i / Σ_k w_kj n_k (``theta_update="column_normalised"``, the default here) or the papers'
+   Eq. 8/10, Θ_j ← Θ_j + theta_lr Σ_i s_i w_ij Δθ_i (``"paper"``).  With uniform weights the paper form moves
+   every merged adapter by only 1/d of the clients' mean update (each Θ_j gets 1/d of it, and the merge
+   averages them), so it learns d times slower than FedIT; measured on the role split it is clearly worse
+   (docs/lora.md), so the code's form is the default for adapters.
 
 Every fusion step calls :mod:`fedfuse.fusion.merge`'s public functions unchanged.  The d adapters start with
 independent ``A`` (seeded) and ``B`` = 0, so every merged adapter starts as the identity (ΔW = 0) like a
-fresh LoRA.  There are no buffers or integer entries in an adapter; tensors a client did not train cannot
-occur (every client trains the whole adapter).
+fresh LoRA.  The uniform merge of d independent ``A`` has 1/√d of a single adapter's scale, which slows the
+LoRA path (ΔW = B A) early on; ``init_scale="merge"`` multiplies each initial ``A_j`` by √d so the first
+merged adapter has a fresh LoRA's scale for every d (docs/lora.md shows both, measured).
+There are no buffers or integer entries in an adapter; tensors a client did not train cannot occur
+(every client trains the whole adapter).
 
 ``fedem-lora`` (FedEM with a personalised router over LoRA modules, seed 001 App. B.2) lives here too:
 M adapters are all sent, trained with the E-step responsibilities and averaged; each client's router is
@@ -91,11 +98,16 @@ class FedMergeLoRA(LoraAlgorithm):
         merge_update: str = opt("fixed", "fixed: largest logit change = merge_step (paper 000 §4.1, code's "
                                 "search); gradient: a += merge_step · G", choices=("fixed", "gradient"))
         theta_lr: float = opt(1.0, "step on the global adapters (Eq. 8)", gt=0.0)
-        theta_update: str = opt("paper", "paper: Θ_j += Σ_i s_i w_ij Δθ_i; column_normalised: author code's "
-                                "w_ij n_i / Σ_k w_kj n_k", choices=("paper", "column_normalised"))
+        theta_update: str = opt("column_normalised", "column_normalised (author code, default: measured better "
+                                "here): ŵ_ij = w_ij n_i / Σ_k w_kj n_k; paper (Eq. 8): Θ_j += Σ_i s_i w_ij Δθ_i, "
+                                "which moves a uniform merge by 1/d of the mean update",
+                                choices=("paper", "column_normalised"))
         weights_first: bool = opt(False, "author code: update the logits first, then Θ with the new weights")
         size_norm: str = opt("sampled", "n in s_i = n_i / n: sampled clients' total or all clients' total",
                              choices=("sampled", "all"))
+        init_scale: str = opt("peft", "initial A of the d adapters: peft (each a fresh peft LoRA; their uniform "
+                              "merge has 1/√d of its scale) or merge (each scaled by √d so the uniform merge "
+                              "has a fresh LoRA's scale)", choices=("peft", "merge"))
 
     def __init__(self, ctx: Any, options: Any | None = None) -> None:
         super().__init__(ctx, options)
@@ -108,8 +120,10 @@ class FedMergeLoRA(LoraAlgorithm):
 
     def init_state(self) -> ServerState:
         d, m = int(self.opt.d), self.ctx.num_clients
-        return {"globals": [self.new_adapter("lora-merge-init", j) for j in range(d)],
-                "logits": torch.zeros(m, d, dtype=torch.float64)}
+        globals_ = [self.new_adapter("lora-merge-init", j) for j in range(d)]
+        if self.opt.init_scale == "merge":  # Var(Σ_j A_j / d) = Var(A) / d: undo the shrinkage of the merge
+            globals_ = [{k: v * d ** 0.5 if ".lora_A." in k else v for k, v in g.items()} for g in globals_]
+        return {"globals": globals_, "logits": torch.zeros(m, d, dtype=torch.float64)}
 
     def weights(self, state: ServerState) -> torch.Tensor:
         return row_softmax(state["logits"])

@@ -19,10 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms import get_algorithm
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.config import ConfigError, RunConfig, check_resume, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
+from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.engine.executor import Job, make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
 from fedfuse.engine.sampling import make_sampler
@@ -76,13 +75,23 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
     )
 
 
-def build_algorithm(cfg: RunConfig, ctx: RunContext) -> Algorithm:
-    """The algorithm object; a model the algorithm cannot work with is a :class:`ConfigError` naming both."""
-    cls = get_algorithm(cfg.algorithm)
+AlgorithmLookup = Callable[[str], Any]
+
+
+def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | None = None) -> Any:
+    """The configured algorithm.  ``lookup(name) -> class`` resolves the name; the default is fedfuse's
+    registry, imported here at call time (the engine has no import-time dependency on ``fedfuse.algorithms``;
+    callers that assemble runs themselves pass ``lookup`` or an ``algorithm`` to :class:`Experiment`).
+
+    An option or model the algorithm cannot work with is a :class:`ConfigError` naming both: the algorithm is
+    constructed and initialised once as a dry run (algorithms inspect the model's structure there)."""
+    if lookup is None:
+        from fedfuse.algorithms import get_algorithm as lookup
+    cls = lookup(cfg.algorithm)
     try:
         algo = cls(ctx, cls.Options(**cfg.algorithm_options))
         with torch.random.fork_rng(devices=[]):
-            algo.init_state()  # a dry run: algorithms inspect the model's structure here
+            algo.init_state()
     except ValueError as e:  # the algorithm's own check of its options and model
         raise ConfigError(f"algorithm {cfg.algorithm!r} (model {cfg.model!r}): {e}") from e
     except (AttributeError, KeyError, NotImplementedError, TypeError, IndexError) as e:
@@ -115,6 +124,7 @@ class Experiment:
         executor: Any | None = None,
         progress: bool = False,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        algorithm_lookup: AlgorithmLookup | None = None,
     ) -> None:
         self.cfg = validate(cfg)
         self.device = resolve_device(self.cfg.device)
@@ -123,7 +133,7 @@ class Experiment:
         self.fed = fed if fed is not None else build_federation(self.cfg, self.device)
         self.ctx = build_context(self.cfg, self.fed, self.device)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
-        self.algo = build_algorithm(self.cfg, self.ctx)
+        self.algo = build_algorithm(self.cfg, self.ctx, algorithm_lookup)
         setup = getattr(self.algo, "setup", None)
         if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
             self.fed = setup(self.fed)
