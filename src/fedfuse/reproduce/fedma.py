@@ -61,7 +61,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--optimizers", default=None, help="comma list of sgd/adam (default sgd,adam; quick sgd)")
     parser.add_argument("--methods", default=None,
                         help="comma list among fedma,fedavg-report,fedavg,oneshot (default all)")
-    # --reuse (read finished runs with the same config from --out) is added to every reproduction by the CLI
+    # --reuse (read finished runs with the same config from --out) is registered for every reproduction
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--lm-corpus", default="wikitext2", choices=["wikitext2", "tiny-shakespeare"],
                         help="the second client's corpus (report: wikitext2)")
