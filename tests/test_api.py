@@ -54,6 +54,9 @@ def test_run_writes_artefacts_and_load_round_trips(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0 and len([a for a in fig.axes if a.get_visible()]) >= 2
     with pytest.raises(FileNotFoundError, match="not a run directory"):
         load(tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:  # killed in the middle of writing a record
+        f.write('{"round": 3, "glob')
+    assert len(load(out).history) == 2
 
 
 def test_run_in_memory_writes_nothing_and_is_deterministic(tmp_path, monkeypatch):
@@ -75,6 +78,10 @@ def test_make_config_sources_and_errors(tmp_path):
         make_config(bogus=1)
     with pytest.raises(ConfigError, match="unknown option 'mu' for algorithm 'fedavg'"):
         make_config(algorithm_options={"mu": 1})
+    with pytest.raises(ConfigError, match=r"fedfuse\.compare"):
+        fedfuse.run(seeds=3)
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        fedfuse.run(resume=True, out=str(tmp_path / "none"))
 
 
 def test_config_hash_ignores_outputs_but_not_anything_that_changes_metrics():
@@ -87,6 +94,9 @@ def test_config_hash_ignores_outputs_but_not_anything_that_changes_metrics():
 
 def test_discovery_lists_registries_and_show_matches_validation():
     assert "fedprox" in fedfuse.list_algorithms() and "digits" in fedfuse.list_datasets()
+    assert fedfuse.algorithms() == fedfuse.list_algorithms() and fedfuse.models() == fedfuse.list_models()
+    assert fedfuse.datasets() == fedfuse.list_datasets() and fedfuse.partitions() == fedfuse.list_partitions()
+    assert "fedavg" in fedfuse.algorithms.ALGORITHMS  # still the registry package
     assert "cnn" in fedfuse.list_models() and "dirichlet" in fedfuse.list_partitions()
     from fedfuse.algorithms import ALGORITHMS
 
@@ -98,3 +108,13 @@ def test_discovery_lists_registries_and_show_matches_validation():
     assert all(o.help for o in cfg.options if o.name in ("rounds", "lr", "clients"))
     with pytest.raises(KeyError, match="known names"):
         show("nothing-like-this")
+
+
+def test_compare_with_out_writes_the_table_and_reuses_runs(tmp_path):
+    kw = dict(seeds=1, out=tmp_path / "c", plots=False, **SMALL)
+    t1 = fedfuse.compare(["fedavg", "local"], **kw)
+    assert (tmp_path / "c" / "compare.md").read_text().startswith("| label | n |")
+    assert t1.metric == "personal_accuracy"  # local has no global model
+    t2 = fedfuse.compare(["fedavg", "local"], **kw)
+    assert all(r.cached for rs in t2.results.values() for r in rs)
+    assert t2.frame()["final_mean"].tolist() == t1.frame()["final_mean"].tolist()

@@ -181,3 +181,31 @@ def test_partition_command_prints_histograms_and_writes_png(tmp_path, capsys):
                  "--set", "classes_per_client=2"]) == 0
     assert png.stat().st_size > 0
     assert "4" in capsys.readouterr().out
+
+
+def test_reproduce_writes_a_report_and_reuses_runs(tmp_path, capsys, monkeypatch):
+    import types
+
+    import fedfuse.reproduce as rp
+    from fedfuse.reproduce import common
+
+    calls = []
+
+    def run(args):
+        base = {"rounds": 2, "clients": 4, "clients_per_round": 2, "model": "mlp", "model_options": {"widths": [8]},
+                "threads": 1}
+        for algo in ("fedavg", "fedprox"):
+            calls.append(common.REUSE)
+            common.run_one(base, Path(args.out) / algo, progress=False, algorithm=algo)
+        return 0
+
+    fake = types.SimpleNamespace(DESCRIPTION="a tiny reproduction", run=run)
+    monkeypatch.setattr(rp, "available", lambda: {"tiny": fake})
+    out = tmp_path / "rep"
+    assert main(["reproduce", "tiny", "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert md.startswith("# reproduce tiny") and "| fedavg | 1 |" in md and "| fedprox | 1 |" in md
+    mtime = (out / "fedavg" / "summary.json").stat().st_mtime_ns
+    assert main(["reproduce", "tiny", "--out", str(out), "--reuse", "--no-report"]) == 0
+    assert (out / "fedavg" / "summary.json").stat().st_mtime_ns == mtime and calls == [False, False, True, True]
+    assert common.REUSE is False

@@ -147,7 +147,7 @@ def test_dispatched_model_is_the_merge_on_every_state_entry(tmp_path):
 
 
 def test_weight_rows_stay_on_simplex_and_fixed_step_is_exact(tmp_path):
-    exp = Experiment(cfg_for(tmp_path, rounds=3, algorithm_options={"d": 4, "merge_step": 0.05}))
+    exp = Experiment(cfg_for(tmp_path, rounds=3, algorithm_options={"d": 4, "merge_step": 0.05, "init": "independent"}))
     exp.state = exp.algo.init_state()
     exp.client_states = {c: None for c in range(6)}
     for r in range(3):
@@ -194,7 +194,8 @@ def test_logit_and_theta_update_equal_autograd_for_one_sgd_step(tmp_path, merge_
     exp = Experiment(cfg_for(tmp_path, clients=3, clients_per_round=3, batch_size=100000, lr=lr,
                              model_options={"widths": [8, 8]},
                              algorithm_options={"d": 3, "merge_params": merge_params, "merge_update": "gradient",
-                                                "merge_step": 1.0, "theta_lr": 1.0}))
+                                                "merge_step": 1.0, "theta_lr": 1.0, "theta_update": "paper",
+                                                "init": "independent"}))
     algo, fed = exp.algo, exp.fed
     state = algo.init_state()
     state["logits"] = torch.randn(3, 3, dtype=torch.float64)
@@ -281,3 +282,82 @@ def test_cli_fedmerge_mnist_label_cluster(tmp_path):
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["ari"] is not None
     assert "ari" in json.loads((out / "summary.json").read_text())["final"]
+
+
+# ---- defaults that reproduce (regressions of the 1/d step and the independent-init collapse) -----------------
+
+
+def test_paper_update_is_one_dth_of_fedavg_step_and_column_form_is_fedavg_sized():
+    """Cause 1: at uniform weights Eq. 8 moves every Θ_j by Σ_i (n_i/n)(1/d)Δθ_i, 1/d of FedAvg's step; the
+    code's column-normalised form moves it by the n-weighted average Δθ (FedAvg's step)."""
+    from fedfuse.fusion.merge import paper_coefficients
+
+    d, sizes = 4, torch.tensor([10.0, 30.0], dtype=torch.float64)
+    g = [{"w": torch.zeros(2)} for _ in range(d)]
+    deltas = [{"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([0.0, 2.0])}]
+    w = torch.full((2, d), 1.0 / d, dtype=torch.float64)
+    fedavg = torch.tensor([0.25, 1.5])  # (10·Δ1 + 30·Δ2) / 40
+    paper = update_globals(g, deltas, paper_coefficients(w, sizes / sizes.sum()))
+    col = update_globals(g, deltas, column_normalised(w, sizes), normalised=True)
+    for j in range(d):
+        torch.testing.assert_close(paper[j]["w"], fedavg / d)
+        torch.testing.assert_close(col[j]["w"], fedavg)
+
+
+def test_shared_init_copies_one_model_and_breaks_symmetry_with_logits(tmp_path):
+    exp = Experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "init": "shared"}))
+    st = exp.algo.init_state()
+    for g in st["globals"][1:]:
+        for k, v in g.items():
+            assert torch.equal(v, st["globals"][0][k])
+    assert float(st["logits"].std()) > 0  # symmetry broken by random initial logits (auto std 0.1)
+    assert abs(float(st["logits"].std()) - 0.1) < 0.06
+    ind = Experiment(cfg_for(tmp_path, algorithm_options={"d": 3})).algo.init_state()  # default: independent
+    assert not torch.equal(ind["globals"][0]["fc.weight"], ind["globals"][1]["fc.weight"])
+    assert float(ind["logits"].abs().max()) == 0.0  # papers: uniform initial weights
+    with pytest.raises(ValueError, match="symmetry"):
+        Experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "init": "shared", "logit_init_std": 0.0}))
+
+
+def test_independent_init_merge_is_nearly_input_independent_shared_is_not(tmp_path):
+    """Cause 2: the average of d independently initialised MLPs has ~1/√d smaller weights per layer, so its
+    output hardly depends on the input; a shared initialisation's merge is a normal network."""
+    exp = Experiment(cfg_for(tmp_path, model_options={"widths": [64, 64]}, algorithm_options={"d": 10}))
+    x = exp.fed.clients[0].train.x[:200]
+    spread = {}
+    for init in ("shared", "independent"):
+        algo = Experiment(cfg_for(tmp_path, model_options={"widths": [64, 64]},
+                                  algorithm_options={"d": 10, "init": init}), fed=exp.fed).algo
+        st = algo.init_state()
+        model = algo.ctx.load(merge_states(st["globals"], [0.1] * 10))
+        with torch.no_grad():
+            out = model(x)
+        spread[init] = float(out.std(0).mean() / out.abs().mean())
+    assert spread["independent"] < 0.5 * spread["shared"]
+
+
+def test_auto_merge_step_spreads_the_code_travel_over_a_clients_samplings(tmp_path):
+    exp = Experiment(cfg_for(tmp_path, clients=6, clients_per_round=3, algorithm_options={"d": 2}))
+    # 6 clients, 3 per round: a client is sampled R/2 times; travel 5 → step 10/R
+    assert exp.algo.merge_step(20) == pytest.approx(5.0 / 10)
+    assert exp.algo.merge_step(2) == pytest.approx(5.0)  # at most the whole travel in one step
+    fixed = Experiment(cfg_for(tmp_path, algorithm_options={"d": 2, "merge_step": 0.01})).algo
+    assert fixed.merge_step(500) == 0.01  # the code's value when given
+
+
+def _digits_cluster(algo: str, opts: dict, seed: int) -> float:
+    cfg = apply(RunConfig(), dict(
+        dataset="digits", partition="label-cluster", model="mlp", clients=10, clients_per_round=5, rounds=12,
+        batch_size=32, lr=0.1, local_epochs=1, seed=seed, out=None, plots=False, algorithm=algo, eval_every=12,
+        model_options={"widths": [32]}, partition_options={"clusters": 5}, algorithm_options=opts))
+    return Experiment(cfg, progress=False).run()["final"]["personal_accuracy"]
+
+
+def test_defaults_beat_fedavg_on_a_cluster_split_and_old_defaults_did_not():
+    """Regression (digits, 5 clusters × 2 classes, 10 clients, 12 rounds): the shipped defaults personalise; the
+    previous defaults (paper Θ step, independent init, the code's 0.01 logit step) stayed below FedAvg."""
+    old = {"d": 5, "merge_step": 0.01, "init": "independent", "theta_update": "paper"}
+    for seed in (0, 1):
+        fedavg = _digits_cluster("fedavg", {}, seed)
+        assert _digits_cluster("fedmerge", {"d": 5}, seed) > fedavg + 0.15
+        assert _digits_cluster("fedmerge", old, seed) < fedavg

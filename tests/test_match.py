@@ -197,3 +197,53 @@ def test_bbp_is_deterministic_given_the_generator():
     for a in r1.assign:  # each client's units land on distinct global units
         assert len(set(a.tolist())) == len(a) and a.max() < r1.atoms.shape[0]
     np.testing.assert_array_equal(np.bincount(np.concatenate(r1.assign), minlength=r1.atoms.shape[0]), r1.counts)
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_bbp_fast_scalar_path_equals_the_elementwise_formula(precision):
+    """Scalar σ, σ0 (one product per update) and per-dimension arrays (elementwise bbp_cost) agree exactly."""
+    rng = np.random.default_rng(5)
+    theta = rng.normal(0, 0.5, size=(25, 17))
+    clients = [(theta + rng.normal(0, 0.2, size=theta.shape))[rng.permutation(25)][: 25 - 3 * j] for j in range(4)]
+    clients.append(rng.normal(0, 0.5, size=(12, 17)))  # unrelated units: new atoms
+    mu0 = np.r_[np.zeros(16), 0.1]
+    kw = dict(gamma=7.0, mu0=mu0, iters=3, cap=40)
+    fast = bbp_map(clients, sigma=1.0, sigma0=1.0, rng=np.random.default_rng(3), precision=precision, **kw)
+    slow = bbp_map(clients, sigma=np.ones(17), sigma0=np.ones(17), rng=np.random.default_rng(3), **kw)
+    assert fast.atoms.shape[0] > 25  # the unrelated client opened atoms
+    for a, b in zip(fast.assign, slow.assign):
+        assert np.array_equal(a, b)
+    np.testing.assert_array_equal(fast.counts, slow.counts)
+    np.testing.assert_allclose(fast.atoms, slow.atoms, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(fast.p, slow.p, rtol=0, atol=0)
+
+
+def test_bbp_certified_assignments_equal_the_solver():
+    """The dual-certificate shortcut returns exactly the solver's assignments, and it does fire."""
+    rng = np.random.default_rng(11)
+    theta = rng.normal(0, 0.3, size=(40, 30))
+    clients = [(theta + rng.normal(0, 0.1, size=theta.shape))[rng.permutation(40)] for _ in range(5)]
+    clients += [rng.normal(0, 0.3, size=(15, 30)), np.vstack([clients[0][:10], rng.normal(0, 0.3, size=(8, 30))])]
+    mu0 = np.r_[np.zeros(29), 0.1]
+    a = bbp_map(clients, mu0=mu0, rng=np.random.default_rng(2))
+    b = bbp_map(clients, mu0=mu0, rng=np.random.default_rng(2), certify=False)
+    assert a.atoms.shape[0] > 40  # new atoms were opened
+    for x, y in zip(a.assign, b.assign):
+        assert np.array_equal(x, y)
+    np.testing.assert_array_equal(a.g, b.g)
+    assert a.solver_stats["certified"] > 0 and b.solver_stats["certified"] == 0
+
+
+def test_certified_assignment_hand_cases():
+    from fedfuse.fusion.match import _certified_assignment
+
+    c = np.array([0.0, -1.0, -2.0])  # new-atom column offsets (decreasing)
+    score = np.array([[5.0, 1.0], [1.0, 4.0], [0.0, 0.5]])
+    new = np.array([0.0, 0.0, 3.0])  # row 2 prefers a new atom (3 + 0 > 0.5)
+    assert _certified_assignment(score, new, c).tolist() == [0, 1, 2]
+    score2 = np.array([[5.0, 1.0], [4.0, 1.0]])  # both rows want atom 0: no certificate
+    assert _certified_assignment(score2, np.zeros(2), c) is None
+    tie = np.array([[5.0, 5.0], [1.0, 4.0]])  # row 0 has two best atoms: not unique
+    assert _certified_assignment(tie, np.zeros(2), c) is None
+    two_new = np.array([[0.0, 0.0], [0.0, 0.0]])
+    assert _certified_assignment(two_new, np.array([3.0, 2.5]), c).tolist() == [2, 3]  # 3 > 0 and 2.5 - 1 > 0

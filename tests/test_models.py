@@ -21,6 +21,7 @@ IMAGE_MODELS = [
     "simple-mlp",
     "cnn",
     "cnn-cifar",
+    "cnn-femnist",
     "resnet9",
     "resnet18",
     "resnet20",
@@ -169,6 +170,7 @@ def test_layer_order_input_to_output() -> None:
         ("simple-mlp", (1, 28, 28), 10, {}, 40_934),  # FedMA's 784-20-100-120-84-10
         ("cnn", (1, 28, 28), 10, {}, 1_663_370),  # McMahan et al. 2017 with 'same' padding
         ("cnn-cifar", (3, 32, 32), 10, {}, 62_006),
+        ("cnn-femnist", (1, 28, 28), 62, {}, 160_510),
         ("resnet9", (3, 32, 32), 10, {}, 78_002),
         ("resnet20", (3, 32, 32), 10, {}, 272_474),  # 269,722 + 1x1 conv/BN projections
         ("resnet18", (3, 32, 32), 10, {}, 11_173_962),

@@ -31,6 +31,8 @@ def _fake_run(d, algorithm, seed, accs, extra_png=False):
         fig, ax = plt.subplots()
         ax.imshow([[0, 1], [1, 0]])
         fig.savefig(d / "merge_weights_final.png")
+        for r in (1, 2, 10):  # a per-round series: only the last round goes into the report
+            fig.savefig(d / f"merge_weights_r{r:04d}.png")
         plt.close(fig)
 
 
@@ -52,6 +54,7 @@ def test_report_of_a_tree_of_runs_groups_seeds_and_includes_diagnostics(tmp_path
     assert "![global_accuracy](report/global_accuracy.png)" in md and "![loss](report/loss.png)" in md
     assert "fedprox_merge_weights_final.png" in md
     assert (tmp_path / "report" / "fedprox_merge_weights_final.png").exists()
+    assert "merge_weights_r0010.png" in md and "merge_weights_r0002.png" not in md
     assert "Options that differ between labels" in md and "algorithm_options.mu" in md
     html = (tmp_path / "report.html").read_text()
     assert html.startswith("<!doctype html>") and "<table>" in html and "report/loss.png" in html
@@ -101,3 +104,29 @@ def test_tensorboard_logger_writes_events(tmp_path):
     ev.Reload()
     acc = ev.Scalars("global_accuracy")
     assert [e.step for e in acc] == [1, 2] and all(0 <= e.value <= 1 for e in acc)
+
+
+def test_mlflow_logger_calls(monkeypatch, tmp_path):
+    """MLflow's API as the logger uses it (a recording stand-in when mlflow is not installed)."""
+    import sys
+    import types
+
+    calls = []
+    fake = types.SimpleNamespace(
+        set_experiment=lambda name: calls.append(("experiment", name)),
+        start_run=lambda run_name: calls.append(("start", run_name)),
+        log_params=lambda p: calls.append(("params", p)),
+        log_metrics=lambda m, step=None: calls.append(("metrics", step, m)),
+        end_run=lambda: calls.append(("end",)),
+    )
+    monkeypatch.setitem(sys.modules, "mlflow", fake)
+    from fedfuse.engine.callbacks import MLflowLogger
+
+    res = fedfuse.run(algorithm="fedprox", callbacks=[MLflowLogger("exp")], mu=0.1, **SMALL)
+    assert calls[0] == ("experiment", "exp") and calls[1] == ("start", "fedprox-digits-seed0")
+    params = calls[2][1]
+    assert params["algorithm"] == "fedprox" and params["algorithm_options.mu"] == "0.1"
+    steps = [c for c in calls if c[0] == "metrics" and c[1] is not None]
+    assert [c[1] for c in steps] == [1, 2]
+    assert steps[-1][2]["global_accuracy"] == pytest.approx(res.history[-1]["global_accuracy"])
+    assert calls[-1] == ("end",) and calls[-2][0] == "metrics" and "final_global_accuracy" in calls[-2][2]

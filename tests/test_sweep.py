@@ -105,9 +105,11 @@ def test_table_statistics_by_hand():
     assert rows[0]["final global acc (%)"] == "55.50 ± 2.00" and rows[0]["rounds to 55%"] == "2.0 ± 1.4 (2/3)"
     frame = t.frame()
     assert frame.loc["b", "n"] == 3 and frame.loc["b", "p_value"] < 0.05
+    assert frame.loc["a", "final_ci95"] == pytest.approx(4.302653 * 0.02 / math.sqrt(3), rel=1e-5)  # t(0.975, 2)
     assert frame.loc["a", "p_value"] is None or math.isnan(frame.loc["a", "p_value"])
     md = t.to_markdown()
     assert "| b | 3 |" in md and "(n.s.) not significant" in md
+    assert "<table" in t._repr_html_() and "55.50 ± 2.00" in t._repr_html_()
 
 
 def test_table_marks_non_significant_and_single_seed():
@@ -120,3 +122,47 @@ def test_table_marks_non_significant_and_single_seed():
     assert one.display_rows()[0]["final global acc (%)"] == "52.50"  # no ± for one seed (mean of all 4 rounds)
     with pytest.raises(ConfigError, match="baseline 'zz' is not a label"):
         ResultTable(res, baseline="zz")
+    with pytest.raises(ConfigError, match="'acuracy' was not measured by any run; measured: bytes, global_accuracy"):
+        ResultTable(res, metric="acuracy")
+
+
+def test_lower_is_better_metrics_perplexity():
+    from fedfuse.stats import best_value, cost_to_target, rounds_to_target
+
+    hist = [{"round": r, "perplexity": p, "total_bytes": 10 * r} for r, p in ((1, 300.0), (2, 180.0), (3, 150.0))]
+    assert best_value(hist, "perplexity") == 150.0 and best_value(hist, "perplexity", lower=False) == 300.0
+    assert rounds_to_target(hist, 200.0, "perplexity") == 2 and cost_to_target(hist, 200.0, "perplexity") == 20
+    res = {}
+    for label, seed, scale in (("a", 0, 1.0), ("a", 1, 1.1), ("b", 0, 0.8), ("b", 1, 0.85)):
+        cfg = make_config(seed=seed)
+        h = [{"round": r, "perplexity": p * scale, "total_bytes_down": r} for r, p in ((1, 300.0), (2, 200.0))]
+        res.setdefault(label, []).append(Result(cfg, h, {}))
+    t = ResultTable(res, metric="perplexity", last=1)
+    assert t.lower and t.target == pytest.approx(210.0)  # worst mean final (210), 3 significant digits
+    a, b = t.rows
+    assert a.best.mean == pytest.approx(210.0) and b.final.mean == pytest.approx(165.0)
+    assert a.reached == 1 and b.reached == 2  # seed 1 of a ends at 220 > 210
+    row = t.display_rows()[1]
+    assert row["final perplexity"] == "165.00 ± 7.07" and row["vs a"].startswith("-45.00")
+    assert "lower is better" in t.to_markdown()
+
+
+def test_run_cached_and_reproduce_reuse(tmp_path, monkeypatch):
+    from fedfuse.reproduce import common
+    from fedfuse.sweep import run_cached
+
+    cfg = make_config(out=str(tmp_path / "r"), algorithm="fedavg", **SMALL)
+    first = run_cached(cfg)
+    assert not first.cached and run_cached(cfg).cached
+    (tmp_path / "r" / "summary.json").unlink()  # interrupted after its last checkpoint: resumed, same records
+    again = run_cached(cfg)
+    assert not again.cached and [strip_timing(h) for h in again.history] == [strip_timing(h) for h in first.history]
+    other = run_cached(make_config(out=str(tmp_path / "r"), algorithm="fedavg", **{**SMALL, "lr": 0.05}))
+    assert not other.cached and other.config.lr == 0.05  # another config in the same directory: run afresh
+    monkeypatch.setattr(common, "REUSE", True)
+    base = {k: v for k, v in SMALL.items()}
+    s1, h1 = common.run_one(base, tmp_path / "p", progress=False, algorithm="fedavg")
+    mtime = (tmp_path / "p" / "summary.json").stat().st_mtime_ns
+    s2, h2 = common.run_one(base, tmp_path / "p", progress=False, algorithm="fedavg")
+    assert (tmp_path / "p" / "summary.json").stat().st_mtime_ns == mtime  # not rerun
+    assert s2["final"]["global_accuracy"] == s1["final"]["global_accuracy"] and len(h2) == len(h1)

@@ -6,10 +6,11 @@ The Python API (see ``docs/api.md``)::
     res = fedfuse.run(algorithm="fedprox", rounds=5, mu=0.1)       # -> Result (res.metrics is a DataFrame)
     table = fedfuse.compare(["fedavg", "fedprox"], seeds=3)        # -> ResultTable (mean ± std, paired test)
     fedfuse.load("runs/...")                                       # -> Result of a run directory
-    fedfuse.list_algorithms(); fedfuse.show("msfusion")                 # discovery
+    fedfuse.algorithms(); fedfuse.show("msfusion")                 # discovery
 
-Submodules are imported lazily, so ``import fedfuse`` stays fast.  (``fedfuse.algorithms`` and ``fedfuse.models``
-are the registry packages, hence ``list_algorithms()`` / ``list_models()`` for the name → description maps.)
+Submodules are imported lazily, so ``import fedfuse`` stays fast.  ``fedfuse.algorithms()``, ``fedfuse.models()``,
+``fedfuse.datasets()`` and ``fedfuse.partitions()`` return name → description (the first two are also the
+registry packages; ``list_algorithms()`` etc. are the same functions under plain names).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ _OTHER = {"ResultTable": "fedfuse.sweep", "Sweep": "fedfuse.sweep", "RunConfig":
           "ConfigError": "fedfuse.config", "Callback": "fedfuse.engine.callbacks",
           "write_report": "fedfuse.report"}
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - grouped by kind
+    "algorithms", "datasets", "models", "partitions",
     "Callback", "Component", "ConfigError", "Result", "ResultTable", "RunConfig", "Sweep", "__version__",
     "compare", "config_hash", "list_algorithms", "list_datasets", "list_models", "list_partitions", "load",
     "make_config", "run", "show", "sweep", "write_report",
@@ -52,9 +54,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedfuse.sweep import ResultTable, Sweep
 
 
+_ALIASES = {"datasets": "list_datasets", "partitions": "list_partitions"}
+
+
 def __getattr__(name: str) -> Any:
     import importlib
 
+    if name in ("algorithms", "models"):  # callable registry packages: fedfuse.algorithms() lists them
+        return importlib.import_module(f"fedfuse.{name}")
+    if name in _ALIASES:
+        return getattr(importlib.import_module("fedfuse.api"), _ALIASES[name])
     if name in _API:
         return getattr(importlib.import_module("fedfuse.api"), name)
     if name in _OTHER:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfuse.config import RunConfig, apply, load_yaml, validate
+from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
 from fedfuse.options import OptionInfo, describe
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -165,7 +165,7 @@ class Result:
         return plot_metrics({self.config.algorithm: [self.history]}, metrics, path)
 
     def __repr__(self) -> str:
-        acc = self.final("global_accuracy") if self.config.algorithm else None
+        acc = self.final("global_accuracy")
         pers = self.final("personal_accuracy")
         parts = [f"{self.config.algorithm} on {self.config.dataset}", f"seed {self.config.seed}",
                  f"{len(self.history)} rounds"]
@@ -185,7 +185,15 @@ def load(run_dir: str | Path) -> Result:
     if not (d / "config.yaml").exists() or not (d / "metrics.jsonl").exists():
         raise FileNotFoundError(f"{d}: not a run directory (needs config.yaml and metrics.jsonl)")
     cfg = apply(RunConfig(), load_yaml(d / "config.yaml"))
-    history = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    history = []
+    lines = [line for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # a run killed while writing its last record
+                break
+            raise
     summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
     return Result(cfg, history, summary, d)
 
@@ -206,7 +214,12 @@ def run(config: ConfigLike = None, /, *, progress: bool = False, callbacks: Sequ
     ``log`` names built-in loggers (``"tensorboard"``, ``"mlflow"``, ``"csv"``).  ``resume=True`` continues
     the run in ``out`` from its checkpoint.
     """
+    for word in ("seeds", "grid", "jobs"):
+        if word in options:
+            raise ConfigError(f"run() is one run; for {word}= use fedfuse.compare(...) or fedfuse.sweep(...)")
     cfg = make_config(config, **options)
+    if resume and not (cfg.out and (Path(cfg.out) / "checkpoint.pt").exists()):
+        raise ConfigError(f"resume: no checkpoint.pt in out={cfg.out!r} (nothing to resume)")
     return _execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume)
 
 
@@ -240,6 +253,7 @@ def compare(algorithms: Sequence[str] | str | None = None, config: ConfigLike = 
     to the algorithms that have it).  ``per_algorithm`` gives options for one algorithm only, e.g.
     ``{"fedprox": {"mu": 0.1}}``.
 
+    With ``out``, the table (``compare.md/.csv/.json``) and the report are written there too.
     Runs are stored under ``store`` (default ``out/runs`` when ``out`` is given, otherwise in memory) in one
     directory per full-config hash: a finished run is loaded instead of rerun, an interrupted one resumes from
     its checkpoint, so an interrupted or extended sweep runs only what is missing (``rerun=True`` forces).
@@ -248,9 +262,11 @@ def compare(algorithms: Sequence[str] | str | None = None, config: ConfigLike = 
     from fedfuse.sweep import Sweep
 
     sw = Sweep.plan(algorithms, config, seeds=seeds, grid=grid, per_algorithm=per_algorithm, **options)
-    return sw.execute(out=out, store=store, jobs=jobs, rerun=rerun, progress=progress, log=log,
-                      callbacks=callbacks).table(baseline=baseline, metric=metric, last=last, target=target,
-                                                 test=test)
+    sw.execute(out=out, store=store, jobs=jobs, rerun=rerun, progress=progress, log=log, callbacks=callbacks)
+    table = sw.table(baseline=baseline, metric=metric, last=last, target=target, test=test)
+    if out is not None:
+        table.write(out, plots=sw.points[0].config.plots)
+    return table
 
 
 def sweep(grid: Mapping[str, Sequence[Any]], config: ConfigLike = None, /, **kwargs: Any) -> ResultTable:
@@ -309,7 +325,15 @@ class Component:
         w = [max(len(r[i]) for r in [*rows, ("option", "type", "default", "")]) for i in range(3)]
         lines = [head, f"  options ({where}):",
                  f"    {'option':<{w[0]}}  {'type':<{w[1]}}  {'default':<{w[2]}}  help"]
-        lines += [f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}".rstrip() for a, b, c, d in rows]
+        import shutil
+        import textwrap
+
+        indent = 4 + w[0] + w[1] + w[2] + 6
+        width = max(shutil.get_terminal_size((120, 24)).columns, indent + 40)
+        for a, b, c, d in rows:
+            wrapped = textwrap.wrap(d, width - indent) or [""]
+            lines.append(f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {wrapped[0]}".rstrip())
+            lines += [" " * indent + more for more in wrapped[1:]]
         return "\n".join(lines)
 
 

@@ -1,16 +1,25 @@
-"""The ``fedfuse`` command line: run, compare, partition, list."""
+"""The ``fedfuse`` command line (a thin layer over :mod:`fedfuse.api`): run, compare, show, report, partition,
+reproduce, list."""
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, parse_value, validate
+from fedfuse.config import (
+    ConfigError,
+    RunConfig,
+    apply,
+    load_yaml,
+    parse_value,
+    prepare_run_dir,
+    resume_config,
+    validate,
+)
+from fedfuse.errors import run_guarded
 
 # flag → (config key, type, help).  Flags default to None so only what the user typed overrides the config file.
 FLAGS: dict[str, tuple[str, type, str]] = {
@@ -29,7 +38,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--optimizer": ("optimizer", str, "client optimizer: sgd or adam"),
     "--seed": ("seed", int, "seed of everything random: partition, initialisation, sampling, batches"),
     "--data-dir": ("data_dir", str, "directory holding the dataset files (default: $FEDFUSE_DATA)"),
-    "--out": ("out", str, "output directory (default: runs/<algorithm>-<dataset>-<time>)"),
+    "--out": ("out", str, "output directory (default: runs/<algorithm or compare>-<dataset>-<time>)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--eval-every": ("eval_every", int, "evaluate every N rounds (the last round is always evaluated)"),
     "--threads": ("threads", int, "torch intra-op threads (0 = PyTorch's default; 1 is fastest for small models)"),
@@ -60,6 +69,7 @@ def _add_run_flags(p: argparse.ArgumentParser, with_algorithm: bool = True) -> N
     g.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key, e.g. --set mu=0.1 --set model_options.widths=[64,64]")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run in the output directory")
 
 
 def _add_sweep_flags(p: argparse.ArgumentParser, compare: bool) -> None:
@@ -78,8 +88,8 @@ def _add_sweep_flags(p: argparse.ArgumentParser, compare: bool) -> None:
     g.add_argument("--baseline", default=None,
                    help="label every other is compared with by a paired test over seeds (default: the first)")
     g.add_argument("--metric", default="auto",
-                   help="accuracy the table compares (auto: global_accuracy when every run has a global model, "
-                        "else personal_accuracy)")
+                   help="metric the table compares (auto: global_accuracy when every run has a global model, "
+                        "else personal_accuracy; losses and perplexity count as lower-is-better)")
     g.add_argument("--last", type=int, default=5, help="final accuracy = mean of the last K evaluations (default 5)")
     g.add_argument("--target", type=float, default=None,
                    help="accuracy (0-1) for the rounds/MB/GFLOPs-to-target columns (default: the lowest mean "
@@ -140,11 +150,15 @@ def results_table(summary: dict[str, Any]) -> str:
         ("MB up (total)", "bytes_up", False),
         ("client GFLOPs (total)", "client_flops", False),
         ("server parameters", "server_parameters", False),
+        ("clients without test data (not in the means)", "clients_without_test", False),
+        ("updates quarantined (total)", "total_quarantined", False),
+        ("replies lost to dropout (total)", "total_dropped", False),
+        ("replies after the deadline (total)", "total_late", False),
     ]
     lines = [f"{'metric':<48} {'final':>12} {'best (val)':>12}", "-" * 74]
     for label, key, pct in rows:
         f, b = summary["final"].get(key), summary["best"].get(key)
-        if f is None and b is None:
+        if (f is None and b is None) or (key.startswith(("total_", "clients_without")) and not f):
             continue
         if key.startswith("bytes"):
             f, b = (None if x is None else x / 1e6 for x in (f, b))
@@ -167,16 +181,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("--resume continues one run; a sweep (--seeds/--grid) resumes by running it again")
         return _sweep(args, algorithms=None)
     if args.resume:
-        out = Path(args.resume)
-        if not (out / "checkpoint.pt").exists():
-            raise ConfigError(f"--resume {out}: no checkpoint.pt there (nothing to resume)")
-        cfg = apply(RunConfig(), load_yaml(out / "config.yaml"))
-        cfg.out = str(out)
+        cfg = resume_config(args, build_config)
         res = _execute(cfg, progress=not args.no_progress, log=_logs(args), resume=True)
     else:
         cfg = build_config(args)
         if not cfg.out:
             cfg.out = _default_out(cfg, cfg.algorithm)
+        prepare_run_dir(cfg.out, overwrite=args.overwrite)
         res = _execute(cfg, progress=not args.no_progress, log=_logs(args))
     print(results_table(res.summary))
     print(f"outputs in {res.out}")
@@ -228,27 +239,8 @@ def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
                log=_logs(args), verbose=True)
     table = sw.table(baseline=args.baseline, metric=args.metric, last=args.last, target=args.target,
                      test=args.test)
-    rows = table.display_rows()
-    with open(root / "compare.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    table.write(root, plots=base.plots)
     md = table.to_markdown()
-    (root / "compare.md").write_text(md + "\n")
-    (root / "compare.json").write_text(json.dumps(
-        {"metric": table.metric, "target": table.target, "baseline": table.baseline, "last": table.last,
-         "table": table.frame().reset_index().to_dict("records"), "runs": table.per_seed().to_dict("records")},
-        indent=2, default=str))
-    if base.plots:
-        from fedfuse.plots import plot_metrics
-        from fedfuse.report import write_report
-
-        fig = plot_metrics(table.histories(), path=root / "compare.png")
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
-        write_report(root, metric=args.metric, last=args.last, target=args.target, baseline=args.baseline,
-                     test=args.test)
     print(md)
     print(f"outputs in {root}" + (f" (report: {root / 'report.md'})" if base.plots else ""))
     return 0
@@ -258,6 +250,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if not names:
         raise ConfigError("--algorithms: give a comma-separated list, e.g. fedavg,fedprox,local")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"--algorithms: {', '.join(twice)} listed more than once; each algorithm runs once "
+                          "(compare options of one algorithm with --grid)")
     return _sweep(args, algorithms=names)
 
 
@@ -324,16 +320,21 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from fedfuse.reproduce import available
+    from fedfuse.reproduce import available, common
 
-    if args.report and not args.out:
-        raise ConfigError("--report needs --out (the directory the report describes)")
-    rc = int(available()[args.name].run(args))
-    if rc == 0 and args.report:
+    common.REUSE = bool(args.reuse)
+    try:
+        rc = int(available()[args.name].run(args))
+    finally:
+        common.REUSE = False
+    if rc == 0 and args.out and not args.no_report:
         from fedfuse.report import write_report
 
-        md = write_report(args.out, title=f"reproduce {args.name}")
-        print(f"wrote {md} and {md.with_suffix('.html')}")
+        try:
+            md = write_report(args.out, title=f"reproduce {args.name}")
+            print(f"wrote {md} and {md.with_suffix('.html')}")
+        except Exception as e:  # the reproduction's own tables are written; the report is an extra view
+            print(f"fedfuse: warning: no report for {args.out}: {type(e).__name__}: {e}", file=sys.stderr)
     return rc
 
 
@@ -352,20 +353,31 @@ def _add_reproduce(sub) -> None:
         p.add_argument("--data-dir", default=None, help="where the datasets are (default: $FEDFUSE_DATA)")
         p.add_argument("--out", default=None, help="output directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
-        p.add_argument("--report", action="store_true",
-                       help="afterwards, write report.md/report.html over every run below --out (needs --out)")
+        p.add_argument("--reuse", action="store_true",
+                       help="keep runs already finished in --out with the same config, resume interrupted ones "
+                            "(after a code change, run without it)")
+        p.add_argument("--no-report", action="store_true",
+                       help="do not write report.md/report.html over the runs below --out afterwards (written "
+                            "when --out is given)")
         add_seed_argument(p)
         if hasattr(module, "add_arguments"):
             module.add_arguments(p)
-        for a in p._actions:  # a reproduction's own flag without help still gets a line pointing to its doc
-            if not a.help:
-                a.help = _REPRODUCE_HELP.get(a.dest, f"see docs/{name.split('-')[0]}.md")
-                if a.default not in (None, False, ""):
-                    a.help += " (default: %(default)s)"
+        _fill_help(p, f"see docs/{name.split('-')[0]}.md")
         p.set_defaults(func=cmd_reproduce)
 
 
-_REPRODUCE_HELP = {"seed": "seed of a single-seed run", "part": "which part of the reproduction to run"}
+_GENERIC_HELP = {"seed": "seed of a single-seed run", "part": "which part of the reproduction to run",
+                 "batch_size": "mini-batch size", "seq_len": "sequence length", "device": "cpu, cuda or cuda:N",
+                 "threads": "torch intra-op threads"}
+
+
+def _fill_help(p: argparse.ArgumentParser, fallback: str) -> None:
+    """A flag that a plug-in parser (reproduction, pretrain) registered without help still gets one line."""
+    for a in p._actions:
+        if not a.help:
+            a.help = _GENERIC_HELP.get(a.dest, fallback)
+            if a.default not in (None, False, ""):
+                a.help += " (default: %(default)s)"
 
 
 EPILOG = """examples:
@@ -409,6 +421,7 @@ def make_parser() -> argparse.ArgumentParser:
     from fedfuse.adapters.cli import add_pretrain_parser
 
     add_pretrain_parser(sub)
+    _fill_help(sub.choices["pretrain"], "see docs/lora.md")
     li = sub.add_parser("list", help="list algorithms, datasets, partitions and models",
                         description="List algorithms, datasets, partitions and models with one line each.")
     li.add_argument("what", nargs="?", choices=["algorithms", "datasets", "partitions", "models"],
@@ -438,22 +451,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fedfuse.data.dataset import DatasetNotFoundError
-
     args = make_parser().parse_args(argv)
-    try:
-        rc = int(args.func(args))
-        sys.stdout.flush()  # a closed pipe shows up here, inside the handler
-        return rc
-    except BrokenPipeError:  # e.g. `fedfuse list | head -1`: the reader has all it wants
-        _quiet_stdout()
-        return 0
-    except (ConfigError, DatasetNotFoundError) as e:
-        print(f"fedfuse: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # bad option values raised by loaders/partitioners/models
-        print(f"fedfuse: error: {e}", file=sys.stderr)
-        return 2
+    return run_guarded(lambda: int(args.func(args)))
 
 
 def _quiet_stdout() -> None:

@@ -70,6 +70,15 @@ def mean_band(histories: Sequence[Sequence[Mapping[str, Any]]], key: str,
     return xs, mean, std, n
 
 
+def _plain_log_ticks(axis: Any) -> None:
+    """Log-axis ticks at 1, 2, 5 × 10^k written as plain numbers (0.2, 0.5, 1, 2, 5, 10, ...)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def draw_metric(ax: Any, groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], key: str,
                 x: str = "round", colors: Mapping[str, str] | None = None) -> bool:
     """Mean line and ±std band per group on ``ax``; False when no group measured ``key``."""
@@ -78,8 +87,11 @@ def draw_metric(ax: Any, groups: Mapping[str, Sequence[Sequence[Mapping[str, Any
         xs, m, s, _ = mean_band(hists, key, x)
         if not len(xs):
             continue
-        if x == "total_bytes":
-            xs = xs / 1e6
+        if x == "total_bytes":  # log axis: a run that communicates nothing (local training) has no curve here
+            keep = xs > 0
+            xs, m, s = xs[keep] / 1e6, m[keep], s[keep]
+            if not len(xs):
+                continue
         c = (colors or {}).get(label, f"C{i % 10}")
         ax.plot(xs, m, color=c, label=label or None, marker="." if len(xs) < 30 else None, lw=1.8)
         if (s > 0).any():
@@ -90,8 +102,10 @@ def draw_metric(ax: Any, groups: Mapping[str, Sequence[Sequence[Mapping[str, Any
         ax.set_ylabel(LABELS.get(key, key))
         if is_log_metric(key):
             ax.set_yscale("log")
+            _plain_log_ticks(ax.yaxis)
         if x == "total_bytes":
             ax.set_xscale("log")
+            _plain_log_ticks(ax.xaxis)
         else:
             from matplotlib.ticker import MaxNLocator
 

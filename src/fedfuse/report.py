@@ -107,6 +107,19 @@ def _config_diffs(results: dict[str, list[Result]]) -> list[dict[str, Any]]:
                                 for k in varying}} for label, f in flat.items()] if varying else []
 
 
+def _diagnostic_pngs(run_dir: Path) -> list[Path]:
+    """The algorithm's own PNGs in a run directory; of a per-round series (``name_r0010.png``) only the last."""
+    import re
+
+    series: dict[str, Path] = {}
+    for f in sorted(run_dir.glob("*.png")):
+        if f.name in _STANDARD_PNG:
+            continue
+        m = re.match(r"(.*?)_?r\d+$", f.stem)
+        series[m.group(1) + "_r" if m else f.stem] = f  # sorted: the last round wins
+    return sorted(series.values())
+
+
 def write_report(path: str | Path, *, metric: str = "auto", last: int = 5, target: float | None = None,
                  baseline: str | None = None, test: str = "t", title: str | None = None,
                  metrics: Sequence[str] | None = None) -> Path:
@@ -156,7 +169,7 @@ def write_report(path: str | Path, *, metric: str = "auto", last: int = 5, targe
     for label, rs in results.items():
         r = rs[0]
         if r.out and r.out.is_dir():
-            diag += [(label, f) for f in sorted(r.out.glob("*.png")) if f.name not in _STANDARD_PNG]
+            diag += [(label, f) for f in _diagnostic_pngs(r.out)]
     if diag:
         page.h(2, "Diagnostics")
         page.p("The algorithms' own figures, from each label's first seed.")

@@ -21,6 +21,15 @@ class MeanStd:
     std: float
     n: int
 
+    def ci95(self) -> float:
+        """Half-width of the 95% confidence interval of the mean (Student t, n - 1 degrees of freedom); NaN for
+        n < 2."""
+        if self.n < 2 or math.isnan(self.std):
+            return float("nan")
+        from scipy import stats as sps
+
+        return float(sps.t.ppf(0.975, self.n - 1) * self.std / math.sqrt(self.n))
+
     def fmt(self, scale: float = 1.0, digits: int = 2) -> str:
         """``"81.60 ± 1.20"``; the ± part is left out when n = 1."""
         if self.n == 0 or math.isnan(self.mean):
@@ -51,24 +60,41 @@ def final_mean(history: Sequence[dict[str, Any]], key: str = "global_accuracy", 
     return sum(v for _, v in ev) / len(ev) if ev else None
 
 
-def best_value(history: Sequence[dict[str, Any]], key: str = "global_accuracy") -> float | None:
+def lower_is_better(key: str) -> bool:
+    """Losses and perplexities improve downwards; accuracies (and anything else) upwards."""
+    return "loss" in key or "perplexity" in key
+
+
+def _reached(value: float, target: float, lower: bool) -> bool:
+    return value <= target if lower else value >= target
+
+
+def best_value(history: Sequence[dict[str, Any]], key: str = "global_accuracy",
+               lower: bool | None = None) -> float | None:
+    """Best evaluation of ``key``: the maximum, or the minimum for a loss/perplexity (``lower`` overrides)."""
     ev = evaluations(history, key)
-    return max(v for _, v in ev) if ev else None
+    if not ev:
+        return None
+    lower = lower_is_better(key) if lower is None else lower
+    return (min if lower else max)(v for _, v in ev)
 
 
-def rounds_to_target(history: Sequence[dict[str, Any]], target: float, key: str = "global_accuracy") -> int | None:
-    """First round at which ``key`` reaches ``target`` (None if never)."""
+def rounds_to_target(history: Sequence[dict[str, Any]], target: float, key: str = "global_accuracy",
+                     lower: bool | None = None) -> int | None:
+    """First round at which ``key`` reaches ``target`` (>= it; <= it for a loss/perplexity); None if never."""
+    lower = lower_is_better(key) if lower is None else lower
     for r, v in evaluations(history, key):
-        if v >= target:
+        if _reached(v, target, lower):
             return r
     return None
 
 
 def cost_to_target(history: Sequence[dict[str, Any]], target: float, key: str = "global_accuracy",
-                   cost: str = "total_bytes") -> float | None:
+                   cost: str = "total_bytes", lower: bool | None = None) -> float | None:
     """Cumulative cost (``total_bytes``, ``total_client_flops``, ...) when ``key`` first reaches ``target``."""
+    lower = lower_is_better(key) if lower is None else lower
     for h in history:
-        if h.get(key) is not None and float(h[key]) >= target:
+        if h.get(key) is not None and _reached(float(h[key]), target, lower):
             return float(h[cost]) if h.get(cost) is not None else None
     return None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from fedfuse.stats import (
     MeanStd,
     best_value,
     cost_to_target,
+    lower_is_better,
     mean_std,
     paired_test,
     parse_seeds,
@@ -193,10 +195,15 @@ class Sweep:
         if jobs > 1 and len(todo) > 1:
             done.update(_run_parallel(todo, jobs, list(log), list(callbacks), verbose))
         else:
-            from fedfuse.reproduce.common import federation_for
+            from fedfuse.config import resolve_device
+            from fedfuse.engine.loop import build_federation
 
+            fed_key, fed = None, None  # runs are ordered seed-major: consecutive runs share one federation
             for i, label, cfg, resume in todo:
-                res = _run_job(cfg, resume, progress, list(log), list(callbacks), fed=federation_for(cfg))
+                if _federation_key(cfg) != fed_key:
+                    fed = None  # free the previous one first
+                    fed_key, fed = _federation_key(cfg), build_federation(cfg, resolve_device(cfg.device))
+                res = _run_job(cfg, resume, progress, list(log), list(callbacks), fed=fed)
                 if verbose:
                     print(f"  done: {label} seed {cfg.seed}", file=sys.stderr)
                 done[i] = res
@@ -221,8 +228,32 @@ def run_dir_name(cfg: RunConfig) -> str:
     return f"{cfg.algorithm}-{cfg.dataset}-s{cfg.seed}-{config_hash(cfg)[:12]}"
 
 
-def _status(run_dir: Path, cfg: RunConfig) -> str:
-    """``done`` (finished, same config), ``partial`` (a checkpoint to resume), or ``empty``."""
+def _federation_key(cfg: RunConfig) -> str:
+    """Everything that shapes a federation: runs with equal keys can share one."""
+    return json.dumps([cfg.dataset, cfg.data_dir, cfg.partition, cfg.clients, cfg.seed, cfg.val_fraction,
+                       cfg.partition_options, cfg.dataset_options, cfg.device], sort_keys=True, default=str)
+
+
+def run_cached(cfg: RunConfig, *, progress: bool = False, fed: Any = None) -> Result:
+    """Run ``cfg`` into ``cfg.out`` unless that directory already holds it: a finished run with the same config
+    hash is loaded (``Result.cached``), an interrupted one resumes from its checkpoint, anything else (another
+    config, no checkpoint) is run afresh.  Used by ``fedfuse reproduce --reuse``."""
+    if not cfg.out:
+        raise ValueError("run_cached: the config needs an out directory")
+    run_dir = Path(cfg.out)
+    status = _status(run_dir, cfg, strict=False)
+    if status == "done":
+        res = load(run_dir)
+        res.cached = True
+        return res
+    return _run_job(cfg, status == "partial", progress, [], [], fed=fed)
+
+
+def _status(run_dir: Path, cfg: RunConfig, strict: bool = True) -> str:
+    """``done`` (finished, same config), ``partial`` (a checkpoint to resume), ``empty`` (nothing usable).
+
+    A directory holding another configuration is an error when ``strict`` (store directories are named by
+    their hash), otherwise ``empty``."""
     if not (run_dir / "config.yaml").exists():
         return "empty"
     try:
@@ -230,6 +261,8 @@ def _status(run_dir: Path, cfg: RunConfig) -> str:
     except Exception:  # unreadable leftovers: start again
         return "empty"
     if config_hash(old) != config_hash(cfg):
+        if not strict:
+            return "empty"
         raise ConfigError(f"{run_dir} holds a different configuration than its name says; delete it")
     if (run_dir / "summary.json").exists():
         return "done"
@@ -328,14 +361,23 @@ class ResultTable:
             every = [r for rs in self.results.values() for r in rs]
             metric = "global_accuracy" if all(r.final("global_accuracy") is not None for r in every) \
                 else "personal_accuracy"
+        every = [r for rs in self.results.values() for r in rs]
+        if not any(h.get(metric) is not None for r in every for h in r.history):
+            measured = sorted({k for r in every for h in r.history for k, v in h.items()
+                               if isinstance(v, int | float) and not isinstance(v, bool)})
+            raise ConfigError(f"metric {metric!r} was not measured by any run; measured: {', '.join(measured)}")
+        if test not in ("t", "wilcoxon"):
+            raise ConfigError(f"test: choose t or wilcoxon, got {test!r}")
         self.metric, self.last, self.test, self.alpha = metric, last, test, alpha
         if baseline is not None and baseline not in self.results:
             raise ConfigError(f"baseline {baseline!r} is not a label; labels: {', '.join(self.results)}")
         self.baseline = baseline or next(iter(self.results))
+        self.lower = lower_is_better(metric)
+        self.is_accuracy = "accuracy" in metric
         if target is None:
             finals = [mean_std([r.final(metric, last) for r in rs]).mean for rs in self.results.values()]
             finals = [f for f in finals if f == f]
-            target = int(100 * min(finals)) / 100 if finals else None
+            target = _default_target(finals, self.lower, self.is_accuracy)
         self.target = target
         self.rows = [self._row(label, rs) for label, rs in self.results.items()]
 
@@ -344,7 +386,7 @@ class ResultTable:
 
     def _row(self, label: str, rs: list[Result]) -> Row:
         m, t = self.metric, self.target
-        rounds = [rounds_to_target(r.history, t, m) if t is not None else None for r in rs]
+        rounds = [rounds_to_target(r.history, t, m, self.lower) if t is not None else None for r in rs]
         vs = None
         if label != self.baseline:
             a, b = self._values(label), self._values(self.baseline)
@@ -353,11 +395,11 @@ class ResultTable:
         return Row(
             label=label, seeds=[r.seed for r in rs],
             final=mean_std([r.final(m, self.last) for r in rs]),
-            best=mean_std([best_value(r.history, m) for r in rs]),
+            best=mean_std([best_value(r.history, m, self.lower) for r in rs]),
             rounds_to_target=mean_std(rounds), reached=sum(x is not None for x in rounds),
-            bytes_to_target=mean_std([cost_to_target(r.history, t, m, "total_bytes") if t is not None else None
-                                      for r in rs]),
-            flops_to_target=mean_std([cost_to_target(r.history, t, m, "total_client_flops")
+            bytes_to_target=mean_std([cost_to_target(r.history, t, m, "total_bytes", self.lower)
+                                      if t is not None else None for r in rs]),
+            flops_to_target=mean_std([cost_to_target(r.history, t, m, "total_client_flops", self.lower)
                                       if t is not None else None for r in rs]),
             total_bytes=mean_std([r.history[-1].get("total_bytes") if r.history else None for r in rs]),
             total_flops=mean_std([r.history[-1].get("total_client_flops") if r.history else None for r in rs]),
@@ -369,7 +411,9 @@ class ResultTable:
     def display_rows(self) -> list[dict[str, str]]:
         """Formatted rows (strings) as printed and written to ``compare.md``."""
         short = self.metric.replace("_accuracy", "")
-        tgt = f"{100 * self.target:.0f}%" if self.target is not None else "target"
+        scale, digits = (100.0, 2) if self.is_accuracy else (1.0, 4 if self._small() else 2)
+        name = f"{short} acc (%)" if self.is_accuracy else self.metric
+        tgt = self._target_text()
         out = []
         for row in self.rows:
             n = len(row.seeds)
@@ -377,8 +421,8 @@ class ResultTable:
             d: dict[str, str] = {
                 "label": row.label,
                 "n": str(n),
-                f"final {short} acc (%)": row.final.fmt(100),
-                f"best {short} acc (%)": row.best.fmt(100),
+                f"final {name}": row.final.fmt(scale, digits),
+                f"best {name}": row.best.fmt(scale, digits),
                 f"rounds to {tgt}": (row.rounds_to_target.fmt(1, 1) + reach) if row.reached else "never",
                 f"MB to {tgt}": (row.bytes_to_target.fmt(1e-6, 2) + reach) if row.reached else "—",
                 f"GFLOPs to {tgt}": (row.flops_to_target.fmt(1e-9, 2) + reach) if row.reached else "—",
@@ -391,15 +435,25 @@ class ResultTable:
                 else:
                     pt = row.vs_baseline
                     p = "" if pt.p_value != pt.p_value else f" p={pt.p_value:.3g}"
-                    d[f"vs {self.baseline}"] = f"{100 * pt.diff:+.2f} {pt.mark(self.alpha)}{p}"
+                    d[f"vs {self.baseline}"] = f"{scale * pt.diff:+.{digits}f} {pt.mark(self.alpha)}{p}"
             out.append(d)
         return out
+
+    def _small(self) -> bool:
+        return all(abs(r.final.mean) < 10 for r in self.rows if r.final.n) if hasattr(self, "rows") else False
+
+    def _target_text(self) -> str:
+        if self.target is None:
+            return "target"
+        return f"{100 * self.target:.0f}%" if self.is_accuracy else f"{self.target:.4g}"
 
     def to_markdown(self) -> str:
         from fedfuse.reproduce.common import markdown
 
-        note = (f"\n\nfinal = mean of the last {self.last} evaluations of {self.metric}; mean ± std over seeds "
-                f"(n = seeds); target = {self.target if self.target is None else f'{100 * self.target:.0f}%'}; "
+        better = "lower is better, " if self.lower else ""
+        note = (f"\n\nfinal = mean of the last {self.last} evaluations of {self.metric} ({better}best = the "
+                f"{'lowest' if self.lower else 'highest'} evaluation); mean ± std over seeds "
+                f"(n = seeds); target = {self._target_text()}; "
                 f"paired {'t-test' if self.test == 't' else 'Wilcoxon signed-rank test'} over shared seeds "
                 f"against {self.baseline}: * p < {self.alpha}, (n.s.) not significant.")
         return markdown(self.display_rows()) + note
@@ -412,7 +466,7 @@ class ResultTable:
         for r in self.rows:
             recs.append({
                 "label": r.label, "n": len(r.seeds),
-                "final_mean": r.final.mean, "final_std": r.final.std,
+                "final_mean": r.final.mean, "final_std": r.final.std, "final_ci95": r.final.ci95(),
                 "best_mean": r.best.mean, "best_std": r.best.std,
                 "rounds_to_target": r.rounds_to_target.mean, "reached": r.reached,
                 "bytes_to_target": r.bytes_to_target.mean, "flops_to_target": r.flops_to_target.mean,
@@ -431,6 +485,36 @@ class ResultTable:
                 for label, rs in self.results.items() for r in rs]
         return pd.DataFrame.from_records(recs)
 
+    def write(self, out: str | Path, *, plots: bool = True) -> Path:
+        """Write ``compare.md``, ``compare.csv``, ``compare.json`` and, with ``plots``, ``compare.png`` and the
+        report (``report.md`` / ``report.html``, which needs ``sweep.json`` from :meth:`Sweep.execute` or run
+        directories below ``out``).  Returns the Markdown table's path."""
+        import csv
+
+        root = Path(out)
+        root.mkdir(parents=True, exist_ok=True)
+        rows = self.display_rows()
+        with open(root / "compare.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        (root / "compare.md").write_text(self.to_markdown() + "\n")
+        (root / "compare.json").write_text(json.dumps(
+            {"metric": self.metric, "target": self.target, "baseline": self.baseline, "last": self.last,
+             "test": self.test, "table": self.frame().reset_index().to_dict("records"),
+             "runs": self.per_seed().to_dict("records")}, indent=2, default=str))
+        if plots:
+            import matplotlib.pyplot as plt
+
+            from fedfuse.plots import plot_metrics
+            from fedfuse.report import write_report
+
+            plt.close(plot_metrics(self.histories(), path=root / "compare.png"))
+            if (root / "sweep.json").exists() or any(root.rglob("metrics.jsonl")):
+                write_report(root, metric=self.metric, last=self.last, target=self.target, baseline=self.baseline,
+                             test=self.test)
+        return root / "compare.md"
+
     def histories(self) -> dict[str, list[list[dict[str, Any]]]]:
         return {label: [r.history for r in rs] for label, rs in self.results.items()}
 
@@ -442,6 +526,26 @@ class ResultTable:
 
     def _repr_markdown_(self) -> str:
         return self.to_markdown()
+
+    def _repr_html_(self) -> str:
+        import pandas as pd
+
+        note = self.to_markdown().split("\n\n", 1)[1]
+        return pd.DataFrame(self.display_rows()).to_html(index=False) + f"<p><small>{note}</small></p>"
+
+
+def _default_target(finals: list[float], lower: bool, accuracy: bool) -> float | None:
+    """The worst mean final value among the labels, rounded towards "easier" (a whole percent for accuracies,
+    3 significant digits otherwise), so every label reaches it on average."""
+    if not finals:
+        return None
+    worst = max(finals) if lower else min(finals)
+    if accuracy:
+        return math.floor(100 * worst) / 100
+    if worst == 0:
+        return 0.0
+    step = 10 ** (math.floor(math.log10(abs(worst))) - 2)
+    return (math.ceil(worst / step) if lower else math.floor(worst / step)) * step
 
 
 def load_sweep(path: str | Path) -> dict[str, list[Result]]:
@@ -485,8 +589,16 @@ def load_sweep(path: str | Path) -> dict[str, list[Result]]:
     for h, rs in groups.items():
         label = " ".join([keys[h]["algorithm"], *(f"{k.split('.')[-1]}={_fmt_value(flat[h][k])}"
                                                  for k in varying if k in flat[h])])
+        if label in out:  # groups that differ only in a key the label cannot show: keep them apart
+            label = f"{label} #{h_short(h)}"
         out[label] = sorted(rs, key=lambda r: r.seed)
     return out
+
+
+def h_short(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:6]
 
 
 def _flatten(d: Mapping[str, Any]) -> dict[str, Any]:

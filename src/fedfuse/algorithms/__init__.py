@@ -38,3 +38,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 __all__ = ["ALGORITHMS", "Algorithm", "RoundInfo", "RunContext", "get_algorithm"]
+
+from fedfuse._callable import make_callable  # noqa: E402  (fedfuse.algorithms() → name: description)
+
+make_callable(__name__, lambda: {k: v.description for k, v in sorted(ALGORITHMS.items())})

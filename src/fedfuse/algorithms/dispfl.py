@@ -101,11 +101,11 @@ def sparse_average(own: int, models: dict[int, TensorDict], masks: dict[int, Ten
             num = torch.zeros_like(v, dtype=torch.float64)
             cnt = torch.zeros_like(v, dtype=torch.float64)
             for j in order:
-                mj = masks[j][k].to(torch.float64)
+                mj = masks[j][k].to(v.device, torch.float64)
                 num += mj * models[j][k].to(torch.float64)
                 cnt += mj
             avg = torch.where(cnt > 0, num / cnt.clamp_min(1), torch.zeros_like(num))
-            out[k] = (avg * own_mask[k].to(torch.float64)).to(v.dtype)
+            out[k] = (avg * own_mask[k].to(v.device, torch.float64)).to(v.dtype)
         elif v.is_floating_point():
             out[k] = (sum(models[j][k].to(torch.float64) for j in order) / len(order)).to(v.dtype)
         else:
@@ -117,6 +117,8 @@ def prune_and_regrow(mask: torch.Tensor, weight: torch.Tensor, grad: torch.Tenso
                      gen: torch.Generator | None = None) -> torch.Tensor:
     """Drop ⌈rate·nnz⌉ smallest |w| of the mask; regrow as many zeros by largest |grad| (random if no grad)."""
     flat = mask.reshape(-1).clone()
+    weight = weight.to(flat.device)
+    grad = None if grad is None else grad.to(flat.device)
     nnz = int(flat.sum())
     k = math.ceil(rate * nnz)
     if k <= 0:
@@ -152,8 +154,6 @@ class DisPFL(DPSGD):
     @dataclass
     class Options:
         topology: str = opt("ring", "peer graph (see dpsgd): ring is MSfusion's ring table", choices=TOPOLOGIES)
-        mixing: str = opt("uniform", "kept for the shared peer path; Dis-PFL averages element-wise over holders",
-                          choices=("metropolis", "uniform"))
         degree: int = opt(2, "in-neighbours per participant for topology=random", ge=1)
         dense_ratio: float = opt(0.5, "overall density of every personalised mask (paper and code: 0.5)", gt=0.0,
                                  le=1.0)
@@ -204,8 +204,8 @@ class DisPFL(DPSGD):
             for k, v in t.items():
                 if k.startswith("val/"):
                     key = k[4:]
-                    full = torch.zeros(int(np.prod(self.shapes[key])), dtype=v.dtype)
-                    full[m_j[key].reshape(-1) > 0] = v
+                    full = torch.zeros(int(np.prod(self.shapes[key])), dtype=v.dtype, device=v.device)
+                    full[m_j[key].reshape(-1).to(v.device) > 0] = v
                     w_j[key] = full.reshape(self.shapes[key])
                 elif k.startswith("buf/"):
                     w_j[k[4:]] = v

@@ -30,6 +30,7 @@ from fedfuse.algorithms.fedmerge import init_globals, model_params
 from fedfuse.algorithms.ifca import forward_flops_per_sample, pack, per_sample_losses, unpack
 from fedfuse.engine.client import make_optimizer, task_loss, train_flops_per_sample
 from fedfuse.fusion.average import weighted_average
+from fedfuse.options import opt
 from fedfuse.types import ClientData, Message
 
 
@@ -47,8 +48,9 @@ class FedEM(Algorithm):
 
     @dataclass
     class Options:
-        m: int = 3
-        stale_average: bool = False  # author code: average over all clients (stale copies for unsampled)
+        m: int = opt(3, "number of learners M", ge=1)
+        stale_average: bool = opt(False, "code's variant: average over all clients, unsampled ones with their "
+                                  "stale copy (paper: sampled clients only)")
 
     def init_state(self) -> ServerState:
         if self.opt.m < 1:

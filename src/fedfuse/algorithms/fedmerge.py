@@ -1,9 +1,9 @@
 """FedMerge (seed papers 000 and 001; author code shutong043/FedMerge): d global models, merged per client.
 
-Server state: d global models Θ_1..Θ_d (full state, BN buffers included, each initialised independently)
-and merging logits a ∈ R^{m×d} (zeros → uniform weights w = row-softmax(a)).  Clients hold nothing.
+Server state: d global models Θ_1..Θ_d (full state, BN buffers included) and merging logits a ∈ R^{m×d}
+(w = row-softmax(a)).  Clients hold nothing.
 
-Round (defaults = the papers; the author code's behaviours are options):
+Round:
 
 1. sample clients (the runner's ``clients_per_round``; the code uses all clients every round);
 2. send θ_i = Σ_j w_ij Θ_j over the *full* state (BN running statistics too; ``num_batches_tracked``: max);
@@ -12,15 +12,35 @@ Round (defaults = the papers; the author code's behaviours are options):
 4. with s_i = n_i/n (n = Σ over the sampled clients, ``size_norm="all"``: over all clients):
    * logits (App. D, delta form of 001 Eq. 9): g_ij = s_i · w_ij · ⟨Δθ_i, Θ_j − θ_i⟩, the inner product over
      ``merge_params`` (default ``head``: the classification head, as 001 and the code; ``last-K``; ``all``),
-     parameters only.  ``merge_update="fixed"`` (default, 000 §4.1): a ← a + merge_step · G / max|G| — the
-     closed form of the code's small-step search, which stops once a logit has moved by ``merge_step``
-     (the code overshoots by at most one of its increments); ``"gradient"``: a ← a + merge_step · G.
-   * global models (001 Eq. 8/10): Θ_j ← Θ_j + theta_lr · Σ_i s_i w_ij Δθ_i (``theta_update="paper"``), or the
-     code's column-normalised ŵ_ij = w_ij n_i / Σ_k w_kj n_k (``"column_normalised"``).
+     parameters only.  ``merge_update="fixed"`` (default, 000 §4.1): a ← a + step · G / max|G| — the closed
+     form of the code's small-step search, which stops once a logit has moved by the step (the code overshoots
+     by at most one of its increments); ``"gradient"``: a ← a + step · G; ``"none"``: frozen weights.
+   * global models: ``theta_update="column_normalised"`` (default; the code's ``update_Theta``):
+     Θ_j ← Θ_j + theta_lr · Σ_i ŵ_ij Δθ_i with ŵ_ij = w_ij n_i / Σ_k w_kj n_k, so each Θ_j takes a
+     FedAvg-sized step along the deltas of the clients that use it; ``"paper"`` (001 Eq. 8/10):
+     Θ_j ← Θ_j + theta_lr · Σ_i s_i w_ij Δθ_i, about 1/d of a FedAvg step while the weights are near uniform
+     (``theta_lr = d`` restores the step size).
    Both use the weights the models were merged with (a simultaneous gradient step on Eq. 3);
    ``weights_first=true`` is the code's order (update a first, then Θ with the *new* w).
-   The author code therefore corresponds to ``theta_update=column_normalised weights_first=true
-   prox_mu=0.01`` with every client sampled.
+   The author code therefore corresponds to ``weights_first=true prox_mu=0.01`` with every client sampled.
+
+Defaults chosen by measurement (``docs/fedmerge.md``; MNIST label-cluster, 20 clients, MLP, 15 rounds):
+
+* **Logit step: ``merge_step=0`` = auto** — ``merge_travel`` (5 = the code's 0.01 × 500 rounds with every client
+  every round) divided by the number of times a client is expected to be sampled in the run.  The code's fixed
+  0.01 per round lets a client's logits move by only 0.04 in a 15-round run with 5 of 20 clients sampled: the
+  weights stay uniform, every client gets the same average of d models, and with d = 10 independently
+  initialised models that average is nearly input-independent (it collapsed to one class, 17 %).  With the auto
+  step the paper and the column-normalised forms both reach 98 % at d = 5 and d = 10 (FedAvg 60 %, IFCA 91 %).
+  ``merge_step=0.01`` is the code's value for its 500-round runs.
+* **Θ update: column-normalised** (the code).  Eq. 8 leaves η_Θ free; η_Θ = 1 makes FedMerge's global models
+  d× slower than FedAvg's; the code's column normalisation is what its authors ran.  Paper form is an option.
+* **Initialisation: ``init="independent"``** (the papers' text and the code), zero logits.  The collapse at
+  d = 10 came from the frozen weights, not from the initialisation: with the auto step the independent
+  initialisation reaches 98.2 / 98.8 / 98.8 % at d = 5 / 10 / 20 (one seed); ``init="shared"`` (one
+  initialisation copied d times, symmetry broken by random initial logits, ``logit_init_std`` auto 0.1) reaches
+  97.5 / 99.0 / 95.0 % and is an option.  ``init="shared"`` with ``logit_init_std=0`` is refused: all d models
+  would stay identical forever (FedAvg).
 
 ``fixed_k`` > 0 is the Fixed(k/d) ablation (000 Table 4): each client's weights are uniform over k randomly
 chosen global models and frozen.
@@ -55,6 +75,7 @@ from fedfuse.fusion.merge import (
     select_keys,
     update_globals,
 )
+from fedfuse.options import opt
 from fedfuse.rng import derive_seed, numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
 
@@ -69,6 +90,17 @@ def init_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
     return out
 
 
+SHARED_LOGIT_STD = 0.1
+
+
+def shared_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
+    """``count`` copies of one initialised full model state (seeded from the run seed)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(ctx.seed, purpose, "shared"))
+        base = state_of(ctx.build())
+    return [{k: v.clone() for k, v in base.items()} for _ in range(count)]
+
+
 def model_params(ctx: Any) -> int:
     return int(sum(p.numel() for p in ctx.model().parameters()))
 
@@ -77,35 +109,59 @@ class FedMerge(Algorithm):
     name = "fedmerge"
     description = "FedMerge: d global models, each client receives its learned weighted merge Σ_j w_ij Θ_j"
     personalized = True
+    reply_kind = "delta"  # clients send Δθ, not a model: update checks measure the reply itself
 
     @dataclass
     class Options:
-        d: int = 5
-        merge_params: str = "head"  # head | last-K | all
-        merge_step: float = 0.01
-        merge_update: str = "fixed"  # fixed (max logit change = merge_step) | gradient (a += merge_step·G)
-        theta_lr: float = 1.0
-        theta_update: str = "paper"  # paper | column_normalised (author code)
-        weights_first: bool = False  # author code: update a, then Θ with the new w
-        prox_mu: float = 0.0  # author code: 0.01 (coefficient of ||θ − θ_sent||², not halved)
-        size_norm: str = "sampled"  # n in n_i/n: sampled clients' total | all clients' total
-        fixed_k: int = 0  # >0: Fixed(k/d) ablation (frozen uniform weights over k random models)
-        int_policy: str = "max"  # num_batches_tracked: max | first
-        heatmap_every: int = 10  # rounds between heat-map PNGs (0 = only at the end)
+        d: int = opt(5, "number of global models d", ge=1)
+        init: str = opt("independent", "initialisation of the d global models: independent (papers' text, code; "
+                        "default, measured best) or shared (one initialisation copied d times; symmetry broken by "
+                        "random initial logits)", choices=("independent", "shared"))
+        logit_init_std: float = opt(-1.0, "std of the initial merging logits a_ij ~ N(0, std²); 0 = uniform "
+                                    "weights (papers); -1 = auto (0 with init=independent, 0.1 with init=shared)",
+                                    ge=-1.0)
+        merge_params: str = opt("head", "parameters in the logit inner product: head (papers, code), last-K, all")
+        merge_update: str = opt("fixed", "logit step: fixed (largest logit change = merge_step, 000 §4.1 / code) | "
+                                "gradient (a += merge_step·G) | none (weights frozen)",
+                                choices=("fixed", "gradient", "none"))
+        merge_step: float = opt(0.0, "logit step size; 0 = auto: merge_travel spread over the rounds a client is "
+                                "expected to be sampled (the code's 0.01 per round fits its 500 rounds)", ge=0.0)
+        merge_travel: float = opt(5.0, "auto merge_step: expected total logit travel of a client over the run "
+                                  "(code: 0.01 × 500 rounds, every client every round = 5)", gt=0.0)
+        theta_lr: float = opt(1.0, "η_Θ of Eq. 8 (global-model step; both theta_update forms)", gt=0.0)
+        theta_update: str = opt("column_normalised", "global-model update: column_normalised (code's update_Theta, "
+                                "ŵ_ij = w_ij n_i / Σ_k w_kj n_k: each Θ_j takes a FedAvg-sized step) | paper "
+                                "(Eq. 8, Σ_i (n_i/n) w_ij Δθ_i: about 1/d of a FedAvg step)",
+                                choices=("column_normalised", "paper"))
+        weights_first: bool = opt(False, "code order: update the logits first, then Θ with the new weights")
+        prox_mu: float = opt(0.0, "code's proximal term prox_mu·‖θ − θ_sent‖² (not halved; code: 0.01; papers: "
+                             "none)", ge=0.0)
+        size_norm: str = opt("sampled", "n in n_i/n: the sampled clients' total or all clients' total",
+                             choices=("sampled", "all"))
+        fixed_k: int = opt(0, ">0: Fixed(k/d) ablation (000 Table 4): frozen uniform weights over k random models",
+                           ge=0)
+        int_policy: str = opt("max", "num_batches_tracked when merging/updating: max or first",
+                              choices=("max", "first"))
+        heatmap_every: int = opt(10, "rounds between merging-weight heat-maps (0 = only at the end)", ge=0)
 
     def __init__(self, ctx: Any, options: Any | None = None) -> None:
         super().__init__(ctx, options)
         o = self.opt
         if o.d < 1:
             raise ValueError(f"d must be >= 1, got {o.d}")
-        if o.merge_update not in ("fixed", "gradient"):
-            raise ValueError(f"merge_update={o.merge_update!r}; choose fixed or gradient")
+        if o.merge_update not in ("fixed", "gradient", "none"):
+            raise ValueError(f"merge_update={o.merge_update!r}; choose fixed, gradient or none")
+        if o.init not in ("shared", "independent"):
+            raise ValueError(f"init={o.init!r}; choose shared or independent")
         if o.theta_update not in ("paper", "column_normalised"):
             raise ValueError(f"theta_update={o.theta_update!r}; choose paper or column_normalised")
         if o.size_norm not in ("sampled", "all"):
             raise ValueError(f"size_norm={o.size_norm!r}; choose sampled or all")
         if o.fixed_k and not 1 <= o.fixed_k <= o.d:
             raise ValueError(f"fixed_k must be in [1, d={o.d}], got {o.fixed_k}")
+        if o.init == "shared" and o.d > 1 and not o.fixed_k and self.logit_init_std() == 0.0:
+            raise ValueError("init=shared with uniform initial weights (logit_init_std=0) never breaks the symmetry "
+                             "of the d global models (it is FedAvg); use logit_init_std > 0 or init=independent")
         self.keys = select_keys(ctx.model(), o.merge_params)
 
     # ---- server --------------------------------------------------------------------------------
@@ -114,8 +170,30 @@ class FedMerge(Algorithm):
         if o.fixed_k:
             logits = fixed_weights(m, o.d, o.fixed_k, numpy_rng(self.ctx.seed, "fedmerge-fixed"))
         else:
+            std = self.logit_init_std()
             logits = torch.zeros(m, o.d, dtype=torch.float64)
-        return {"globals": init_globals(self.ctx, o.d, "fedmerge-init"), "logits": logits}
+            if std > 0:
+                logits = torch.from_numpy(numpy_rng(self.ctx.seed, "fedmerge-logits").normal(0.0, std, (m, o.d)))
+        if o.init == "shared":
+            globals_ = shared_globals(self.ctx, o.d, "fedmerge-init")
+        else:
+            globals_ = init_globals(self.ctx, o.d, "fedmerge-init")
+        return {"globals": globals_, "logits": logits}
+
+    def logit_init_std(self) -> float:
+        """The initial logits' std: the option, or (auto) 0.1 for a shared initialisation, 0 otherwise."""
+        std = float(self.opt.logit_init_std)
+        if std < 0:
+            return SHARED_LOGIT_STD if self.opt.init == "shared" else 0.0
+        return std
+
+    def merge_step(self, total_rounds: int) -> float:
+        """The logit step per round: the option, or (auto) ``merge_travel`` over a client's expected samplings."""
+        if self.opt.merge_step > 0:
+            return float(self.opt.merge_step)
+        m = max(self.ctx.num_clients, 1)
+        expected = max(total_rounds, 1) * min(self.ctx.clients_per_round, m) / m
+        return float(self.opt.merge_travel) / max(expected, 1.0)
 
     def weights(self, state: ServerState) -> torch.Tensor:
         return row_softmax(state["logits"])
@@ -141,15 +219,16 @@ class FedMerge(Algorithm):
         scale = sizes / total if total > 0 else torch.zeros_like(sizes)
         logits = state["logits"].clone()
         w_old = row_softmax(logits[idx])
-        if not o.fixed_k and o.merge_step > 0:
+        step = self.merge_step(info.total)
+        if not o.fixed_k and o.merge_update != "none" and step > 0:
             sent = [merge_states([{k: g[k] for k in self.keys} for g in state["globals"]], w_old[r])
                     for r in range(len(clients))]
             inner = inner_products(deltas, state["globals"], sent, self.keys)
             grad = logit_gradient(w_old, inner, scale)
             if o.merge_update == "fixed":
-                logits[idx] = fixed_magnitude_step(logits[idx], grad, o.merge_step)
+                logits[idx] = fixed_magnitude_step(logits[idx], grad, step)
             else:
-                logits[idx] = logits[idx] + o.merge_step * grad
+                logits[idx] = logits[idx] + step * grad
         w = row_softmax(logits[idx]) if o.weights_first else w_old
         if o.theta_update == "paper":
             coef, normalised = paper_coefficients(w, scale), False

@@ -27,6 +27,7 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.algorithms.fedmerge import init_globals, model_params
 from fedfuse.engine.client import task_loss
 from fedfuse.fusion.average import weighted_average
+from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, Split, TensorDict
 
 _FWD_CACHE: dict[tuple, float] = {}
@@ -80,8 +81,9 @@ class IFCA(Algorithm):
 
     @dataclass
     class Options:
-        k: int = 5
-        weighting: str = "uniform"  # uniform (paper/code) | samples
+        k: int = opt(5, "number of cluster models K", ge=1)
+        weighting: str = opt("uniform", "average of a cluster's members: uniform (paper Alg. 1, code) or by "
+                             "samples", choices=("uniform", "samples"))
 
     def init_state(self) -> ServerState:
         if self.opt.k < 1:

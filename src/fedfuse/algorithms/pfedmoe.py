@@ -25,6 +25,7 @@ from torch import nn
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import train_flops_per_sample, train_local
 from fedfuse.fusion.average import weighted_average
+from fedfuse.options import opt
 from fedfuse.rng import derive_seed
 from fedfuse.types import ClientData, Message, TensorDict
 
@@ -60,7 +61,7 @@ class PFedMoE(Algorithm):
 
     @dataclass
     class Options:
-        gate_hidden: int = 0  # 0 = linear gate on the flattened input
+        gate_hidden: int = opt(0, "hidden units of the gate MLP; 0 = a linear gate on the flattened input", ge=0)
 
     def __init__(self, ctx, options=None) -> None:  # type: ignore[no-untyped-def]
         super().__init__(ctx, options)

@@ -189,9 +189,10 @@ class BatchedExecutor(SequentialExecutor):
         for n in opt_names:
             P[n].requires_grad_(True)
         terms = p0.terms
+        tied = len(list(model.named_parameters(remove_duplicate=False))) != len(param_names)
 
         def loss_fn(params, buffers, refs, x, y, m):
-            logits = functional_call(model, {**params, **buffers}, (x,), strict=False)
+            logits = functional_call(model, {**params, **buffers}, (x,), strict=False, tie_weights=tied)
             if m is None:
                 task = task_loss(logits, y)
             else:
@@ -202,7 +203,8 @@ class BatchedExecutor(SequentialExecutor):
 
         batched = vmap(loss_fn, in_dims=(0, 0, 0, 0, 0, None if exact else 0), randomness="error")
         opt = _StackedOptimizer(spec, [P[n] for n in opt_names])
-        loss_acc = torch.zeros(C, dtype=torch.float64, device=device)
+        acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        loss_acc = torch.zeros(C, dtype=acc_dtype, device=device)
         steps_of = torch.tensor([len(s) for s in scheds], device=device)
         was_training = model.training
         model.train()
@@ -218,7 +220,7 @@ class BatchedExecutor(SequentialExecutor):
                 grads = torch.autograd.grad(total.sum(), [P[n] for n in opt_names], allow_unused=True)
                 active = None if exact else (t < steps_of)
                 opt.step(list(grads), active)
-                loss_acc += task.detach().double() * counts[:, t].double()
+                loss_acc += task.detach().to(acc_dtype) * counts[:, t].to(acc_dtype)
         finally:
             model.train(was_training)
 
@@ -287,6 +289,11 @@ class _StackedOptimizer:
                 norms = torch.stack([g.reshape(C, -1).norm(2, dim=1) for g in present], dim=1).norm(2, dim=1)
                 coef = (spec.grad_clip / (norms + 1e-6)).clamp(max=1.0)
                 grads = [None if g is None else g * coef.view(-1, *([1] * (g.dim() - 1))) for g in grads]
+        if spec.optimizer == "sgd" and not spec.momentum and not spec.weight_decay and active is None:
+            pairs = [(p, g) for p, g in zip(self.params, grads, strict=True) if g is not None]
+            if pairs:  # plain SGD: one fused in-place update per tensor, no temporaries
+                torch._foreach_add_([p for p, _ in pairs], [g for _, g in pairs], alpha=-spec.lr)
+            return
         for p, g, st in zip(self.params, grads, self.state, strict=True):
             if g is None:
                 continue

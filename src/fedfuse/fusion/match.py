@@ -22,8 +22,10 @@ weights, 0.1 for biases as in the code; 1 for a BatchNorm scale — the code has
 assignment maximising the total is solved by ``scipy.optimize.linear_sum_assignment``.  Clients are added
 largest first, then ``iters`` passes each remove and re-match every client in a random order.  The global
 unit is the posterior mean ``g_i / p_i`` (paper and code agree); ``estimator="mean"`` gives the plain
-(client-weighted) mean of the matched units instead.  The cost matrices are built with matrix products
-(no loop over units × atoms).
+(client-weighted) mean of the matched units instead.  With scalar σ, σ0 (the code's setting) each client
+update costs one float32 matrix product; per-client terms are reused across passes, and the assignment solver
+is skipped when a dual certificate proves the greedy assignment is the unique optimum (:func:`bbp_map`).
+``benchmarks/matching.py`` checks the assignments against a port of the code's matching and times both.
 
 **Hungarian** weight matching: each client's atoms are aligned to a reference client (the first) by
 ``linear_sum_assignment`` on the L1 or squared-L2 distance between atoms (``iters > 0``: then re-aligned to the
@@ -32,6 +34,7 @@ current average, repeatedly); the global layer is the weighted average of the al
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -122,6 +125,7 @@ class BBPResult:
     p: np.ndarray  # (L, D) precisions
     counts: np.ndarray  # (L,) number of local units matched to each global atom
     assign: list[np.ndarray]  # per client: local unit l -> global atom
+    solver_stats: dict[str, int] | None = None  # assignment problems solved by the solver / by certificate
 
 
 def bbp_cost(swj, g, p, counts, s, s0, prior_norm, gamma, J, cap=700, popularity_cap=10) -> np.ndarray:
@@ -176,16 +180,33 @@ def bbp_map(
     cap: int = 700,
     popularity_cap: int = 10,
     rng: np.random.Generator | None = None,
+    precision: str = "float32",
+    certify: bool = True,
 ) -> BBPResult:
-    """FedMA's BBP-MAP matching of ``J`` clients' atoms ((L_j, D) arrays); see the module docstring."""
+    """FedMA's BBP-MAP matching of ``J`` clients' atoms ((L_j, D) arrays); see the module docstring.
+
+    With scalar ``sigma`` and ``sigma0`` (the code's setting) a global atom's precision is the same in every
+    dimension, ``p_i = s0 + n_i s``, so the score of unit ``l`` against atom ``i`` reduces to
+    ``(|g_i|² + 2 g_i·x_l + |x_l|²)/(p_i + s) − |g_i|²/p_i`` (``x = s·w``): one matrix product per client
+    update, computed in ``precision`` (``"float32"``, as the code computes its costs, or ``"float64"``); the
+    natural parameters ``g`` are accumulated in float64, and each client's ``|x_l|²`` and new-atom scores are
+    computed once and reused across the passes.  Per-dimension ``sigma``/``sigma0`` arrays use the general
+    (elementwise) formula of :func:`bbp_cost`.
+    """
     J = len(atoms)
     if J == 0:
         raise ValueError("bbp_map needs at least one client")
+    if precision not in ("float32", "float64"):
+        raise ValueError(f"precision={precision!r}; choose float32 or float64")
     rng = rng if rng is not None else np.random.default_rng(0)
     D = atoms[0].shape[1]
-    s = np.broadcast_to(1.0 / np.asarray(sigma, dtype=np.float64), (D,)).copy()
-    s0 = np.broadcast_to(1.0 / np.asarray(sigma0, dtype=np.float64), (D,)).copy()
-    prior_norm = np.broadcast_to(np.asarray(mu0, dtype=np.float64), (D,)) * s0
+    sig, sig0 = np.asarray(sigma, dtype=np.float64), np.asarray(sigma0, dtype=np.float64)
+    prior_norm = np.broadcast_to(np.asarray(mu0, dtype=np.float64), (D,)) / np.broadcast_to(sig0, (D,))
+    if sig.ndim == 0 and sig0.ndim == 0:
+        return _bbp_map_scalar([np.asarray(a, dtype=np.float64) for a in atoms], 1.0 / float(sig), 1.0 / float(sig0),
+                               prior_norm, gamma, iters, cap, popularity_cap, rng, np.dtype(precision), certify)
+    s = np.broadcast_to(1.0 / sig, (D,)).copy()
+    s0 = np.broadcast_to(1.0 / sig0, (D,)).copy()
     sw = [np.asarray(a, dtype=np.float64) * s for a in atoms]
     order = sorted(range(J), key=lambda j: -sw[j].shape[0])  # stable: ties keep client order
     first = order[0]
@@ -216,6 +237,205 @@ def bbp_map(
                 sw[j], g, p, counts, s, s0, prior_norm, gamma, J, cap, popularity_cap
             )
     return BBPResult(g / p, g, p, counts, [np.asarray(a) for a in assign])
+
+
+def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype, certify) -> BBPResult:
+    """BBP-MAP with scalar precisions (see :func:`bbp_map`): the same schedule, scores by one product each.
+
+    Reused across the passes: each client's ``|x_l|²``, Gram matrix ``x_j x_jᵀ`` and new-atom scores; the
+    global atoms' squared norms and low-precision copy are refreshed only for rows that change.  Everything
+    that depends only on a count ``n_i ∈ 0..J`` (precisions, the popularity term) is tabulated once.  Removing
+    client ``j`` before re-matching it is done on the score matrix (subtracting its Gram matrix from the
+    products with the current atoms), so when ``j``'s assignment does not change no atom row is touched.
+    """
+    J, D = len(w), w[0].shape[1]
+    x = [a * s for a in w]
+    xc = [np.ascontiguousarray(a, dtype=dtype) for a in x]
+    xxh = [0.5 * (a * a).sum(1) for a in x]
+    gram = [a @ a.T for a in x]
+    m2 = float((prior_norm**2).sum() / s0)
+    new_score = [((a + prior_norm) ** 2).sum(1) / (s0 + s) - m2 for a in x]
+    n = np.arange(J + 1)
+    inv_p = 1.0 / (s0 + n * s)  # 1/p_i for an atom holding n units
+    inv_ps2 = 2.0 / (s0 + (n + 1) * s)  # 2/(p_i + s)
+    gap = 0.5 * inv_ps2 - inv_p  # |g|² (1/(p+s) − 1/p)
+    cnt = np.minimum(n, pop_cap).astype(np.float64)
+    with np.errstate(divide="ignore"):
+        pop = np.log(cnt / np.maximum(J - cnt, 1e-12))  # count 0 never occurs for a live atom
+    log_new = 2.0 * math.log(gamma / J)
+    new_block: dict[tuple[int, int], np.ndarray] = {}
+    new_offsets: dict[int, np.ndarray] = {}
+    aranges = {Lj: np.arange(Lj) for Lj in {a.shape[0] for a in x}}
+    stats = {"solver": 0, "certified": 0, "unchanged": 0}
+    order = sorted(range(J), key=lambda j: -x[j].shape[0])  # stable: ties keep client order
+    first = order[0]
+    g = prior_norm[None, :] + x[first]
+    g32 = g.astype(dtype)
+    gg = np.einsum("ij,ij->i", g, g)
+    counts = np.ones(g.shape[0], dtype=np.int64)
+    assign: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * J
+    assign[first] = np.arange(g.shape[0])
+
+    def refresh(rows_: np.ndarray) -> None:
+        g32[rows_] = g[rows_]
+        gg[rows_] = np.einsum("ij,ij->i", g[rows_], g[rows_])
+
+    def solve(j: int, dot: np.ndarray, gg_: np.ndarray, cnt_: np.ndarray) -> np.ndarray:
+        """Scores of client ``j`` against the atoms (``dot`` = products, already without ``j``), then the
+        maximising assignment: by certificate when possible, otherwise by the solver."""
+        L, Lj = dot.shape[1], dot.shape[0]
+        K = min(Lj, max(cap - L, Lj - L, 1))
+        full = np.empty((Lj, L + K))
+        score = full[:, :L]
+        a2 = inv_ps2[cnt_]
+        np.multiply(dot, a2, out=score)
+        score += np.multiply.outer(xxh[j], a2)
+        score += gg_ * gap[cnt_] + pop[cnt_]
+        c = new_offsets.get(K)
+        if c is None:
+            c = new_offsets[K] = log_new - 2.0 * np.log(np.arange(1, K + 1))  # k-th new atom: new_score + c_k
+        picked = _certified_assignment(score, new_score[j], c) if certify else None
+        if picked is not None:
+            stats["certified"] += 1
+            return picked
+        # Solve with only the first K' new-atom columns; if fewer than K' are used the answer is optimal for
+        # all K (the best total with m new atoms is concave in m: an assignment LP's value is concave in the
+        # number of rows sent to one side, and the new-atom offsets c_k decrease), else widen and re-solve.
+        Kp = min(K, max(Lj - L, 4))
+        while True:
+            stats["solver"] += 1
+            nb = new_block.get((j, Kp))
+            if nb is None:
+                nb = new_block[(j, Kp)] = new_score[j][:, None] + c[None, :Kp]
+            full[:, L : L + Kp] = nb
+            _, picked = linear_sum_assignment(full[:, : L + Kp], maximize=True)
+            if Kp == K or int((picked >= L).sum()) < Kp:
+                return picked  # rows == arange(Lj): the matrix is at least as wide as tall
+            Kp = min(K, 4 * Kp)
+
+    def add(j: int, picked: np.ndarray) -> None:
+        """Absorb client ``j``'s units into the atoms ``picked`` (indices ≥ L open new atoms, in unit order)."""
+        nonlocal g, g32, gg, counts
+        L = g.shape[0]
+        old = picked < L
+        if old.all():
+            g[picked] += x[j]
+            counts[picked] += 1
+            refresh(picked)
+            assign[j] = picked
+            return
+        rows = aranges[len(picked)]
+        a = np.empty(len(picked), dtype=np.int64)
+        a[old] = picked[old]
+        g[picked[old]] += x[j][old]
+        counts[picked[old]] += 1
+        refresh(picked[old])
+        new_rows = rows[~old]  # new atoms are appended in unit order (as the code does)
+        a[new_rows] = L + np.arange(len(new_rows))
+        fresh = prior_norm[None, :] + x[j][new_rows]
+        g = np.vstack([g, fresh])
+        g32 = np.vstack([g32, fresh.astype(dtype)])
+        gg = np.concatenate([gg, np.einsum("ij,ij->i", fresh, fresh)])
+        counts = np.concatenate([counts, np.ones(len(new_rows), dtype=np.int64)])
+        assign[j] = a
+
+    def remove(j: int) -> None:
+        nonlocal g, g32, gg, counts
+        a = assign[j]
+        counts[a] -= 1
+        g[a] -= x[j]
+        keep = counts > 0
+        if keep.all():
+            refresh(a)
+            return
+        remap = np.cumsum(keep) - 1
+        for k in range(J):
+            if k != j:
+                assign[k] = remap[assign[k]]
+        g, counts = g[keep], counts[keep]
+        g32, gg = g.astype(dtype), np.einsum("ij,ij->i", g, g)
+
+    for j in order[1:]:
+        add(j, solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts))
+    for _ in range(iters):
+        for j in rng.permutation(J):
+            j = int(j)
+            a = assign[j]
+            cnt_ = counts.copy()
+            cnt_[a] -= 1
+            if cnt_[a].min() == 0:  # j held atoms alone: they are deleted first, as the code does
+                remove(j)
+                add(j, solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts))
+                continue
+            dot = (xc[j] @ g32.T).astype(np.float64)
+            rows = aranges[len(a)]
+            gg_ = gg.copy()
+            gg_[a] += 2.0 * (xxh[j] - dot[rows, a])  # |g_i − x_l|² for the atoms j contributed to
+            dot[:, a] -= gram[j]  # products with the atoms without j
+            picked = solve(j, dot, gg_, cnt_)
+            if np.array_equal(picked, a):
+                stats["unchanged"] += 1
+                continue
+            remove(j)
+            add(j, picked)
+    p = np.repeat((s0 + counts * s)[:, None], D, axis=1)
+    return BBPResult(g / p, g, p, counts, [np.asarray(a) for a in assign], stats)
+
+
+def _certified_assignment(score: np.ndarray, new: np.ndarray, c: np.ndarray) -> np.ndarray | None:
+    """The unique optimum of one BBP-MAP assignment problem when a dual certificate proves it, else ``None``.
+
+    ``score`` (Lj, L): unit ``l`` joins existing atom ``i``; opening the ``k``-th new atom scores ``new_l + c_k``
+    (``c`` strictly decreasing).  Let ``b_l`` be row ``l``'s best existing score and ``δ_l = b_l − new_l``; with
+    the ``δ`` sorted, ``m`` rows with the smallest ``δ`` open new atoms and the others take their best atom.
+    This is the unique optimum (up to which new column each of the ``m`` rows takes, which does not change the
+    outcome: new atoms are appended in row order) if the other rows' best atoms are distinct and strictly
+    better than their second best, and a threshold ``θ`` separates the two groups:
+    ``max_T δ < θ < min_S δ`` and ``c_{m+1} < θ < c_m``.  Then row potentials ``u_l = b_l`` (S) or
+    ``new_l + θ`` (T) and column potentials 0 (existing atoms) and ``max(c_k − θ, 0)`` (new atoms) are dual
+    feasible with complementary slackness, strictly off the chosen pairs.
+    """
+    Lj, L = score.shape
+    if L == 0:  # every unit opens an atom (which new column each takes does not matter)
+        return np.arange(Lj) if len(c) >= Lj else None
+    rows = np.arange(Lj)
+    best = score.argmax(1)
+    b = score[rows, best]
+    delta = b - new
+    if delta.min() > c[0]:  # the common case: no unit prefers a new atom (m = 0)
+        if np.bincount(best, minlength=L).max() > 1:
+            return None
+        if L > 1:
+            score[rows, best] = -np.inf
+            ok = bool((score.max(1) < b).all())
+            score[rows, best] = b
+            if not ok:
+                return None
+        return best
+    order = np.argsort(delta, kind="stable")
+    ds = delta[order]
+    K = len(c)
+    m = int(np.count_nonzero(ds[: min(Lj, K)] < c[: min(Lj, K)]))
+    if m > K or (m < Lj and m < K and ds[m] <= c[m]):
+        return None
+    lo = max(ds[m - 1] if m else -np.inf, c[m] if m < K else -np.inf)
+    hi = min(ds[m] if m < Lj else np.inf, c[m - 1] if m else np.inf)
+    if not lo < hi:
+        return None
+    S = order[m:]
+    if len(S):
+        bs = best[S]
+        if np.bincount(bs, minlength=L).max() > 1:
+            return None
+        if L > 1:
+            second = score[S]
+            second[np.arange(len(S)), bs] = -np.inf
+            if not (second.max(1) < b[S]).all():
+                return None
+    picked = best.copy()
+    T = np.sort(order[:m])
+    picked[T] = L + np.arange(m)
+    return picked
 
 
 # ------------------------------------------------------------------------------------------------- groups

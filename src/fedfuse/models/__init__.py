@@ -15,3 +15,7 @@ __all__ = [
     "model_options",
     "module_kind",
 ]
+
+from fedfuse._callable import make_callable  # fedfuse.models() → name: description
+
+make_callable(__name__, lambda: {k: v.description for k, v in sorted(MODELS.items())})

@@ -106,23 +106,37 @@ class FemnistCNN(FedModel):
     conv5x5 16 -> max-pool 2 -> ReLU -> conv5x5 32 -> max-pool 2 -> ReLU -> fc 256 -> ReLU -> fc C, no padding.
     On 1x28x28 inputs the flattened feature is 32x4x4 = 512 wide; with 62 classes the model has 160,510
     parameters (10 classes: 147,146).  The authors' class also creates a ``Dropout2d`` that its forward pass
-    never calls, so there is no dropout here.
+    never calls, so there is no dropout here.  ``padding=None`` picks 0 (the original) when the input is large
+    enough and 2 ('same') otherwise, so 8x8 inputs work too.
     """
 
     def __init__(
-        self, image: tuple[int, int, int], num_classes: int, channels: Sequence[int] = (16, 32), hidden: int = 256
+        self,
+        image: tuple[int, int, int],
+        num_classes: int,
+        channels: Sequence[int] = (16, 32),
+        hidden: int = 256,
+        padding: int | None = None,
     ) -> None:
         super().__init__("classification")
         if len(channels) != 2:
             raise ValueError(f"cnn-femnist needs two conv widths, got {tuple(channels)}")
         c, h, w = image
         self.image = image
-        for _ in range(2):
-            h, w = _conv_pool_size(h, 5, 0), _conv_pool_size(w, 5, 0)
+
+        def out_size(pad: int) -> tuple[int, int]:
+            hh, ww = h, w
+            for _ in range(2):
+                hh, ww = _conv_pool_size(hh, 5, pad), _conv_pool_size(ww, 5, pad)
+            return hh, ww
+
+        if padding is None:
+            padding = 0 if min(out_size(0)) >= 1 else 2
+        h, w = out_size(padding)
         if min(h, w) < 1:
-            raise ValueError(f"input {image} is too small for cnn-femnist (needs H, W >= 16)")
-        self.conv1 = nn.Conv2d(c, channels[0], 5)
-        self.conv2 = nn.Conv2d(channels[0], channels[1], 5)
+            raise ValueError(f"input {image} is too small for cnn-femnist with padding={padding}")
+        self.conv1 = nn.Conv2d(c, channels[0], 5, padding=padding)
+        self.conv2 = nn.Conv2d(channels[0], channels[1], 5, padding=padding)
         self.fc1 = nn.Linear(channels[1] * h * w, hidden)
         self.fc = nn.Linear(hidden, num_classes)
 

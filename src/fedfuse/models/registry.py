@@ -83,10 +83,16 @@ def _cnn_cifar(
 
 
 def _cnn_femnist(
-    input_shape: Shape, num_classes: int, task: str, *, channels: Sequence[int] = (16, 32), hidden: int = 256
+    input_shape: Shape,
+    num_classes: int,
+    task: str,
+    *,
+    channels: Sequence[int] = (16, 32),
+    hidden: int = 256,
+    padding: int | None = None,
 ) -> FedModel:
     check_task(task, CLS, "cnn-femnist")
-    return FemnistCNN(image_shape(input_shape), num_classes, tuple(channels), hidden)
+    return FemnistCNN(image_shape(input_shape), num_classes, tuple(channels), hidden, padding)
 
 
 def _resnet(name: str, stem: int, widths: Sequence[int], blocks: Sequence[int], strides: Sequence[int]):

@@ -27,9 +27,17 @@ def federation_for(cfg: RunConfig) -> Federation:
     return _FED_CACHE[key]
 
 
+REUSE = False  # `fedfuse reproduce --reuse`: keep finished runs, resume interrupted ones (fedfuse.sweep.run_cached)
+
+
 def run_one(base: dict[str, Any], out: Path, progress: bool = True, **overrides: Any) -> tuple[dict, list[dict]]:
     """Run one configuration (``base`` updated by ``overrides``) into ``out``; returns (summary, history)."""
     cfg = validate(apply(RunConfig(), {**base, **overrides, "out": str(out)}))
+    if REUSE:
+        from fedfuse.sweep import run_cached
+
+        res = run_cached(cfg, progress=progress, fed=federation_for(cfg))
+        return res.summary, res.history
     exp = Experiment(cfg, fed=federation_for(cfg), progress=progress)
     summary = exp.run()
     return summary, exp.history

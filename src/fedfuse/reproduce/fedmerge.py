@@ -1,13 +1,19 @@
-"""FedMerge (seed papers 000/001) and its multi-model baselines on real CIFAR-10 images.
+"""FedMerge (seed papers 000/001) against FedAvg, IFCA and FedEM, over several seeds.
 
-Two non-IID settings over 20 clients: *cluster* (5 disjoint clusters of 2 classes, client groups of sizes
-2,3,4,5,6 — the papers' Cluster non-IID scaled down) and *personal* (Dirichlet(0.1)).  Methods: local, fedavg,
-fedavg-ft, ifca (K = 5), fedem (M = 5), pfedmoe, fedmerge for d ∈ {2, 5, 10}, the Fixed(1/5) ablation, and
-FedMerge d = 5 in the author code's form (column-normalised Θ update, weights first, proximal term 0.01).
-One small model (FedMR's CIFAR CNN, 62k parameters) so the full grid fits in about an hour on 2 cores.
+Parts (``--parts``, default ``mnist,cifar``):
 
-Scaled settings (the papers use CIFAR-100, ResNet-9, 50 clients, 500 rounds): the merging step is scaled so
-the total logit travel matches the papers' 500 rounds × 0.01 (``merge_step = 5 / rounds``).
+* ``mnist`` — the defaults check: MNIST, ``label-cluster`` (5 clusters × 2 classes), 20 clients, 5 per round, the
+  MLP, 15 rounds, every other setting the run's default (lr 0.1, 2 local epochs, batch 32); FedAvg, IFCA (K = 5)
+  and FedMerge with its shipped defaults at d ∈ {2, 5, 10, 20} (quick: d ∈ {5, 10}); the full preset adds the
+  non-default forms (shared initialisation, paper Θ update, the previous defaults) and FedEM as rows.
+* ``cifar`` — the papers' comparison on real CIFAR-10 images, two non-IID settings over 20 clients (10 per round):
+  *cluster* (5 clusters of 2 classes, client groups of sizes 2-6, the papers' Cluster non-IID scaled down) and
+  *personal* (Dirichlet(0.1)); FedMR's CIFAR CNN (62k parameters).  The papers use CIFAR-100, ResNet-9, 50 clients
+  and 500 rounds; the same presets run at that scale on a GPU with ``--rounds`` and a larger ``train_limit``.
+
+Every cell is the mean ± sample std over the seeds (``--seeds``, default 3) of the *final* personalised accuracy
+(each client's model on its own test split, averaged over clients); "ordering" rows compare FedMerge d = 5 with
+each baseline on the same seeds (paired t-test: ``*`` p < 0.05, ``(n.s.)`` otherwise).
 """
 
 from __future__ import annotations
@@ -15,16 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from fedfuse.reproduce.common import markdown, pct, run_one
+from fedfuse.reproduce.common import markdown, run_seeds
+from fedfuse.stats import mean_std, paired_test, parse_seeds
 
-DESCRIPTION = "FedMerge vs IFCA/FedEM/pFedMoE/FedAvg(+)/Local on CIFAR-10 (cluster and Dirichlet(0.1) non-IID)"
+DESCRIPTION = "FedMerge vs FedAvg/IFCA/FedEM over seeds: MNIST label-cluster (defaults check) and CIFAR-10 cluster/Dir"
 
 PARTITIONS: dict[str, dict[str, Any]] = {
+    "mnist-cluster": {"partition": "label-cluster", "partition_options": {"clusters": 5}},
     "cluster": {"partition": "label-cluster",
                 "partition_options": {"clusters": 5, "group_sizes": [2, 3, 4, 5, 6]}},
     "personal": {"partition": "dirichlet", "partition_options": {"alpha": 0.1}},
@@ -40,40 +47,91 @@ PAPER = {  # CIFAR-100, ResNet-9, 50 clients, 500 rounds (000 Tables 2-4); d = 5
     ("personal", "fedmerge d=5"): "37.88", ("personal", "fedmerge d=10"): "46.62",
     ("personal", "fixed 1/5"): "40.94 (1/15)",
 }
+BASELINES = ("fedavg", "ifca", "fedem")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--partitions", default="cluster,personal", help="comma list of cluster, personal")
-    p.add_argument("--methods", default="", help="comma list of row labels to run (default: all)")
-    p.add_argument("--rounds", type=int, default=0, help="override the number of rounds")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parts", default="mnist,cifar", help="comma list of mnist, cifar")
+    p.add_argument("--partitions", default="cluster,personal", help="CIFAR settings: comma list of cluster, personal")
+    p.add_argument("--methods", default="", help="comma list of row labels to run (default: all of the preset)")
+    p.add_argument("--rounds", type=int, default=0, help="override the number of rounds (both parts)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
 
 
 def settings(quick: bool) -> dict[str, Any]:
     if quick:
-        return {"rounds": 8, "train_limit": 4000, "test_limit": 2000, "eval_every": 4}
-    return {"rounds": 24, "train_limit": 10000, "test_limit": 5000, "eval_every": 3}
+        return {"mnist_rounds": 15, "mnist_train": 6000, "mnist_test": 2000,
+                "rounds": 8, "train_limit": 4000, "test_limit": 2000, "eval_every": 4}
+    return {"mnist_rounds": 15, "mnist_train": 12000, "mnist_test": 4000,
+            "rounds": 24, "train_limit": 10000, "test_limit": 5000, "eval_every": 3}
 
 
-def methods(rounds: int, eval_every: int) -> list[tuple[str, str, dict[str, Any]]]:
-    step = 5.0 / rounds
-    fm = {"merge_step": step, "heatmap_every": eval_every * max(rounds // (4 * eval_every), 1)}
-    code = {"theta_update": "column_normalised", "weights_first": True, "prox_mu": 0.01}
-    # FedMerge rows first and the costly FedEM last, so a run cut short still has the main comparison
-    return [
-        ("fedmerge d=5", "fedmerge", {"d": 5, **fm}),
-        ("fedavg", "fedavg", {}),
-        ("ifca", "ifca", {"k": 5}),
-        ("fedmerge d=2", "fedmerge", {"d": 2, **fm}),
-        ("fedmerge d=10", "fedmerge", {"d": 10, **fm}),
-        ("fixed 1/5", "fedmerge", {"d": 5, "fixed_k": 1, **fm}),
-        ("fedmerge d=5 code-form", "fedmerge", {"d": 5, **fm, **code}),
-        ("local", "local", {}),
-        ("fedavg-ft", "fedavg-ft", {"ft_epochs": 1}),
-        ("pfedmoe", "pfedmoe", {}),
-        ("fedem", "fedem", {"m": 5}),
-    ]
+def mnist_methods(quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
+    rows = [("fedavg", "fedavg", {}), ("ifca", "ifca", {"k": 5}),
+            ("fedmerge d=5", "fedmerge", {"d": 5}), ("fedmerge d=10", "fedmerge", {"d": 10})]
+    if not quick:
+        rows += [("fedmerge d=2", "fedmerge", {"d": 2}), ("fedmerge d=20", "fedmerge", {"d": 20}),
+                 ("fedmerge d=10 shared init", "fedmerge", {"d": 10, "init": "shared"}),
+                 ("fedmerge d=20 shared init", "fedmerge", {"d": 20, "init": "shared"}),
+                 ("fedmerge d=10 paper Θ", "fedmerge", {"d": 10, "theta_update": "paper"}),
+                 ("fedmerge d=10 previous defaults", "fedmerge",
+                  {"d": 10, "theta_update": "paper", "merge_step": 0.01}),
+                 ("fedem", "fedem", {"m": 5})]
+    return rows
+
+
+def cifar_methods(quick: bool, eval_every: int, rounds: int) -> list[tuple[str, str, dict[str, Any]]]:
+    fm = {"heatmap_every": eval_every * max(rounds // (4 * eval_every), 1)}
+    rows = [("fedmerge d=5", "fedmerge", {"d": 5, **fm}), ("fedavg", "fedavg", {}), ("ifca", "ifca", {"k": 5}),
+            ("fedem", "fedem", {"m": 5})]
+    if not quick:
+        code = {"theta_update": "column_normalised", "weights_first": True, "prox_mu": 0.01}
+        rows += [("fedmerge d=2", "fedmerge", {"d": 2, **fm}), ("fedmerge d=10", "fedmerge", {"d": 10, **fm}),
+                 ("fixed 1/5", "fedmerge", {"d": 5, "fixed_k": 1, **fm}),
+                 ("fedmerge d=5 code-form", "fedmerge", {"d": 5, **fm, **code}),
+                 ("fedmerge d=5 shared init", "fedmerge", {"d": 5, "init": "shared", **fm}),
+                 ("fedmerge d=5 paper Θ", "fedmerge", {"d": 5, "theta_update": "paper", **fm}),
+                 ("local", "local", {}), ("fedavg-ft", "fedavg-ft", {"ft_epochs": 1}), ("pfedmoe", "pfedmoe", {})]
+    return rows
+
+
+def final_personal(run: tuple[dict, list[dict]]) -> float | None:
+    return run[0]["final"].get("personal_accuracy")
+
+
+def cell_row(setting: str, label: str, runs: list[tuple[dict, list[dict]]], seeds: list[int], cpr: int,
+             wall: float) -> dict[str, Any]:
+    accs = [final_personal(r) for r in runs]
+    aris = [r[1][-1].get("ari") for r in runs if r[1]]
+    tot = [r[0]["totals"] for r in runs]
+    rounds = max(runs[0][0].get("rounds_completed", 1), 1)
+    return {
+        "setting": setting, "method": label,
+        "personal acc % (mean ± std)": mean_std(accs).fmt(100.0),
+        "per seed": " / ".join("—" if a is None else f"{100 * a:.1f}" for a in accs),
+        "paper %": PAPER.get((setting, label)),
+        "ARI": mean_std(aris).fmt(1.0, 2) if any(a is not None for a in aris) else None,
+        "KB/client/round": round(sum((t["bytes_down"] + t["bytes_up"]) for t in tot) / len(tot)
+                                 / max(rounds * cpr, 1) / 1024, 1),
+        "seeds": ",".join(map(str, seeds)), "wall s": round(wall, 1),
+        "_acc": accs,
+    }
+
+
+def ordering(rows: list[dict[str, Any]], methods: tuple[str, ...] = ("fedmerge d=5", "fedmerge d=10")) -> list[dict]:
+    """Each FedMerge row of ``methods`` vs each baseline on the same seeds, per setting (paired t-test)."""
+    out = []
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        by = {r["method"]: r for r in rows if r["setting"] == setting}
+        for m in (m for m in methods if m in by):
+            for b in (b for b in BASELINES if b in by):
+                t = paired_test(by[m]["_acc"], by[b]["_acc"])
+                verdict = "yes" if t.diff > 0 else "no"
+                out.append({"setting": setting, "comparison": f"{m} vs {b}",
+                            "difference (points)": round(100 * t.diff, 2) if t.n else None,
+                            "p (paired t)": None if t.p_value != t.p_value else round(t.p_value, 4),
+                            "paper ordering holds": verdict + ("" if t.significant() else " (n.s.)")})
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,61 +139,57 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(int(args.threads), 1))
     s = settings(args.quick)
-    rounds = args.rounds or s["rounds"]
-    out = Path(args.out or "runs/reproduce-fedmerge")
+    seeds = parse_seeds(args.seeds)
+    out = Path(args.out or ("runs/reproduce-fedmerge" + ("-quick" if args.quick else "")))
     data_dir = args.data_dir or os.environ.get("FEDFUSE_DATA", "../shared/data")
     out.mkdir(parents=True, exist_ok=True)
-    cpr = 10
-    base = {
-        "dataset": "cifar10", "data_dir": data_dir, "model": "cnn-cifar", "clients": 20,
-        "clients_per_round": cpr, "rounds": rounds, "local_epochs": 1, "batch_size": 32, "lr": 0.05,
-        "seed": args.seed, "eval_every": s["eval_every"], "plots": False, "checkpoint_every": 10_000,
-        "dataset_options": {"train_limit": s["train_limit"], "test_limit": s["test_limit"]},
-    }
     wanted = {m.strip() for m in args.methods.split(",") if m.strip()}
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     rows: list[dict[str, Any]] = []
     t_all = time.perf_counter()
-    for pname in [p.strip() for p in args.partitions.split(",") if p.strip()]:
-        if pname not in PARTITIONS:
-            raise SystemExit(f"unknown partition {pname!r}; choose cluster or personal")
-        for label, algo, opts in methods(rounds, s["eval_every"]):
-            if wanted and label not in wanted:
-                continue
-            run_dir = out / pname / label.replace(" ", "_").replace("/", "-")
-            t0 = time.perf_counter()
-            summary, history = run_one({**base, **PARTITIONS[pname]}, run_dir, progress=False,
-                                       algorithm=algo, algorithm_options=opts)
-            rows.append(row(pname, label, summary, history, rounds, cpr, time.perf_counter() - t0))
-            print(markdown([rows[-1]]).splitlines()[-1], flush=True)
-            (out / "results_partial.md").write_text(markdown(rows) + "\n")  # survives a run cut short
-            heat = run_dir / "merge_weights_final.png"
-            if heat.exists():
-                shutil.copy(heat, out / f"heatmap_{pname}_{label.replace(' ', '_').replace('/', '-')}.png")
-    table = markdown(rows)
-    wall = time.perf_counter() - t_all
-    text = (f"# FedMerge reproduction ({'quick' if args.quick else 'full'})\n\n"
-            f"rounds={rounds}, train_limit={s['train_limit']}, 20 clients, {cpr} per round, cnn-cifar, "
-            f"lr 0.05, 1 local epoch, batch 32, seed {args.seed}; wall {wall:.0f} s\n\n{table}\n")
-    (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
-    print(text)
+
+    def show(rs: list[dict[str, Any]]) -> str:
+        return markdown([{k: v for k, v in r.items() if not k.startswith("_")} for r in rs])
+
+    def write() -> str:
+        text = (f"# FedMerge reproduction ({'quick' if args.quick else 'full'}), seeds {','.join(map(str, seeds))}\n\n"
+                f"{show(rows)}\n\n## Paper ordering (FedMerge d=5 and d=10 vs baselines, same seeds)\n\n"
+                f"{markdown(ordering(rows))}\n\nwall {time.perf_counter() - t_all:.0f} s\n")
+        (out / "results.md").write_text(text)
+        (out / "results.json").write_text(json.dumps(rows, indent=2, default=str))
+        return text
+
+    def cell(setting: str, label: str, base: dict[str, Any], algo: str, opts: dict[str, Any], cpr: int) -> None:
+        if wanted and label not in wanted:
+            return
+        t0 = time.perf_counter()
+        run_dir = out / setting / label.replace(" ", "_").replace("/", "-").replace("Θ", "theta").replace(",", "")
+        runs = run_seeds(base, run_dir, seeds, progress=False, algorithm=algo, algorithm_options=opts)
+        rows.append(cell_row(setting, label, runs, seeds, cpr, time.perf_counter() - t0))
+        print(show([rows[-1]]).splitlines()[-1], flush=True)
+        write()
+
+    if "mnist" in parts:
+        base = {
+            "dataset": "mnist", "data_dir": data_dir, "model": "mlp", "clients": 20, "clients_per_round": 5,
+            "rounds": args.rounds or s["mnist_rounds"], "plots": False, "checkpoint_every": 10_000,
+            "eval_every": 5, "threads": args.threads, **PARTITIONS["mnist-cluster"],
+            "dataset_options": {"train_limit": s["mnist_train"], "test_limit": s["mnist_test"]},
+        }
+        for label, algo, opts in mnist_methods(args.quick):
+            cell("mnist-cluster", label, base, algo, opts, 5)
+    if "cifar" in parts:
+        rounds = args.rounds or s["rounds"]
+        base = {
+            "dataset": "cifar10", "data_dir": data_dir, "model": "cnn-cifar", "clients": 20, "clients_per_round": 10,
+            "rounds": rounds, "local_epochs": 1, "batch_size": 32, "lr": 0.05, "eval_every": s["eval_every"],
+            "plots": False, "checkpoint_every": 10_000, "threads": args.threads,
+            "dataset_options": {"train_limit": s["train_limit"], "test_limit": s["test_limit"]},
+        }
+        for pname in [p.strip() for p in args.partitions.split(",") if p.strip()]:
+            if pname not in ("cluster", "personal"):
+                raise SystemExit(f"unknown partition {pname!r}; choose cluster or personal")
+            for label, algo, opts in cifar_methods(args.quick, s["eval_every"], rounds):
+                cell(pname, label, {**base, **PARTITIONS[pname]}, algo, opts, 10)
+    print(write())
     return 0
-
-
-def row(pname: str, label: str, summary: dict, history: list[dict], rounds: int, cpr: int, wall: float) -> dict:
-    best, final = summary["best"], summary["final"]
-    tot = summary["totals"]
-    n_updates = max(rounds * cpr, 1)
-    return {
-        "setting": pname,
-        "method": label,
-        "best acc %": pct(best.get("personal_accuracy")),
-        "final acc %": pct(final.get("personal_accuracy")),
-        "paper %": PAPER.get((pname, label)),
-        "KB/client/round": round((tot["bytes_down"] + tot["bytes_up"]) / n_updates / 1024, 1),
-        "client params": int(final.get("optimised_parameters_per_client") or 0),
-        "server params": int(final.get("server_parameters") or 0),
-        "MFLOPs/client/round": round(tot["client_flops"] / n_updates / 1e6, 1),
-        "ARI": None if history[-1].get("ari") is None else round(float(history[-1]["ari"]), 3),
-        "wall s": round(wall, 1),
-    }

@@ -1,13 +1,21 @@
-"""MSfusion (seed paper 004) vs HeteroFL and FedRolex on real CIFAR-10 images, its ablations, ring vs fully
-connected topology, and a transformer LM on Penn Treebank.
+"""MSfusion (seed paper 004) vs HeteroFL and FedRolex over several seeds: MNIST (the defaults check), real CIFAR-10
+images (μ sweep, IID, ablations, ring vs fully connected topology) and a transformer LM on Penn Treebank.
 
-Settings follow App. A.2 where they fit the budget: 10 participants, all active every round, 1 local epoch,
-plain SGD with a triangular CyclicLR over all rounds, non-IID = 5 classes per participant (``shards``).
-Scaled down to fit about an hour on 2 shared cores (the paper: ResNet-18 [64,128,256,512], 500 rounds, batch 10,
-lr 0.001-0.0012): ResNet-18 at ``width_mult`` 0.25 (channels [16,32,64,128], static BN), a stratified CIFAR-10
-subset of 3,000 images, 8 rounds, batch 32 and a larger learning rate (CyclicLR 0.05-0.1).
-Every method uses the same model, data, schedule and rounds.  ``--quick`` runs the non-IID μ = 0.25 comparison
-and the PTB MSfusion run only, at fewer rounds.
+Settings follow App. A.2 where they fit the budget: 10 participants, all active every round, plain SGD with a
+triangular CyclicLR over all rounds whose peak is the run's ``lr``.
+
+* ``mnist`` — the defaults check: MNIST ``shards`` (2 classes per participant, the partition's default), the MLP
+  (200-200), every run setting and algorithm option at its default (20 rounds, lr 0.1, 2 local epochs, batch 32),
+  a stratified 6,000-image training subset; μ ∈ {0.125, 0.25, 0.5} (quick: 0.125, 0.25).
+* ``cifar`` — non-IID = 5 classes per participant.  Scaled down (the paper: ResNet-18 [64,128,256,512], 500 rounds,
+  batch 10, lr 0.001-0.0012): ResNet-18 at ``width_mult`` 0.25 (channels [16,32,64,128], static BN), a stratified
+  CIFAR-10 subset of 3,000 images, 8 rounds (quick: 3), 1 local epoch, batch 32, CyclicLR 0.05-0.1.
+* ``ablation`` / ``ring`` — CIFAR-10 non-IID at μ = 0.25 (full preset only).
+* ``ptb`` — transformer LM (d_model 32, 2 blocks) on the first 100 windows of 32 tokens per participant.
+
+Every cell is the mean ± sample std over ``--seeds`` (default 3) of the final global full-model accuracy
+(perplexity for PTB); "ordering" rows compare the methods on the same seeds (paired t-test).  Every method uses the
+same model, data, schedule and rounds.  The presets run at paper scale on a GPU with ``--rounds`` and larger limits.
 """
 
 from __future__ import annotations
@@ -21,10 +29,11 @@ from typing import Any
 
 from fedfuse.config import RunConfig, apply, validate
 from fedfuse.engine.loop import Experiment
-from fedfuse.reproduce.common import federation_for, markdown, pct, run_one
+from fedfuse.reproduce.common import federation_for, markdown, run_one
+from fedfuse.stats import mean_std, paired_test, parse_seeds
 from fedfuse.types import ClientData, Federation, Split
 
-DESCRIPTION = "MSfusion vs HeteroFL/FedRolex on CIFAR-10 (non-IID/IID, mu sweep, ablations, ring) and PTB"
+DESCRIPTION = "MSfusion vs HeteroFL/FedRolex over seeds: MNIST defaults, CIFAR-10 (mu sweep, ablations, ring), PTB"
 
 PAPER_CIFAR = {  # Table 1 (CIFAR-10, ResNet-18, 10 participants); MSfusion rows are at their own mu
     ("heterofl", "non-iid", 0.25): "37.36", ("heterofl", "iid", 0.25): "40.50",
@@ -34,32 +43,46 @@ PAPER_CIFAR = {  # Table 1 (CIFAR-10, ResNet-18, 10 participants); MSfusion rows
 }
 PAPER_ABLATION = {"msfusion": "75.71", "w/o con": "73.16", "w/o dyn": "73.31", "w/o con & dyn": "70.17"}  # mu=18.75%
 PAPER_PTB = {"heterofl": "55.97 (mu=75%)", "fedrolex": "61.52 (mu=75%)", "msfusion": "8.02 (mu=25%)"}
+METHODS = ("msfusion", "fedrolex", "heterofl")
+PAPER_CIFAR.update({("fedet", "non-iid", None): "81.13", ("fedet", "iid", None): "83.42"})
+PAPER_RING = {"dpsgd": "13.38 (CIFAR-100)", "dispfl": "52.57 (CIFAR-100)"}  # Table 3: local accuracy, ring
+# Fed-ET: heterogeneous small client CNNs sharing the server ResNet-18's 128-wide final layer (width_mult 0.25)
+FEDET = {"small_models": [{"model": "cnn-cifar", "hidden": [120, 128]},
+                          {"model": "cnn-cifar", "channels": [12, 32], "hidden": [120, 128]}]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="",
-                   help="comma list of main, ablation, ring, ptb (default: all; quick: main,ptb)")
+                   help="comma list of mnist, cifar, ablation, ring, ptb (default: all; quick: mnist,cifar,ptb)")
+    p.add_argument("--mus", default="", help="comma list of split ratios for the mnist and cifar sweeps")
+    p.add_argument("--methods", default="", help="comma list of msfusion, fedrolex, heterofl, fedet (default: all)")
     p.add_argument("--rounds", type=int, default=0, help="override the CIFAR rounds")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
 
 
 def settings(quick: bool) -> dict[str, Any]:
     if quick:
         return {"rounds": 3, "train_limit": 3000, "test_limit": 1000, "eval_every": 3, "ptb_rounds": 2,
-                "ptb_seqs": 40, "ptb_test": 200, "grid": [("non-iid", 0.25)]}
+                "ptb_seqs": 40, "ptb_test": 200, "mus": [0.25], "iid": False, "mnist_mus": [0.125, 0.25]}
     return {"rounds": 8, "train_limit": 3000, "test_limit": 1000, "eval_every": 4, "ptb_rounds": 3,
-            "ptb_seqs": 100, "ptb_test": 400,
-            "grid": [("non-iid", 0.25), ("non-iid", 0.1), ("non-iid", 0.5), ("iid", 0.25)]}
+            "ptb_seqs": 100, "ptb_test": 400, "mus": [0.125, 0.25, 0.5], "iid": True,
+            "mnist_mus": [0.125, 0.25, 0.5]}
 
 
-def cifar_base(s: dict[str, Any], data_dir: str | None, seed: int, partition: str) -> dict[str, Any]:
+def mnist_base(data_dir: str | None) -> dict[str, Any]:
+    """MNIST shards with every run setting at its default except the model (MLP) and the subset size."""
+    return {"dataset": "mnist", "data_dir": data_dir, "partition": "shards", "model": "mlp", "plots": False,
+            "checkpoint_every": 10_000, "eval_every": 5, "device": "cpu",
+            "dataset_options": {"train_limit": 6000, "test_limit": 2000}}
+
+
+def cifar_base(s: dict[str, Any], data_dir: str | None, partition: str) -> dict[str, Any]:
     part = ({"partition": "shards", "partition_options": {"classes_per_client": 5}} if partition == "non-iid"
             else {"partition": "iid", "partition_options": {}})
     return {
         "dataset": "cifar10", "data_dir": data_dir, **part, "model": "resnet18",
         "model_options": {"width_mult": 0.25, "norm": "bn-static"}, "clients": 10, "clients_per_round": 10,
-        "rounds": s["rounds"], "local_epochs": 1, "batch_size": 32, "lr": 0.1, "seed": seed,
+        "rounds": s["rounds"], "local_epochs": 1, "batch_size": 32, "lr": 0.1,
         "eval_every": s["eval_every"], "checkpoint_every": 1000, "plots": False, "device": "cpu",
         "dataset_options": {"train_limit": s["train_limit"], "test_limit": s["test_limit"]},
     }
@@ -90,34 +113,70 @@ def truncated(fed: Federation, seqs: int, test: int) -> Federation:
                       fed.partition, fed.class_names, {**fed.info, "truncated": f"{seqs} train windows/client"})
 
 
-def row(label: str, summary: dict, history: list[dict], **cols: Any) -> dict[str, Any]:
-    fin = summary["final"]
-    evals = [h for h in history if h.get("global_accuracy") is not None]
-    trained = [h for h in history if h.get("peer_bytes_per_participant") is not None]
-    n = summary["clients"]
-    rounds = max(summary["rounds_completed"], 1)
-    out = {"method": label, **cols,
-           "global acc %": pct(fin.get("global_accuracy")),
-           "best acc %": pct(max((h["global_accuracy"] for h in evals), default=None)),
-           "FLOPs/participant/round": (fin.get("client_flops") or 0) / n / rounds,
-           "trained params/participant": history[0].get("optimised_parameters_per_client") if history else None}
+def cell_row(label: str, runs: list[tuple[dict, list[dict]]], seeds: list[int], wall: float, metric: str,
+             **cols: Any) -> dict[str, Any]:
+    """Mean ± std over seeds of the final ``metric`` plus the cost columns (means over seeds)."""
+    vals = [r[0]["final"].get(metric) for r in runs]
+    scale = 100.0 if metric.endswith("accuracy") else 1.0
+    name = ("local acc %" if metric == "personal_accuracy" else "global acc %") if metric.endswith("accuracy") \
+        else "perplexity"
+    n = runs[0][0]["clients"]
+    rounds = max(runs[0][0]["rounds_completed"], 1)
+    hist = runs[0][1]
+    trained = [h for h in hist if h.get("peer_bytes_per_participant") is not None]
+    fin = [r[0]["final"] for r in runs]
     if trained:  # msfusion: protocol bytes = peer exchange
-        out["bytes/participant/round"] = (fin.get("bytes_peer") or 0) / n / max(rounds - 1, 1)
-        out["full sub-model bytes"] = trained[-1]["full_submodel_bytes_per_participant"]
+        byts = sum((f.get("bytes_peer") or 0) for f in fin) / len(fin) / n / max(rounds - 1, 1)
     else:
-        out["bytes/participant/round"] = ((fin.get("bytes_down") or 0) + (fin.get("bytes_up") or 0)) / n / rounds
-    out["wall s"] = round(summary["wall_seconds"], 1)
+        byts = sum((f.get("bytes_down") or 0) + (f.get("bytes_up") or 0) for f in fin) / len(fin) / n / rounds
+    return {
+        "method": label, **cols,
+        f"{name} (mean ± std)": mean_std(vals).fmt(scale, 2),
+        "per seed": " / ".join("—" if v is None else f"{scale * v:.1f}" for v in vals),
+        "FLOPs/participant/round": sum((f.get("client_flops") or 0) / rounds + (f.get("server_flops") or 0)
+                                       for f in fin) / len(fin) / n,  # Fed-ET: server work shared by participants
+        "bytes/participant/round": byts,
+        "seeds": ",".join(map(str, seeds)), "wall s": round(wall, 1), "_vals": vals, "_metric": metric,
+    }
+
+
+PAIRS = (("msfusion", "fedrolex"), ("msfusion", "heterofl"), ("fedrolex", "heterofl"))  # Table 1, CIFAR
+PTB_PAIRS = (("msfusion", "fedrolex"), ("msfusion", "heterofl"), ("heterofl", "fedrolex"))  # Table 1, PTB
+
+
+def ordering(rows: list[dict[str, Any]], keys: tuple[str, ...],
+             pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[dict[str, Any]]:
+    """Each (better, worse) pair of the paper's ordering on the same seeds, per group of ``keys`` (CIFAR: MSfusion >
+    FedRolex > HeteroFL; PTB perplexity: MSfusion < HeteroFL < FedRolex; lower perplexity is better)."""
+    out = []
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in keys), {})[r["method"]] = r
+    for key, by in groups.items():
+        for a, b in pairs:
+            if a not in by or b not in by:
+                continue
+            sign = -1.0 if by[a]["_metric"] == "perplexity" else 1.0
+            t = paired_test(by[a]["_vals"], by[b]["_vals"])
+            scale = 100.0 if sign > 0 else 1.0
+            better = sign * t.diff > 0
+            out.append({**dict(zip(keys, key)), "comparison": f"{a} vs {b}",
+                        "difference": round(scale * t.diff, 2) if t.n else None,
+                        "p (paired t)": None if t.p_value != t.p_value else round(t.p_value, 4),
+                        "paper ordering holds": ("yes" if better else "no") + ("" if t.significant() else " (n.s.)")})
     return out
 
 
 TITLES = {
-    "main": "### CIFAR-10, 10 participants, global full-model accuracy",
+    "mnist": "### MNIST shards (2 classes per participant), MLP, every setting at its default",
+    "cifar": "### CIFAR-10, 10 participants, global full-model accuracy",
     "ablation": "### Ablation, CIFAR-10 non-IID, mu = 0.25",
     "ring": "### Topology, CIFAR-10 non-IID, mu = 0.25 (bytes = peer exchange only)",
     "ptb": "### Penn Treebank, transformer LM, mu = 0.25 (perplexity, lower is better)",
 }
+ORDER_KEYS = {"mnist": ("mu",), "cifar": ("data", "mu"), "ptb": ("mu",)}
 ABLATIONS = (("w/o con", {"contrastive": False}), ("w/o dyn", {"dynamic": False}),
-             ("w/o con & dyn", {"contrastive": False, "dynamic": False}), ("cosine sim.", {"similarity": "cosine"}))
+             ("w/o con & dyn", {"contrastive": False, "dynamic": False}), ("dot sim.", {"similarity": "dot"}))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,104 +186,110 @@ def run(args: argparse.Namespace) -> int:
     s = settings(args.quick)
     if args.rounds:
         s["rounds"] = args.rounds
-    parts = [p.strip() for p in (args.parts or ("main,ptb" if args.quick else "main,ablation,ring,ptb")).split(",")
-             if p.strip()]
+    if args.mus:
+        s["mus"] = s["mnist_mus"] = [float(m) for m in args.mus.split(",") if m.strip()]
+    seeds = parse_seeds(args.seeds)
+    default_parts = "mnist,cifar,ptb" if args.quick else "mnist,cifar,ablation,ring,ptb"
+    parts = [p.strip() for p in (args.parts or default_parts).split(",") if p.strip()]
     out = Path(args.out or ("runs/reproduce-msfusion" + ("-quick" if args.quick else "")))
     out.mkdir(parents=True, exist_ok=True)
     data_dir = args.data_dir or os.environ.get("FEDFUSE_DATA")
-    progress = not args.no_progress
     t_start = time.time()
     results: dict[str, list[dict]] = {k: [] for k in TITLES}
-    done: dict[tuple, tuple[dict, list[dict]]] = {}  # runs shared between sections
+
+    def show(rs: list[dict[str, Any]]) -> str:
+        return markdown([{k: v for k, v in r.items() if not k.startswith("_")} for r in rs])
 
     def write() -> str:
-        text = "\n\n".join(f"{TITLES[k]}\n\n{markdown(v)}" for k, v in results.items() if v)
+        blocks = []
+        for k, v in results.items():
+            if not v:
+                continue
+            blocks.append(f"{TITLES[k]}\n\n{show(v)}")
+            if k in ORDER_KEYS:
+                pairs = PTB_PAIRS if k == "ptb" else PAIRS
+                blocks.append(f"Paper ordering (same seeds):\n\n{markdown(ordering(v, ORDER_KEYS[k], pairs))}")
+        text = f"Seeds {','.join(map(str, seeds))}\n\n" + "\n\n".join(blocks)
         text += f"\n\nTotal wall time: {time.time() - t_start:.0f} s\n"
         (out / "tables.md").write_text(text)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
         return text
 
-    def go(section: str, name: str, base: dict, **over: Any) -> tuple[dict, list[dict]]:
+    def go(section: str, name: str, base: dict, label: str, over: dict[str, Any], metric: str = "global_accuracy",
+           **cols: Any) -> None:
         t = time.time()
-        summ, hist = run_one(base, out / section / name, progress=progress, **over)
-        print(f"[{section}] {name}: acc={summ['final'].get('global_accuracy')} ppl={summ['final'].get('perplexity')}"
-              f" ({time.time() - t:.0f} s)", flush=True)
-        return summ, hist
+        runs = [run_one(base, out / section / name / f"seed{sd}", progress=False, **{**over, "seed": sd})
+                for sd in seeds]
+        results[section].append(cell_row(label, runs, seeds, time.time() - t, metric, **cols))
+        print(show([results[section][-1]]).splitlines()[-1], flush=True)
+        write()
 
-    def main_point(partition: str, mu: float) -> None:
-        base = cifar_base(s, data_dir, args.seed, partition)
-        for algo in ("msfusion", "fedrolex", "heterofl"):
-            summ, hist = go("main", f"{partition}-mu{mu}-{algo}", base, algorithm=algo,
-                            algorithm_options=algo_options(algo, mu, s["eval_every"], s["rounds"]))
-            done[(algo, partition, mu)] = (summ, hist)
-            results["main"].append(row(algo, summ, hist, data=partition, mu=mu,
-                                       paper=PAPER_CIFAR.get((algo, partition, mu), "—")))
-            write()
+    wanted = [m.strip() for m in getattr(args, "methods", "").split(",") if m.strip()] or list(METHODS)
 
-    def ablation() -> None:
-        base = cifar_base(s, data_dir, args.seed, "non-iid")
-        if ("msfusion", "non-iid", 0.25) in done:
-            summ, hist = done[("msfusion", "non-iid", 0.25)]
-            results["ablation"].append(row("msfusion", summ, hist, mu=0.25, paper="75.71 (mu=18.75%)"))
-        for label, extra in ABLATIONS:
-            name = label.replace(" ", "").replace("/", "").replace("&", "-").replace(".", "")
-            summ, hist = go("ablation", name, base, algorithm="msfusion",
-                            algorithm_options=algo_options("msfusion", 0.25, 0, s["rounds"], **extra))
-            done[("ablation", label)] = (summ, hist)
-            paper = PAPER_ABLATION.get(label)
-            results["ablation"].append(row(label, summ, hist, mu=0.25,
-                                           paper=f"{paper} (mu=18.75%)" if paper else "—"))
-            write()
-
-    def ring() -> None:
-        base = cifar_base(s, data_dir, args.seed, "non-iid")
-        for topo in ("full", "ring"):
-            if topo == "full" and ("msfusion", "non-iid", 0.25) in done:
-                summ, hist = done[("msfusion", "non-iid", 0.25)]
+    def point(section: str, base: dict, partition: str | None, mu: float, eval_every: int, rounds: int) -> None:
+        for algo in (m for m in METHODS if m in wanted):
+            cols: dict[str, Any] = {"data": partition} if partition else {}
+            cols["mu"] = mu
+            if section == "mnist":
+                opts: dict[str, Any] = {"mu": mu}  # the algorithm's defaults otherwise
             else:
-                summ, hist = go("ring", topo, base, algorithm="msfusion",
-                                algorithm_options=algo_options("msfusion", 0.25, 0, s["rounds"], topology=topo))
-            results["ring"].append(row(f"msfusion ({topo})", summ, hist, mu=0.25))
-            write()
+                opts = algo_options(algo, mu, eval_every, rounds)
+                cols["paper"] = PAPER_CIFAR.get((algo, partition, mu), "—")
+            go(section, f"{partition or 'mnist'}-mu{mu}-{algo}", base, algo,
+               {"algorithm": algo, "algorithm_options": opts}, **cols)
 
-    def ptb() -> None:
+    if "mnist" in parts:
+        for mu in s["mnist_mus"]:
+            point("mnist", mnist_base(data_dir), None, mu, 5, 20)
+    if "cifar" in parts:
+        for mu in s["mus"]:
+            point("cifar", cifar_base(s, data_dir, "non-iid"), "non-iid", mu, s["eval_every"], s["rounds"])
+        if s["iid"]:
+            point("cifar", cifar_base(s, data_dir, "iid"), "iid", 0.25, s["eval_every"], s["rounds"])
+        if "fedet" in wanted or not getattr(args, "methods", ""):  # Fed-ET: no split ratio, one row per split
+            for partition in ("non-iid", "iid") if s["iid"] else ("non-iid",):
+                go("cifar", f"{partition}-fedet", cifar_base(s, data_dir, partition), "fedet",
+                   {"algorithm": "fedet", "algorithm_options": FEDET}, data=partition, mu="N/A",
+                   paper=PAPER_CIFAR.get(("fedet", partition, None), "—"))
+    if "ablation" in parts:
+        base = cifar_base(s, data_dir, "non-iid")
+        for label, extra in (("msfusion", {}), *ABLATIONS):
+            name = label.replace(" ", "").replace("/", "").replace("&", "-").replace(".", "")
+            paper = PAPER_ABLATION.get(label)
+            go("ablation", name, base, label,
+               {"algorithm": "msfusion", "algorithm_options": algo_options("msfusion", 0.25, 0, s["rounds"], **extra)},
+               mu=0.25, paper=f"{paper} (mu=18.75%)" if paper else "—")
+    if "ring" in parts:
+        base = cifar_base(s, data_dir, "non-iid")
+        for topo in ("full", "ring"):
+            go("ring", topo, base, f"msfusion ({topo})",
+               {"algorithm": "msfusion", "algorithm_options": algo_options("msfusion", 0.25, 0, s["rounds"],
+                                                                           topology=topo)}, mu=0.25)
+        for algo in ("dpsgd", "dispfl"):  # Table 3's serverless baselines: each participant's own model
+            go("ring", algo, base, algo, {"algorithm": algo, "algorithm_options": {"topology": "ring"}},
+               metric="personal_accuracy", mu="N/A", paper=PAPER_RING[algo])
+    if "ptb" in parts:
         base = {
             "dataset": "ptb", "data_dir": data_dir, "partition": "contiguous", "partition_options": {},
             "model": "transformer", "clients": 10, "clients_per_round": 10, "rounds": s["ptb_rounds"],
-            "local_epochs": 1, "batch_size": 20, "lr": 1.0, "seed": args.seed, "eval_every": s["ptb_rounds"],
+            "local_epochs": 1, "batch_size": 20, "lr": 1.0, "eval_every": s["ptb_rounds"],
             "checkpoint_every": 1000, "plots": False, "device": "cpu",
             "model_options": {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "dropout": 0.2},
             "dataset_options": {"seq_len": 32},
         }
-        for algo in (("msfusion",) if args.quick else ("msfusion", "fedrolex", "heterofl")):
+        for algo in (m for m in METHODS if m in wanted):
             t = time.time()
-            cfg = validate(apply(RunConfig(), {**base, "algorithm": algo, "out": str(out / "ptb" / algo),
-                                               "algorithm_options": {"mu": 0.25, "lr_schedule": "cyclic",
-                                                                     "lr_min_ratio": 0.5}}))
-            exp = Experiment(cfg, fed=truncated(federation_for(cfg), s["ptb_seqs"], s["ptb_test"]),
-                             progress=progress)
-            summ = exp.run()
-            print(f"[ptb] {algo}: ppl={summ['final'].get('perplexity')} ({time.time() - t:.0f} s)", flush=True)
-            r = row(algo, summ, exp.history, mu=0.25, paper=PAPER_PTB[algo])
-            r["perplexity"] = summ["final"].get("perplexity")
-            r.pop("global acc %")
-            r.pop("best acc %")
-            results["ptb"].append(r)
+            runs = []
+            for sd in seeds:
+                cfg = validate(apply(RunConfig(), {**base, "algorithm": algo, "seed": sd,
+                                                   "out": str(out / "ptb" / algo / f"seed{sd}"),
+                                                   "algorithm_options": {"mu": 0.25, **LR}}))
+                exp = Experiment(cfg, fed=truncated(federation_for(cfg), s["ptb_seqs"], s["ptb_test"]),
+                                 progress=False)
+                runs.append((exp.run(), exp.history))
+            results["ptb"].append(cell_row(algo, runs, seeds, time.time() - t, "perplexity", mu=0.25,
+                                           paper=PAPER_PTB[algo]))
+            print(show([results["ptb"][-1]]).splitlines()[-1], flush=True)
             write()
-
-    # the core comparison first, then the sections, then the rest of the mu/IID grid (so a run cut short
-    # still has one point of every table)
-    grid = list(s["grid"])
-    if "main" in parts and grid:
-        main_point(*grid[0])
-    if "ablation" in parts:
-        ablation()
-    if "ring" in parts:
-        ring()
-    if "ptb" in parts:
-        ptb()
-    if "main" in parts:
-        for point in grid[1:]:
-            main_point(*point)
     print(write())
     return 0

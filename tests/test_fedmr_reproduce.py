@@ -1,0 +1,125 @@
+"""`fedfuse reproduce fedmr`: presets in one place, the authors' training recipe, configs that validate, the
+authors' FEMNIST CNN, and a tiny end-to-end grid (tables, reuse of finished runs, config.yaml contents)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+import yaml
+
+from fedfuse.algorithms.fedmr import model_units
+from fedfuse.config import RunConfig, apply, validate
+from fedfuse.models import build_model
+from fedfuse.reproduce import fedmr as R
+
+
+def ns(**kw) -> argparse.Namespace:
+    base = dict(quick=False, scale="cpu", settings="", methods="", rounds=0, warmup=-1, momentum=None,
+                local_epochs=0, seeds="", threads=1, data_dir=None, out=None, no_progress=True)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("name", list(R.PRESETS))
+def test_every_preset_uses_the_authors_training_recipe(name):
+    tr = R.PRESETS[name]["training"]
+    recipe = (tr["optimizer"], tr["lr"], tr["momentum"], tr["batch_size"], tr["local_epochs"])
+    assert recipe == ("sgd", 0.01, 0.5, 50, 5)
+    assert tr["val_fraction"] == 0.0 and tr["weight_decay"] == 0.0
+    assert 0 < R.PRESETS[name]["warmup"] < R.PRESETS[name]["rounds"]  # a fixed switch round inside the run
+
+
+def test_paper_scale_is_the_papers_federation():
+    s = R.PRESETS["paper"]["settings"]
+    assert set(s) == {"cifar10-dir0.1", "cifar10-dir0.5", "cifar10-iid", "femnist"}
+    for name in ("cifar10-dir0.1", "cifar10-dir0.5", "cifar10-iid"):
+        assert s[name]["clients"] == 100 and s[name]["clients_per_round"] == 10 and not s[name]["dataset_options"]
+        assert s[name]["model"] == "cnn-cifar"
+    assert s["femnist"]["model"] == "cnn-femnist" and s["femnist"]["dataset_options"]["normalize"] == "authors"
+    assert R.PRESETS["paper"]["rounds"] >= 500 and R.PRESETS["paper"]["warmup"] == 100
+    # the CPU scale only shrinks data/rounds: same datasets, models and participation
+    cpu = R.PRESETS["cpu"]["settings"]
+    assert set(cpu) == set(s) and all(cpu[k]["model"] == s[k]["model"] for k in s)
+
+
+@pytest.mark.parametrize("name", list(R.PRESETS))
+def test_every_run_config_of_every_preset_validates(name):
+    preset = R.resolve_preset(ns(quick=name == "quick", scale=name if name != "quick" else "cpu"))
+    assert preset["name"] == name
+    for setting in preset["settings"]:
+        for label in R.METHODS:
+            cfg = validate(apply(RunConfig(), R.run_config(label, setting, 0, preset, "data")))
+            assert cfg.momentum == 0.5 and cfg.val_fraction == 0.0 and cfg.rounds == preset["rounds"]
+            if label == "FedProx":
+                assert cfg.algorithm_options["mu"] == (0.1 if setting == "femnist" else 0.01)
+            if label == "FedMR two-stage":
+                assert cfg.algorithm_options["warmup_rounds"] == preset["warmup"]
+
+
+def test_overrides_and_seeds():
+    p = R.resolve_preset(ns(momentum=0.9, rounds=7, warmup=3, settings="femnist", methods="FedMR,FedAvg", seeds="2"))
+    assert p["training"]["momentum"] == 0.9 and R.PRESETS["cpu"]["training"]["momentum"] == 0.5  # no aliasing
+    assert p["rounds"] == 7 and p["warmup"] == 3 and list(p["settings"]) == ["femnist"]
+    assert p["methods"] == ["FedMR", "FedAvg"] and p["seed_list"] == [0, 1]
+    assert R.resolve_preset(ns(quick=True))["seed_list"] == [0]
+    assert R.resolve_preset(ns())["seed_list"] == [0, 1, 2]
+    with pytest.raises(ValueError, match="setting"):
+        R.resolve_preset(ns(settings="mnist"))
+    with pytest.raises(ValueError, match="method"):
+        R.resolve_preset(ns(methods="FedFoo"))
+
+
+def test_femnist_cnn_is_the_authors_architecture():
+    m = build_model("cnn-femnist", (1, 28, 28), 62)
+    shapes = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    assert shapes == {"conv1.weight": (16, 1, 5, 5), "conv1.bias": (16,), "conv2.weight": (32, 16, 5, 5),
+                      "conv2.bias": (32,), "fc1.weight": (256, 512), "fc1.bias": (256,),
+                      "fc.weight": (62, 256), "fc.bias": (62,)}
+    assert sum(p.numel() for p in m.parameters()) == 160510
+    assert m(torch.zeros(3, 1, 28, 28)).shape == (3, 62)
+    assert model_units(m) == [("conv1.weight", "conv1.bias"), ("conv2.weight", "conv2.bias"),
+                              ("fc1.weight", "fc1.bias"), ("fc.weight", "fc.bias")]
+    assert build_model("cnn-femnist", (1, 8, 8), 10).conv1.padding == (2, 2)  # small inputs: 'same' padding
+    with pytest.raises(ValueError, match="too small"):
+        build_model("cnn-femnist", (1, 8, 8), 10, padding=0)
+
+
+def test_tiny_grid_end_to_end(tmp_path, monkeypatch):
+    """A 2-method, 2-seed grid on digits: tables, config.yaml with the preset's recipe, reuse of finished runs."""
+    tiny = {
+        "training": {**R.AUTHORS_TRAINING, "local_epochs": 1, "eval_every": 1, "lr": 0.05}, "rounds": 3,
+        "warmup": 1, "seeds": 2,
+        "settings": {"digits-dir0.5": {"dataset": "digits", "model": "mlp", "clients": 6, "clients_per_round": 3,
+                                       "partition": "dirichlet", "partition_options": {"alpha": 0.5},
+                                       "dataset_options": {}}},
+    }
+    monkeypatch.setitem(R.PRESETS, "quick", tiny)
+    out = tmp_path / "grid"
+    args = ns(quick=True, methods="FedAvg,FedMR two-stage", out=str(out))
+    assert R.run(args) == 0
+    table = (out / "table.md").read_text()
+    assert "digits-dir0.5" in table and "±" in table and "momentum 0.5" in table
+    cfg = yaml.safe_load((out / "digits-dir0.5" / "fedmr-two-stage" / "seed1" / "config.yaml").read_text())
+    assert cfg["momentum"] == 0.5 and cfg["val_fraction"] == 0.0 and cfg["seed"] == 1
+    assert cfg["algorithm_options"]["warmup_rounds"] == 1 and cfg["algorithm_options"]["warmup_weighting"] == "uniform"
+    preset = yaml.safe_load((out / "preset.yaml").read_text())
+    assert preset["seeds"] == [0, 1] and preset["training"]["batch_size"] == 50
+    res = json.loads((out / "results.json").read_text())["results"]
+    assert {r["method"] for r in res} == {"FedAvg", "FedMR two-stage"} and all(len(r["last5_mean"]) == 2 for r in res)
+    monkeypatch.setattr(R, "run_one", lambda *a, **k: pytest.fail("finished runs must be reused"))
+    assert R.run(args) == 0
+
+
+def test_a_run_claimed_by_a_live_process_is_skipped(tmp_path):
+    import os
+
+    d = tmp_path / "run"
+    assert not R._claimed_by_other(d)  # nothing there
+    d.mkdir()
+    (d / ".running").write_text(str(os.getpid()))
+    assert not R._claimed_by_other(d)  # our own claim
+    (d / ".running").write_text(str(os.getppid()))
+    assert R._claimed_by_other(d)  # a live other process
+    (d / ".running").write_text("999999999")
+    assert not R._claimed_by_other(d)  # a dead one: stale claim
