@@ -250,9 +250,7 @@ def plot_scale(records: list[dict], path: Path, rank: int) -> None:
         fam = re.sub(r" [dmr]=\d+", "", r["label"])
         families.setdefault(fam, {}).setdefault(round(r["server_params"] / unit, 2), []).append(r["ppl"])
     markers = iter("os^vDPX*<>")
-    for fam, pts in families.items():
-        if len(pts) < 2:
-            continue
+    for fam, pts in families.items():  # single-setting methods (FedLoRA, Local, FedEM m=4) are single points
         xs = sorted(pts)
         ys = [float(np.mean(pts[x])) for x in xs]
         es = [float(np.std(pts[x], ddof=1)) if len(pts[x]) > 1 else 0.0 for x in xs]
