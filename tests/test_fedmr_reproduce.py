@@ -107,8 +107,14 @@ def test_tiny_grid_end_to_end(tmp_path, monkeypatch):
     assert preset["seeds"] == [0, 1] and preset["training"]["batch_size"] == 50
     res = json.loads((out / "results.json").read_text())["results"]
     assert {r["method"] for r in res} == {"FedAvg", "FedMR two-stage"} and all(len(r["last5_mean"]) == 2 for r in res)
-    monkeypatch.setattr(R, "run_one", lambda *a, **k: pytest.fail("finished runs must be reused"))
+    monkeypatch.setattr(R, "run_one", lambda *a, **k: pytest.fail("--reuse must keep finished runs"))
+    args.reuse = True
     assert R.run(args) == 0
+    calls = []
+    monkeypatch.setattr(R, "run_one", lambda *a, **k: calls.append(a[1]) or ({}, []))
+    args.reuse = False
+    R.run(args)
+    assert len(calls) == 4  # without --reuse every run of the grid is run again
 
 
 def test_a_run_claimed_by_a_live_process_is_skipped(tmp_path):

@@ -26,8 +26,10 @@ Scales (``PRESETS``, printed to ``preset.yaml`` and into every run's ``config.ya
 
 Accuracy is reported as the mean of the last 5 evaluations (``fedfuse.stats.final_mean``), mean ± std over
 seeds.  ``--momentum 0.9`` re-runs a grid with the paper text's momentum (a documented paper-vs-code
-discrepancy).  Finished runs are kept (``<out>/<setting>/<method>/seed<k>/summary.json``) and reused, so an
-interrupted grid resumes and several processes may fill one ``--out`` with different ``--methods``.
+discrepancy).  With ``--reuse``, finished runs (``<out>/<setting>/<method>/seed<k>/summary.json``) are kept, so
+an interrupted grid resumes; a run another live process is working on is skipped, so several processes may
+fill one ``--out`` with different ``--methods``.  Tables are built from every finished run of the preset under
+``--out``.
 """
 
 from __future__ import annotations
@@ -187,13 +189,14 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "preset.yaml").write_text(yaml.safe_dump(
         {k: v for k, v in preset.items() if k != "seed_list"} | {"seeds": preset["seed_list"]}, sort_keys=False))
+    reuse = bool(getattr(args, "reuse", False))
     t_all = time.perf_counter()
     for setting in preset["settings"]:
         for label in preset["methods"]:
             for seed in preset["seed_list"]:
                 run_dir = out / setting / _slug(label) / f"seed{seed}"
-                if (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").exists():
-                    continue  # finished earlier: reuse
+                if reuse and (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").exists():
+                    continue  # --reuse: finished earlier, keep it
                 if _claimed_by_other(run_dir):
                     print(f"[fedmr] {setting} {label} seed {seed}: running in another process, skipped", flush=True)
                     continue
