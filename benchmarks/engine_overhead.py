@@ -156,8 +156,11 @@ def floor_round_times(fed: Federation, model_name: str, opts: dict, rounds: int)
     return walls[1:], cpus[1:]
 
 
-MODELS = {"mlp": ("MLP 784-200-200-10", {"widths": [200, 200]}), "cnn": ("McMahan CNN", {}),
-          "mlp-small": ("MLP 784-32-10", {"widths": [32]})}
+MODELS = {  # variant → (label, registry model, options)
+    "mlp": ("MLP 784-200-200-10", "mlp", {"widths": [200, 200]}),
+    "cnn": ("McMahan CNN", "cnn", {}),
+    "mlp-small": ("MLP 784-32-10", "mlp", {"widths": [32]}),
+}
 
 
 def main() -> None:
@@ -180,8 +183,8 @@ def main() -> None:
           f"torch {torch.__version__}, threads {torch.get_num_threads()}, data "
           f"{'real MNIST' if args.data_dir else 'random MNIST-shaped'}, {args.rounds} rounds × {args.repeats} "
           f"repeats, processes: {args.workers} workers")
-    for m in [m for m in args.models.split(",") if m]:
-        name, opts = MODELS[m]
+    for variant in [m for m in args.models.split(",") if m]:
+        name, m, opts = MODELS[variant]
         variants = ("plain", *(() if args.no_floor else ("floor",)), *executors)
         times: dict[str, tuple[list, list]] = {k: ([], []) for k in variants}
         for _ in range(args.repeats):  # interleaved so machine noise hits every variant alike
@@ -205,7 +208,7 @@ def main() -> None:
             print(f"| {key} | {mw:.3f} | {samples / mw:,.0f} | {pw / mw:.2f}× | {cpu_cols[0]} | {cpu_cols[1]} |")
     algos = [a for a in args.algorithms.split(",") if a]
     if algos:
-        name, opts = MODELS["mlp"]
+        name, _, opts = MODELS["mlp"]
         print(f"\nalgorithms on the {name}: sequential vs batched executor")
         print("| algorithm | sequential s/round | batched s/round | speed-up (wall) | sequential CPU | batched CPU | "
               "speed-up (CPU) |")

@@ -28,42 +28,35 @@ LOSS_RTOL = 1e-4
 ACC_ATOL = 0.02
 
 
-def _is_lora(algorithm: str) -> bool:
-    opts = getattr(ALGORITHMS[algorithm], "Options", None)
-    return opts is not None and "base" in getattr(opts, "__dataclass_fields__", {})
-
-
+LORA = {name for name, cls in ALGORITHMS.items() if cls.__module__ in ("fedfuse.algorithms.fedit",
+                                                                       "fedfuse.algorithms.fedmerge_lora")}
 _BASE: dict[str, str] = {}
 
 
-def _tiny_base() -> str:
-    """A tiny character-level base LM saved as ``fedfuse pretrain`` does, for the LoRA algorithms."""
+def _lora_base() -> str:
+    """A tiny frozen base (fedfuse transformer, vocabulary 30) for the LoRA algorithms, written once."""
     if "path" not in _BASE:
         import tempfile
+        from pathlib import Path
 
-        from fedfuse.adapters.text import CharTokenizer
         from fedfuse.models.transformer import TransformerModel
 
-        tok = CharTokenizer()
         torch.manual_seed(0)
-        kw = {"d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "dropout": 0.0, "norm_first": True,
-              "max_len": 64}
-        m = TransformerModel(len(tok), len(tok), task="lm", **kw)
-        path = f"{tempfile.mkdtemp(prefix='fedfuse-conf-')}/tiny.pt"
-        torch.save({"kind": "fedfuse-lm", "model": kw, "vocab": tok.vocab, "state": m.state_dict(), "info": {}}, path)
+        kw = {"d_model": 8, "n_heads": 2, "n_layers": 1, "d_ff": 12, "dropout": 0.0, "max_len": 16}
+        path = Path(tempfile.mkdtemp()) / "base.pt"
+        torch.save({"kind": "fedfuse-lm", "model": kw, "vocab": [str(i) for i in range(30)],
+                    "state": TransformerModel(30, 30, task="lm", **kw).state_dict()}, path)
         _BASE["path"] = f"fedfuse:{path}"
     return _BASE["path"]
 
 
 def _cfg(algorithm: str, executor: str) -> RunConfig:
-    if _is_lora(algorithm):
-        pytest.importorskip("peft")
+    if algorithm in LORA:  # LoRA adapters on a frozen base LM: generated token sequences
         return apply(RunConfig(), dict(
             algorithm=algorithm, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
             rounds=2, batch_size=8, lr=0.01, optimizer="adam", seed=2, plots=False, executor=executor,
             local_epochs=1, eval_every=2, partition="iid",
-            algorithm_options={"base": _tiny_base(), "rank": 2, "rouge_samples": 2, "gen_tokens": 4},
-        ))
+            algorithm_options=dict(base=_lora_base(), rank=2, rouge_samples=2, prompt_len=4, gen_tokens=3)))
     if algorithm == "simple-fedma":
         return apply(RunConfig(), dict(
             algorithm=algorithm, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
@@ -93,15 +86,18 @@ def _token_federation() -> Federation:
 _FEDS: dict[str, Federation] = {}
 
 
-def _fed_key(algorithm: str) -> str:
-    return "lm" if algorithm == "simple-fedma" or _is_lora(algorithm) else "digits"
+def _fed(algorithm: str) -> Federation | None:
+    key = "lm" if algorithm == "simple-fedma" or algorithm in LORA else "digits"
+    return _FEDS.get(key)
 
 
 def _run(algorithm: str, executor: str, executor_obj=None) -> Experiment:
-    key = _fed_key(algorithm)
-    exp = Experiment(_cfg(algorithm, executor), fed=_FEDS.get(key) or (
-        _token_federation() if key == "lm" else None), executor=executor_obj)
-    _FEDS.setdefault(key, exp.fed)
+    lm = algorithm == "simple-fedma" or algorithm in LORA
+    if algorithm in LORA:
+        pytest.importorskip("peft")
+    exp = Experiment(_cfg(algorithm, executor), fed=_fed(algorithm) or (
+        _token_federation() if lm else None), executor=executor_obj)
+    _FEDS.setdefault("lm" if lm else "digits", exp.fed)
     exp.run()
     return exp
 
@@ -140,19 +136,14 @@ def _assert_close_history(ref: list[dict], other: list[dict], label: str) -> Non
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_executor_gives_the_same_run(algorithm):
     seq = _run(algorithm, "sequential")
-    if not _is_lora(algorithm):
-        # The LoRA algorithms keep per-client evaluation results on the algorithm object for their ROUGE
-        # diagnostics, which worker processes cannot share; they are checked against the batched executor only
-        # until their evaluation is a pure client hook (a known gap).
-        proc = _run(algorithm, "processes")
-        assert [strip_timing(h) for h in proc.history] == [strip_timing(h) for h in seq.history]
+    proc = _run(algorithm, "processes")
+    assert [strip_timing(h) for h in proc.history] == [strip_timing(h) for h in seq.history]
     bat = _run(algorithm, "batched")
     _assert_close_history(seq.history, bat.history, f"{algorithm} batched vs sequential")
     rev = _run(algorithm, "batched", ReversedBatched(bat.fed.clients, bat.cfg.seed))
     assert [strip_timing(h) for h in rev.history] == [strip_timing(h) for h in bat.history]
-    if not _is_lora(algorithm):
-        for key in ("global", "personal"):
-            assert seq.summary()["final"].get(f"{key}_accuracy") == proc.summary()["final"].get(f"{key}_accuracy")
+    for key in ("global", "personal"):
+        assert seq.summary()["final"].get(f"{key}_accuracy") == proc.summary()["final"].get(f"{key}_accuracy")
 
 
 def test_declared_programs_are_batched_not_fallen_back():

@@ -202,7 +202,7 @@ class Killed(Exception):
     pass
 
 
-@pytest.mark.parametrize("executor,algorithm", [("batched", "fedprox"), ("auto", "fedavg")])
+@pytest.mark.parametrize("executor,algorithm", [("batched", "fedprox"), ("auto", "fedavg"), ("processes", "local")])
 def test_resume_is_bit_identical_within_an_executor(tmp_path, executor, algorithm):
     def kill(rec):
         if rec["round"] == 2:
@@ -222,8 +222,18 @@ def test_resume_is_bit_identical_within_an_executor(tmp_path, executor, algorith
     full.run()
     read = lambda d: [strip_timing(json.loads(x)) for x in (d / "run" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert read(tmp_path / "a") == read(tmp_path / "b")
-    for k, v in full.state["global"].items():
-        assert torch.equal(resumed.state["global"][k], v)
+    assert _same(full.state, resumed.state) and _same(full.client_states, resumed.client_states)
+
+
+def _same(a, b) -> bool:
+    """Bit-identical nested containers of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def test_auto_probe_picks_and_records_an_executor(tmp_path):

@@ -16,6 +16,7 @@ pytest.importorskip("peft")
 from fedfuse.adapters.evaluate import IGNORE, rouge_rows
 from fedfuse.adapters.lora import LoraSpec, adapter_model, cross_term_gap, delta_weights, module_pairs
 from fedfuse.adapters.text import CharTokenizer
+from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply, validate
 from fedfuse.data.lm_clients import encode_pairs, make_federation, windows
 from fedfuse.engine.loop import Experiment, strip_timing
@@ -110,7 +111,7 @@ def test_fedit_averages_a_and_b_by_size(base, fed):
     exp, _ = run(fed, "fedit", base, rounds=1)
     algo = exp.algo
     res = _fake_results(algo.am, [1, 3, 0])
-    new = algo.aggregate_fit(exp.state, None, res)["adapter"]
+    new = algo.aggregate_fit(exp.state, RoundInfo(0, 1), res)["adapter"]
     for k in algo.am.keys:
         assert torch.allclose(new[k], (res[0].tensors[k] + 3 * res[1].tensors[k]) / 4, atol=1e-6)
 
@@ -122,7 +123,7 @@ def test_fedmerge_lora_one_global_adapter_is_fedit(base, fed):
     theta = exp.state["globals"][0]
     after = _fake_results(algo.am, [2, 1, 1], seed=3)
     deltas = {c: Message({k: m.tensors[k] - theta[k] for k in theta}, m.meta) for c, m in after.items()}
-    new = algo.aggregate_fit(exp.state, None, deltas)
+    new = algo.aggregate_fit(exp.state, RoundInfo(0, 1), deltas)
     for k in theta:
         want = (2 * after[0].tensors[k] + after[1].tensors[k] + after[2].tensors[k]) / 4
         assert torch.allclose(new["globals"][0][k], want, atol=1e-5)

@@ -58,3 +58,9 @@ def test_parse_seeds():
         parse_seeds("x")
     with pytest.raises(ValueError, match="seeds"):
         parse_seeds(0)
+
+
+def test_single_seed_and_count_zero_message():
+    assert parse_seeds("5,") == [5]
+    with pytest.raises(ValueError, match="write '0,'"):
+        parse_seeds("0")

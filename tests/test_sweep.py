@@ -166,3 +166,11 @@ def test_run_cached_and_reproduce_reuse(tmp_path, monkeypatch):
     s2, h2 = common.run_one(base, tmp_path / "p", progress=False, algorithm="fedavg")
     assert (tmp_path / "p" / "summary.json").stat().st_mtime_ns == mtime  # not rerun
     assert s2["final"]["global_accuracy"] == s1["final"]["global_accuracy"] and len(h2) == len(h1)
+
+
+def test_grid_over_algorithms_points_to_compare():
+    from fedfuse.config import ConfigError
+    from fedfuse.sweep import Sweep
+
+    with pytest.raises(ConfigError, match="compare --algorithms"):
+        Sweep.plan(None, grid={"algorithm": ["fedavg", "clusamp"]}, seeds=[0])

@@ -9,7 +9,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, parse_value, validate
+from fedfuse.config import (
+    ConfigError,
+    RunConfig,
+    apply,
+    load_yaml,
+    parse_value,
+    prepare_run_dir,
+    resume_config,
+    validate,
+)
+from fedfuse.errors import run_guarded
 
 # flag → (config key, type, help).  Flags default to None so only what the user typed overrides the config file.
 FLAGS: dict[str, tuple[str, type, str]] = {
@@ -59,6 +69,7 @@ def _add_run_flags(p: argparse.ArgumentParser, with_algorithm: bool = True) -> N
     g.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override any key, e.g. --set mu=0.1 --set model_options.widths=[64,64]")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run in the output directory")
 
 
 def _add_sweep_flags(p: argparse.ArgumentParser, compare: bool) -> None:
@@ -139,11 +150,15 @@ def results_table(summary: dict[str, Any]) -> str:
         ("MB up (total)", "bytes_up", False),
         ("client GFLOPs (total)", "client_flops", False),
         ("server parameters", "server_parameters", False),
+        ("clients without test data (not in the means)", "clients_without_test", False),
+        ("updates quarantined (total)", "total_quarantined", False),
+        ("replies lost to dropout (total)", "total_dropped", False),
+        ("replies after the deadline (total)", "total_late", False),
     ]
     lines = [f"{'metric':<48} {'final':>12} {'best (val)':>12}", "-" * 74]
     for label, key, pct in rows:
         f, b = summary["final"].get(key), summary["best"].get(key)
-        if f is None and b is None:
+        if (f is None and b is None) or (key.startswith(("total_", "clients_without")) and not f):
             continue
         if key.startswith("bytes"):
             f, b = (None if x is None else x / 1e6 for x in (f, b))
@@ -166,16 +181,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("--resume continues one run; a sweep (--seeds/--grid) resumes by running it again")
         return _sweep(args, algorithms=None)
     if args.resume:
-        out = Path(args.resume)
-        if not (out / "checkpoint.pt").exists():
-            raise ConfigError(f"--resume {out}: no checkpoint.pt there (nothing to resume)")
-        cfg = apply(RunConfig(), load_yaml(out / "config.yaml"))
-        cfg.out = str(out)
+        cfg = resume_config(args, build_config)
         res = _execute(cfg, progress=not args.no_progress, log=_logs(args), resume=True)
     else:
         cfg = build_config(args)
         if not cfg.out:
             cfg.out = _default_out(cfg, cfg.algorithm)
+        prepare_run_dir(cfg.out, overwrite=args.overwrite)
         res = _execute(cfg, progress=not args.no_progress, log=_logs(args))
     print(results_table(res.summary))
     print(f"outputs in {res.out}")
@@ -238,6 +250,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     names = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     if not names:
         raise ConfigError("--algorithms: give a comma-separated list, e.g. fedavg,fedprox,local")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"--algorithms: {', '.join(twice)} listed more than once; each algorithm runs once "
+                          "(compare options of one algorithm with --grid)")
     return _sweep(args, algorithms=names)
 
 
@@ -435,22 +451,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fedfuse.data.dataset import DatasetNotFoundError
-
     args = make_parser().parse_args(argv)
-    try:
-        rc = int(args.func(args))
-        sys.stdout.flush()  # a closed pipe shows up here, inside the handler
-        return rc
-    except BrokenPipeError:  # e.g. `fedfuse list | head -1`: the reader has all it wants
-        _quiet_stdout()
-        return 0
-    except (ConfigError, DatasetNotFoundError) as e:
-        print(f"fedfuse: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # bad option values raised by loaders/partitioners/models
-        print(f"fedfuse: error: {e}", file=sys.stderr)
-        return 2
+    return run_guarded(lambda: int(args.func(args)))
 
 
 def _quiet_stdout() -> None:

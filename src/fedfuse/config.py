@@ -8,12 +8,15 @@ a bare option name that belongs to exactly one namespace (``mu=0.1``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from fedfuse.options import check_value, opt
 
 NAMESPACES = ("algorithm_options", "model_options", "partition_options", "dataset_options")
 
@@ -22,34 +25,60 @@ class ConfigError(ValueError):
     """A bad key or value in a run configuration; the message names it and the valid choices."""
 
 
+MAX_LR = 100.0  # a client learning rate above this is certainly a typo (SGD and Adam both diverge at once)
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed
+CORRUPTIONS = ("none", "nan", "inf", "shape", "scale", "count", "drop")
+
+
 @dataclass
 class RunConfig:
-    algorithm: str = "fedavg"
-    dataset: str = "digits"
-    partition: str = "dirichlet"
-    model: str = "auto"  # "auto" = the dataset's default model
-    clients: int = 10
-    clients_per_round: int = 5
-    rounds: int = 20
-    local_epochs: int = 2
-    batch_size: int = 32
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    optimizer: str = "sgd"
-    grad_clip: float = 0.0
-    seed: int = 0
-    data_dir: str | None = None
-    out: str | None = None
-    device: str = "auto"
-    executor: str = "sequential"  # how clients run: sequential | batched | processes | auto (engine/executor.py)
-    threads: int = 0  # torch intra-op threads; 0 = PyTorch's default (1 is often faster for small models)
-    val_fraction: float = 0.1
-    eval_every: int = 1
-    checkpoint_every: int = 1
-    eval_batch_size: int = 512
-    plots: bool = True
-    sampling: str = "auto"  # client sampling policy (fedfuse.engine.sampling): auto = the algorithm's default
+    """Every setting of one run.  Each field's help, choices and range are declared once (:func:`opt`)."""
+
+    algorithm: str = opt("fedavg", "algorithm (fedfuse list algorithms)")
+    dataset: str = opt("digits", "dataset (fedfuse list datasets)")
+    partition: str = opt("dirichlet", "how the training samples are split among clients")
+    model: str = opt("auto", "model; auto = the dataset's default model")
+    clients: int = opt(10, "number of clients", ge=1)
+    clients_per_round: int = opt(5, "clients sampled per round", ge=1)
+    rounds: int = opt(20, "communication rounds", ge=1)
+    local_epochs: int = opt(2, "local epochs per round", ge=1)
+    batch_size: int = opt(32, "local mini-batch size", ge=1)
+    lr: float = opt(0.1, "client learning rate", gt=0.0, le=MAX_LR)
+    momentum: float = opt(0.0, "client SGD momentum", ge=0.0, lt=1.0)
+    weight_decay: float = opt(0.0, "client L2 weight decay", ge=0.0)
+    optimizer: str = opt("sgd", "client optimiser", choices=("sgd", "adam"))
+    grad_clip: float = opt(0.0, "clip each local gradient to this L2 norm (0 = off)", ge=0.0)
+    seed: int = opt(0, "seed of every random stream of the run", ge=0, le=MAX_SEED)
+    data_dir: str | None = opt(None, "data directory (default: $FEDFUSE_DATA)")
+    out: str | None = opt(None, "run directory")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
+    executor: str = opt("sequential", "how clients run: sequential | batched | processes | auto "
+                                      "(engine/executor.py)")
+    threads: int = opt(0, "torch intra-op threads; 0 = PyTorch's default", ge=0)
+    val_fraction: float = opt(0.1, "fraction of each client's samples held out for validation", ge=0.0, lt=1.0)
+    eval_every: int = opt(1, "evaluate every this many rounds (and at the last)", ge=1)
+    checkpoint_every: int = opt(1, "checkpoint every this many rounds (and at the last)", ge=1)
+    eval_batch_size: int = opt(512, "batch size of evaluation", ge=1)
+    plots: bool = opt(True, "write PNG plots into the run directory")
+    sampling: str = opt("auto", "client sampling policy (fedfuse.engine.sampling): auto = the algorithm's default")
+    # ---- faults and reliability (docs/reliability.md) -----------------------------------------------
+    dropout: float = opt(0.0, "probability that a sampled client fails to reply in a round", ge=0.0, lt=1.0)
+    stragglers: float = opt(0.0, "probability that a sampled client is slow in a round", ge=0.0, le=1.0)
+    deadline: float = opt(2.0, "round deadline in units of a normal client's time; slower stragglers miss "
+                               "the round (1 = every straggler misses it)", ge=1.0)
+    late_replies: str = opt("drop", "a straggler's reply after the deadline: drop it, or deliver it with the next "
+                                    "round (next-round; algorithms that accept stale replies: the FedAvg family)",
+                            choices=("drop", "next-round"))
+    quorum: int = opt(1, "fewest replies a round stage needs; with fewer the round is skipped", ge=1)
+    check_updates: bool = opt(True, "check every client update before fusion and quarantine bad ones")
+    norm_bound: float = opt(100.0, "quarantine an update whose norm exceeds this multiple of the round's "
+                                  "median norm (0 = off; needs >= 3 replies)", ge=0.0)
+    on_divergence: str = opt("stop", "non-finite loss or model: stop (keep the last good checkpoint) or "
+                                     "rollback (redo the round with half the lr)", choices=("stop", "rollback"))
+    corrupt: str = opt("none", "simulate faulty clients: their replies become nan, inf, wrong-shaped (shape), "
+                               "1000x the update (scale), claim 1e12 examples (count), or are lost (drop)",
+                       choices=CORRUPTIONS)
+    corrupt_clients: list[int] = opt([], "client ids whose replies are corrupted (see corrupt)")
     algorithm_options: dict[str, Any] = field(default_factory=dict)
     model_options: dict[str, Any] = field(default_factory=dict)
     partition_options: dict[str, Any] = field(default_factory=dict)
@@ -64,8 +93,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "executor": ("sequential", "batched", "processes", "auto"),
     "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size"),
 }
-POSITIVE = {"clients", "clients_per_round", "rounds", "local_epochs", "batch_size", "eval_every",
-            "checkpoint_every", "eval_batch_size"}
 
 
 def _field_types() -> dict[str, Any]:
@@ -94,6 +121,12 @@ def _registry_choices(key: str) -> tuple[str, ...]:
 
 def namespace_defaults(cfg: RunConfig, namespace: str) -> dict[str, Any]:
     """Valid option names (with defaults) of the chosen algorithm/model/partition/dataset."""
+    what = namespace.replace("_options", "")
+    if what in ("algorithm", "dataset", "partition", "model"):
+        value = getattr(cfg, what)
+        choices = _registry_choices(what)
+        if value not in choices:
+            raise ConfigError(f"{what}: unknown value {value!r}; choose one of: {', '.join(choices)}")
     if namespace == "algorithm_options":
         from fedfuse.algorithms import get_algorithm
 
@@ -129,45 +162,68 @@ def parse_value(text: str) -> Any:
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """``value`` converted to ``typ`` (bool, int, float, str, list[...], dict, optional); errors name ``key``."""
     origin = typing.get_origin(typ)
     args = typing.get_args(typ)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
         if value is None:
             return None
         typ = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(typ), typing.get_args(typ)
     if typ is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
         raise ConfigError(f"{key}: expected true/false, got {value!r}")
     if typ is int:
         if isinstance(value, bool) or not isinstance(value, int | str | float):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
         try:
             f = float(value)
         except ValueError:
             raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if not f.is_integer():
+        if not math.isfinite(f) or not f.is_integer():
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return int(f)
     if typ is float:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
         try:
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     if typ is str:
+        if isinstance(value, dict | list | tuple):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
         return str(value)
-    if typing.get_origin(typ) is dict:
+    if origin in (list, tuple) or typ in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        elem = args[0] if args else None
+        if elem is None or elem is Any:
+            return list(value)
+        return [_coerce(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
+    if origin is dict or typ is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return dict(value)
     return value
 
 
-def _coerce_option(key: str, value: Any, default: Any) -> Any:
-    """Coerce an option value to the type of its default (when the default has a simple type)."""
-    if default is None or value is None:
+def _coerce_option(key: str, value: Any, default: Any, hint: Any = None) -> Any:
+    """Coerce an option value to its declared type (``hint``), else to the type of its default.
+
+    List elements are checked too (``widths=[a]`` names ``widths[0]``)."""
+    if value is None:
+        return value
+    if hint is not None and hint is not Any:
+        return _coerce(key, value, hint)
+    if default is None:
         return value
     if isinstance(default, bool):
         return _coerce(key, value, bool)
@@ -180,8 +236,28 @@ def _coerce_option(key: str, value: Any, default: Any) -> Any:
     if isinstance(default, list | tuple):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
+        kinds = {type(d) for d in default if d is not None}
+        if len(kinds) == 1:
+            kind = kinds.pop()
+            if kind in (bool, int, float, str):
+                return [_coerce(f"{key}[{i}]", v, kind) for i, v in enumerate(value)]
         return list(value)
     return value
+
+
+def _option_hints(cfg: RunConfig, ns: str) -> tuple[type | None, dict[str, Any]]:
+    """The declaring dataclass of a namespace (algorithm Options) and its field types, when there is one."""
+    if ns != "algorithm_options":
+        return None, {}
+    from fedfuse.algorithms import ALGORITHMS
+
+    cls = ALGORITHMS.get(cfg.algorithm)
+    if cls is None or not dataclasses.is_dataclass(cls.Options):
+        return None, {}
+    try:
+        return cls.Options, typing.get_type_hints(cls.Options)
+    except Exception:  # unresolvable annotations: fall back to the defaults' types
+        return cls.Options, {}
 
 
 def apply(cfg: RunConfig, updates: dict[str, Any]) -> RunConfig:
@@ -218,7 +294,8 @@ def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
                 f"unknown option {name!r} for {what} {getattr(cfg, what)!r}; valid options: "
                 f"{', '.join(sorted(defaults)) or '(none)'}"
             )
-        getattr(cfg, ns)[name] = _coerce_option(key, value, defaults[name])
+        _, hints = _option_hints(cfg, ns)
+        getattr(cfg, ns)[name] = _coerce_option(key, value, defaults[name], hints.get(name))
         return cfg
     owners = [ns for ns in NAMESPACES if key in namespace_defaults(cfg, ns)]
     if len(owners) == 1:
@@ -232,40 +309,111 @@ def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Check choices and ranges; return the config with ``model`` resolved.  Raises :class:`ConfigError`."""
+    """Check every field and option (type, range, choices, cross-field rules); return the config with ``model``
+    resolved.  Raises :class:`ConfigError` naming the field, the value and what is allowed."""
+    types = _field_types()
+    values = {}
+    for f in dataclasses.fields(RunConfig):
+        v = getattr(cfg, f.name)
+        if f.name not in NAMESPACES:
+            v = _coerce(f.name, v, types[f.name])
+            if isinstance(v, float) and not math.isfinite(v) and not (f.name == "deadline" and v == math.inf):
+                raise ConfigError(f"{f.name}: must be a finite number, got {v!r}")
+            problem = check_value(RunConfig, f.name, v)
+            if problem:
+                choices = f.metadata.get("choices")
+                if choices:
+                    problem = f"unknown value {v!r}; choose one of: {', '.join(map(str, choices))}"
+                raise ConfigError(f"{f.name}: {problem}")
+        elif not isinstance(v, dict):
+            raise ConfigError(f"{f.name}: expected a mapping of option: value, got {v!r}")
+        values[f.name] = v
+    cfg = RunConfig(**values)
     for key in ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling"):
         choices = _registry_choices(key)
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}: unknown value {getattr(cfg, key)!r}; choose one of: {', '.join(choices)}")
-    for key in POSITIVE:
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{key}: must be >= 1, got {getattr(cfg, key)}")
     if cfg.clients_per_round > cfg.clients:
         raise ConfigError(
             f"clients_per_round: {cfg.clients_per_round} exceeds clients ({cfg.clients}); choose 1..{cfg.clients}"
         )
-    if cfg.threads < 0:
-        raise ConfigError(f"threads: must be >= 0 (0 = PyTorch default), got {cfg.threads}")
-    if cfg.lr <= 0:
-        raise ConfigError(f"lr: must be > 0, got {cfg.lr}")
-    if not 0 <= cfg.val_fraction < 1:
-        raise ConfigError(f"val_fraction: must be in [0, 1), got {cfg.val_fraction}")
-    if cfg.device not in ("auto", "cpu") and not cfg.device.startswith(("cuda", "mps")):
-        raise ConfigError(f"device: unknown value {cfg.device!r}; choose auto, cpu, cuda or cuda:N")
+    if cfg.quorum > cfg.clients:
+        raise ConfigError(f"quorum: {cfg.quorum} exceeds clients ({cfg.clients}); choose 1..{cfg.clients}")
+    bad = [c for c in cfg.corrupt_clients if not 0 <= c < cfg.clients]
+    if bad:
+        raise ConfigError(f"corrupt_clients: client id(s) {bad} out of range; choose ids in 0..{cfg.clients - 1}")
+    if cfg.corrupt != "none" and not cfg.corrupt_clients:
+        raise ConfigError(f"corrupt: {cfg.corrupt!r} needs corrupt_clients (e.g. --set corrupt_clients=[0])")
+    check_device(cfg.device)
+    if cfg.late_replies == "next-round":
+        from fedfuse.algorithms import ALGORITHMS
+
+        if not getattr(ALGORITHMS[cfg.algorithm], "accepts_late", False):
+            late = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "accepts_late", False))
+            raise ConfigError(f"late_replies: {cfg.algorithm!r} cannot fuse a reply from an earlier round; "
+                              f"next-round works with {', '.join(late)}")
     cfg = dataclasses.replace(cfg, model=resolved_model(cfg))
     resolved: dict[str, dict[str, Any]] = {}
     for ns in NAMESPACES:
         defaults = namespace_defaults(cfg, ns)
         given = getattr(cfg, ns)
+        what = ns.replace("_options", "")
         for k in given:
             if k not in defaults:
-                what = ns.replace("_options", "")
                 raise ConfigError(
                     f"unknown option {k!r} for {what} {getattr(cfg, what)!r}; valid options: "
                     f"{', '.join(sorted(defaults)) or '(none)'}"
                 )
-        resolved[ns] = {k: _plain(v) for k, v in {**defaults, **given}.items()}
+        declared, hints = _option_hints(cfg, ns)
+        merged = {}
+        for k, default in defaults.items():
+            v = _coerce_option(f"{ns}.{k}", given[k], default, hints.get(k)) if k in given else default
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{ns}.{k}: must be a finite number, got {v!r}")
+            problem = check_value(declared, k, v) if declared is not None else None
+            if problem:
+                raise ConfigError(f"{ns}.{k}: {problem} ({what} {getattr(cfg, what)!r})")
+            merged[k] = _plain(v)
+        resolved[ns] = merged
+    _check_namespace_rules(cfg, resolved)
     return dataclasses.replace(cfg, **resolved)
+
+
+def _check_namespace_rules(cfg: RunConfig, resolved: dict[str, dict[str, Any]]) -> None:
+    """Partition and dataset option ranges (declared next to their code), as ConfigErrors."""
+    from fedfuse.data.datasets import check_dataset_options
+    from fedfuse.data.partition import check_partition_options
+
+    for ns, check, name in (("partition_options", check_partition_options, cfg.partition),
+                            ("dataset_options", check_dataset_options, cfg.dataset)):
+        try:
+            check(name, resolved[ns])
+        except ValueError as e:
+            raise ConfigError(f"{ns}: {e}") from None
+
+
+def check_device(name: str) -> None:
+    """Raise :class:`ConfigError` unless ``name`` is a device this machine has (auto, cpu, cuda[:N], mps)."""
+    import torch
+
+    if name in ("auto", "cpu"):
+        return
+    if name == "cuda" or name.startswith("cuda:"):
+        index = name[5:] or "0"
+        if not index.isdigit():
+            raise ConfigError(f"device: bad value {name!r}; use cuda or cuda:N with N a GPU index")
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {name!r} requested but CUDA is not available on this machine "
+                              f"(torch {torch.__version__}); use --device cpu or auto")
+        if int(index) >= torch.cuda.device_count():
+            raise ConfigError(f"device: {name!r} does not exist; this machine has {torch.cuda.device_count()} "
+                              f"GPU(s): cuda:0..cuda:{torch.cuda.device_count() - 1}")
+        return
+    if name == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ConfigError("device: 'mps' requested but MPS is not available on this machine; use --device cpu")
+        return
+    raise ConfigError(f"device: unknown value {name!r}; choose auto, cpu, cuda, cuda:N or mps")
 
 
 def _plain(value: Any) -> Any:
@@ -276,9 +424,25 @@ def _plain(value: Any) -> Any:
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    """The mapping in a YAML config file; a missing, unreadable or malformed file is a :class:`ConfigError`."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"--config {path}: no such file")
+    if path.is_dir():
+        raise ConfigError(f"--config {path}: is a directory, expected a YAML file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path}: invalid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at top level")
+        raise ConfigError(f"--config {path}: expected a mapping of key: value at top level, got {type(data).__name__}")
     return data
 
 
@@ -292,3 +456,72 @@ def resolve_device(name: str) -> Any:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+# ---- run directories ---------------------------------------------------------------------------------
+
+RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "config.yaml")
+
+
+def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
+    """Check that a fresh run may write into ``out``: not a file, writable, and not an earlier run's directory
+    unless ``overwrite`` (then the earlier run's files are removed).  Raises :class:`ConfigError`."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {path}: is a file, not a directory; choose another --out")
+    earlier = [f for f in RUN_FILES if (path / f).exists()]
+    if earlier and not overwrite:
+        raise ConfigError(f"--out {path}: already holds a run ({', '.join(earlier)}); pass --overwrite to replace "
+                          f"it, --resume {path} to continue it, or choose another --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".fedfuse-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    if earlier:
+        for name in (*RUN_FILES, "checkpoint.pt.tmp", "model_best.pt", "model_final.pt"):
+            (path / name).unlink(missing_ok=True)
+    return path
+
+
+#: fields that must agree between a checkpoint and the run resuming it (everything that shapes the model,
+#: the data or the algorithm's state); rounds may grow, device/threads/plots/eval settings may change
+RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "clients_per_round", "seed", "val_fraction",
+                "local_epochs", "batch_size", "lr", "momentum", "weight_decay", "optimizer", "grad_clip",
+                "algorithm_options", "model_options", "partition_options", "dataset_options", "dropout",
+                "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients")
+
+
+def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source: str) -> None:
+    """Raise :class:`ConfigError` unless a checkpoint's config ``saved`` belongs to run ``cfg`` (same algorithm,
+    model, data, ...) and ``cfg.rounds`` is at least the ``done_rounds`` already completed."""
+    new = cfg.to_dict()
+    for key in RESUME_FIXED:
+        if key in saved and key in new and _plain(saved[key]) != _plain(new[key]):
+            raise ConfigError(f"--resume: {source} was written with {key}={saved[key]!r} but this run has "
+                              f"{key}={new[key]!r}; a checkpoint resumes only the run that wrote it")
+    if cfg.rounds < done_rounds:
+        raise ConfigError(f"rounds: {cfg.rounds} is fewer than the {done_rounds} rounds the checkpoint already "
+                          f"completed; give --rounds >= {done_rounds}")
+
+
+def resume_config(args: Any, build: Any) -> RunConfig:
+    """The configuration to resume run directory ``args.resume``: its ``config.yaml``, then the flags given now
+    (only ``rounds`` and run-time settings such as ``device`` may differ; the checkpoint check enforces it)."""
+    out = Path(args.resume)
+    if not (out / "checkpoint.pt").is_file():
+        raise ConfigError(f"--resume {out}: no checkpoint.pt there (nothing to resume)")
+    if not (out / "config.yaml").is_file():
+        raise ConfigError(f"--resume {out}: no config.yaml there; it is not a fedfuse run directory")
+    if getattr(args, "config", None):
+        raise ConfigError("--resume takes the run's own config.yaml; drop --config (change rounds with --rounds)")
+    if getattr(args, "out", None) and Path(args.out).resolve() != out.resolve():
+        raise ConfigError(f"--out {args.out}: a resumed run writes into its own directory {out}; drop --out")
+    if getattr(args, "overwrite", False):
+        raise ConfigError("--overwrite and --resume contradict each other; choose one")
+    args.config = str(out / "config.yaml")
+    cfg = build(args)
+    cfg.out = str(out)
+    return cfg

@@ -143,10 +143,13 @@ def paired_test(method: Sequence[float], baseline: Sequence[float], test: str = 
 
 
 def parse_seeds(spec: str | int | Sequence[int]) -> list[int]:
-    """``"3"`` or ``3`` → [0, 1, 2]; ``"0,4,7"`` → [0, 4, 7]; a sequence is returned as a list."""
+    """``"3"`` or ``3`` → [0, 1, 2] (a bare number is a count); ``"0,4,7"`` → [0, 4, 7]; ``"5,"`` → [5].
+
+    A sequence is returned as a list."""
     if isinstance(spec, int):
         if spec < 1:
-            raise ValueError(f"seeds: a count must be >= 1, got {spec}")
+            raise ValueError(f"seeds: a count must be >= 1, got {spec} (a bare number is a count: "
+                             f"write '{spec},' for the single seed {spec})")
         return list(range(spec))
     if not isinstance(spec, str):
         return [int(s) for s in spec]
@@ -154,8 +157,7 @@ def parse_seeds(spec: str | int | Sequence[int]) -> list[int]:
     if not s:
         raise ValueError("seeds: empty")
     try:
-        if "," not in s:
-            return parse_seeds(int(s))
-        return [int(x) for x in s.split(",") if x.strip()]
+        values = [int(x) for x in s.split(",") if x.strip()]
     except ValueError as e:
         raise ValueError(f"seeds: expected a count (3) or a comma list (0,1,2), got {spec!r}") from e
+    return parse_seeds(values[0]) if "," not in s else values

@@ -126,6 +126,9 @@ class Sweep:
         if len(set(seed_list)) != len(seed_list):
             raise ConfigError(f"seeds: listed twice in {seed_list}")
         grid = dict(grid or {})
+        if "algorithm" in grid:  # applied to a resolved config, it would inherit the first one's options
+            raise ConfigError("--grid algorithm=...: list algorithms with `compare --algorithms A,B` (or "
+                              "fedfuse.compare), so each starts from its own option defaults")
         used: set[str] = set()
         points: list[Point] = []
         for name in names:

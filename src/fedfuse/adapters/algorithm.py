@@ -4,8 +4,10 @@
 Only adapter tensors are put in :class:`~fedfuse.types.Message` objects, so the engine's byte counts are the
 adapter sizes; ``flops`` are counted with ``torch.utils.flop_counter`` on the live adapted model (the frozen
 base's weight gradients are never computed, so they are not counted); ``trained_params`` is the adapter
-size.  Personal models are remembered during evaluation (in this process) so ROUGE-1 of greedy generations
-can be scored in the ``diagnostics`` hook, by default at the last round only.
+size.  Evaluation is client-side and pure: each client scores its own personal model (perplexity, and
+ROUGE-1 of greedy generations when the server marks the evaluation — by default the last round), so every
+executor gives the same metrics; the engine averages ``test_rouge1`` / ``test_perplexity_clients`` over
+clients into ``personal_rouge1`` / ``personal_perplexity_clients``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -60,8 +61,6 @@ class LoraAlgorithm(Algorithm):
                              "or hf:DIR)")
         self.spec = LoraSpec(int(self.opt.rank), float(self.opt.alpha), float(self.opt.lora_dropout),
                              tuple(self.opt.targets))
-        self._personal: dict[int, Mixture] = {}
-        self._client_eval: dict[int, dict[str, float]] = {}
 
     # ---- the shared model ---------------------------------------------------------------------------
     @property
@@ -134,28 +133,33 @@ class LoraAlgorithm(Algorithm):
 
         return logprobs
 
-    def evaluate_mixture(self, mixture: Mixture, data: ClientData) -> dict[str, float]:
-        """val/test token loss and accuracy of a personal model; remembered for ROUGE and per-client ppl."""
+    def evaluate_mixture(self, mixture: Mixture, data: ClientData, meta: dict[str, Any] | None = None
+                         ) -> dict[str, float]:
+        """val/test token loss and accuracy of a personal model, its test perplexity, and ROUGE-1 when the
+        server marked the evaluation (``meta["rouge"]``); a pure function of payload and client data."""
         self.am.module.eval()
         lp = self.predictor(mixture)
         out: dict[str, float] = {}
         for name, split in (("val", data.val), ("test", data.test)):
             out.update(lm_stats(lp, split, self.ctx.eval_batch_size).as_dict(name))
-        self._personal[data.cid] = ([{k: v.clone() for k, v in a.items()} for a in mixture[0]], list(mixture[1]))
-        self._client_eval[data.cid] = dict(out)
+        if out.get("test_count"):
+            out["test_perplexity_clients"] = math.exp(min(out["test_loss"], 700.0))
+        if (meta or {}).get("rouge"):
+            out["test_rouge1"] = self.client_rouge(mixture, data)
         return out
 
-    def rouge_due(self, info: RoundInfo) -> bool:
-        if self.opt.rouge_samples <= 0:
-            return False
-        last = info.index + 1 == info.total
-        every = int(self.opt.rouge_every)
-        return last or (every > 0 and (info.index + 1) % every == 0)
+    # ---- round bookkeeping (so evaluation knows when ROUGE is due, whatever executor runs it) --------
+    @staticmethod
+    def tag_round(state: ServerState, info: RoundInfo) -> ServerState:
+        return {**state, "round": info.index + 1, "total": info.total}
 
-    def client_rouge(self, cid: int, data: ClientData) -> float:
-        mixture = self._personal.get(cid)
-        if mixture is None:
-            return float("nan")
+    def eval_meta(self, state: ServerState) -> dict[str, Any]:
+        if self.opt.rouge_samples <= 0 or "round" not in state:
+            return {"rouge": False}
+        r, total, every = int(state["round"]), int(state["total"]), int(self.opt.rouge_every)
+        return {"rouge": r == total or (every > 0 and r % every == 0)}
+
+    def client_rouge(self, mixture: Mixture, data: ClientData) -> float:
         rows = rouge_rows(data.test, int(self.opt.prompt_len), int(self.opt.rouge_samples))
         if not rows:
             return float("nan")
@@ -172,18 +176,7 @@ class LoraAlgorithm(Algorithm):
         return rouge1([decode(tok, g) for g in gen], refs)
 
     def diagnostics(self, state: ServerState, fed: Federation, info: RoundInfo) -> dict[str, Any]:
-        out: dict[str, Any] = {"adapter_parameters": self.adapter_parameters(),
-                               "base_parameters": self.am.base_parameters()}
-        # client-id order: the mean must not depend on the order the executor evaluated the clients in
-        losses = [v["test_loss"] for _, v in sorted(self._client_eval.items()) if v.get("test_count")]
-        if losses:
-            out["personal_perplexity_clients"] = float(np.mean([math.exp(min(x, 700.0)) for x in losses]))
-        if self.rouge_due(info):
-            scores = {c.cid: self.client_rouge(c.cid, c) for c in fed.clients}
-            vals = [s for s in scores.values() if not math.isnan(s)]
-            out["personal_rouge1"] = float(np.mean(vals)) if vals else None
-            out["client_rouge1"] = {str(c): s for c, s in scores.items()}
-        return out
+        return {"adapter_parameters": self.adapter_parameters(), "base_parameters": self.am.base_parameters()}
 
 
 def size_weights(results: dict[int, Any], clients: Sequence[int]) -> list[float]:

@@ -3,6 +3,12 @@
 BatchNorm running statistics are averaged with the same sample weights; ``num_batches_tracked`` follows
 ``int_policy`` (default ``"max"``; see :mod:`fedfuse.fusion.average`).  Server learning rate
 ``server_lr`` scales the averaged update (1.0 = plain FedAvg).
+
+Robust fusion, for studying faulty or poisoned clients (off by default): ``fusion="median"`` (coordinate-wise
+median, Yin et al. 2018) or ``"trimmed-mean"`` (``trim`` cut at each end per coordinate) replace the weighted
+mean — both unweighted, so a claimed sample count buys no influence — and ``clip_norm > 0`` first clips every
+client's update ``θ_i − θ_global`` to that L2 norm (Sun et al. 2019).  BN statistics go through the same rule;
+``num_batches_tracked`` always follows ``int_policy``.
 """
 
 from __future__ import annotations
@@ -10,19 +16,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
-from fedfuse.fusion.average import add_scaled, delta, weighted_average
+from fedfuse.fusion.average import add_scaled, clip_updates, delta, robust_average, weighted_average
+from fedfuse.options import opt
 from fedfuse.types import Message
 
 
 class FedAvg(Algorithm):
     name = "fedavg"
     description = "FedAvg: sample-weighted average of the clients' full state (BN statistics included)"
+    accepts_late = True  # a straggler's model from an earlier round can join a later average (late_replies)
 
     @dataclass
     class Options:
-        weighting: str = "samples"  # "samples" (n_i-weighted) | "uniform"
-        int_policy: str = "max"  # num_batches_tracked: "max" | "sum" | "first"
-        server_lr: float = 1.0
+        weighting: str = opt("samples", "client weights of the mean: samples (n_i, the paper) or uniform",
+                             choices=("samples", "uniform"))
+        int_policy: str = opt("max", "num_batches_tracked of BatchNorm: max, sum or first (base) value",
+                              choices=("max", "sum", "first"))
+        server_lr: float = opt(1.0, "server learning rate on the averaged update (1 = plain FedAvg)", gt=0.0)
+        fusion: str = opt("mean", "fusion rule: mean (weighted, the paper), median (coordinate-wise) or "
+                                  "trimmed-mean (robust rules are unweighted)",
+                          choices=("mean", "median", "trimmed-mean"))
+        trim: float = opt(0.1, "trimmed-mean: fraction of values cut at each end of every coordinate",
+                          ge=0.0, lt=0.5)
+        clip_norm: float = opt(0.0, "clip every client's update to this L2 norm before fusion (0 = off)", ge=0.0)
+
+    def __init__(self, ctx, options=None) -> None:
+        super().__init__(ctx, options)
+        robust = getattr(self.opt, "fusion", "mean") != "mean" or getattr(self.opt, "clip_norm", 0.0) > 0
+        if robust and type(self).aggregate_fit is not FedAvg.aggregate_fit:
+            raise ValueError(f"{self.name} fuses with its own rule; fusion={self.opt.fusion!r} and clip_norm apply "
+                             "to FedAvg-style averaging only (fedavg, fedprox, fedavg-ft, ...)")
 
     def client_weights(self, results: dict[int, Message]) -> list[float]:
         if self.opt.weighting == "uniform":
@@ -34,12 +57,16 @@ class FedAvg(Algorithm):
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         if not results:
             return state
-        avg = weighted_average(
-            [r.tensors for r in results.values()],
-            self.client_weights(results),
-            base=state["global"],
-            int_policy=self.opt.int_policy,  # type: ignore[arg-type]
-        )
+        states = [r.tensors for r in results.values()]
+        fusion, clip = getattr(self.opt, "fusion", "mean"), float(getattr(self.opt, "clip_norm", 0.0))
+        if clip > 0:
+            states = clip_updates(states, state["global"], clip)
+        if fusion == "mean":
+            avg = weighted_average(states, self.client_weights(results), base=state["global"],
+                                   int_policy=self.opt.int_policy)  # type: ignore[arg-type]
+        else:
+            avg = robust_average(states, fusion, trim=float(self.opt.trim),  # type: ignore[arg-type]
+                                 base=state["global"], int_policy=self.opt.int_policy)  # type: ignore[arg-type]
         if self.opt.server_lr != 1.0:
             avg = add_scaled(state["global"], delta(avg, state["global"]), self.opt.server_lr)
         return {**state, "global": avg}

@@ -11,6 +11,7 @@ import torch
 from fedfuse.algorithms.base import ClientState, evaluate_splits
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.client import train_local
+from fedfuse.options import opt
 from fedfuse.types import ClientData, Message
 
 
@@ -21,8 +22,8 @@ class FedAvgFT(FedAvg):
 
     @dataclass
     class Options(FedAvg.Options):
-        ft_epochs: int = 1
-        ft_lr: float = 0.0  # 0 = the run's local learning rate
+        ft_epochs: int = opt(1, "local fine-tuning epochs of the global model before each evaluation", ge=0)
+        ft_lr: float = opt(0.0, "fine-tuning learning rate (0 = the run's local learning rate)", ge=0.0)
 
     def evaluate(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator

@@ -49,6 +49,7 @@ class FedIT(LoraAlgorithm):
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         clients = sorted(results)
+        state = self.tag_round(state, info)
         if not clients:
             return state
         states = [results[c].tensors for c in clients]
@@ -58,7 +59,7 @@ class FedIT(LoraAlgorithm):
         return None  # the adapter is evaluated per client (configure_evaluate), not as a fedfuse model
 
     def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
-        msg = Message(state["adapter"])
+        msg = Message(state["adapter"], self.eval_meta(state))
         return {c: msg for c in clients}
 
     def server_parameters(self, state: ServerState) -> int:
@@ -66,7 +67,7 @@ class FedIT(LoraAlgorithm):
 
     def evaluate(self, payload: Message, client_state: ClientState, data: ClientData,
                  gen: torch.Generator) -> dict[str, float]:
-        return self.evaluate_mixture(([payload.tensors], [1.0]), data)
+        return self.evaluate_mixture(([payload.tensors], [1.0]), data, payload.meta)
 
 
 class FedLoRA(FedIT):
@@ -84,7 +85,7 @@ class FedLoRA(FedIT):
         if self.opt.ft_epochs > 0:
             adapter, _ = self.train_adapter(adapter, data, gen, epochs=int(self.opt.ft_epochs),
                                             lr=float(self.opt.ft_lr) or None)
-        return self.evaluate_mixture(([adapter], [1.0]), data)
+        return self.evaluate_mixture(([adapter], [1.0]), data, payload.meta)
 
 
 class LocalLoRA(LoraAlgorithm):
@@ -110,17 +111,17 @@ class LocalLoRA(LoraAlgorithm):
         return Message(meta=self.adapter_meta(data, stats)), {"adapter": adapter}
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
-        return state
+        return self.tag_round(state, info)
 
     def global_model(self, state: ServerState) -> None:
         return None
 
     def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
-        return {c: Message() for c in clients}
+        return {c: Message(meta=self.eval_meta(state)) for c in clients}
 
     def server_parameters(self, state: ServerState) -> int:
         return 0
 
     def evaluate(self, payload: Message, client_state: ClientState, data: ClientData,
                  gen: torch.Generator) -> dict[str, float]:
-        return self.evaluate_mixture(([self._own(client_state)], [1.0]), data)
+        return self.evaluate_mixture(([self._own(client_state)], [1.0]), data, payload.meta)

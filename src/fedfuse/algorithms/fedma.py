@@ -117,6 +117,7 @@ def train_above(
 class FedMA(Algorithm):
     name = "fedma"
     description = "FedMA: layer-wise BBP-MAP matched averaging with freezing and retraining (one stage per layer)"
+    reply_kind = "other"  # replies are the client's own-size layers, not the (grown) global ones it was sent
 
     @dataclass
     class Options:
@@ -174,7 +175,10 @@ class FedMA(Algorithm):
             if info.index == 0:  # local models start from their own initialisation: nothing is sent
                 return {c: Message(meta={"stage": 0, "init": True}) for c in clients}
             msg = Message(state["global"], {**self._opts(state["sizes"]), "stage": 0})
-            return {c: msg for c in clients}
+            # a client missing from the last matching (dropout, late, quarantined) has no map from the global model
+            # back to its own layers: it continues from its own last local model (partial rounds)
+            own = Message(meta={"stage": 0, "own": True})
+            return {c: msg if str(c) in state["assign"] else own for c in clients}
         g = self.spec[s - 1]
         tensors = {k: v for k, v in state["partial"].items() if k in g.keys("in") + g.keys("stat")}
         size = state["partial_sizes"][s - 1]
@@ -232,8 +236,10 @@ class FedMA(Algorithm):
         cid = data.cid
         counts = class_counts(data, self.ctx.num_classes)
         if s == 0:
-            if payload.meta.get("init"):
-                start, sizes = initial_state(self.ctx, cid, self.opt.init), base_sizes(self.ctx)
+            if payload.meta.get("init") or payload.meta.get("own"):
+                own = payload.meta.get("own") and client_state is not None and "base" in client_state
+                start = client_state["base"] if own else initial_state(self.ctx, cid, self.opt.init)
+                sizes = base_sizes(self.ctx)
             else:  # rebuild the original-size model from the global one through this client's assignments
                 start = dict(payload.tensors)
                 gspec = chain_spec(self.ctx.model(payload.meta))
@@ -270,4 +276,5 @@ class FedMA(Algorithm):
         assign = list(client_state["assign"]) if client_state and "assign" in client_state else []
         if s > 0:  # keep this round's maps for the next round's rebuild
             assign = [*assign[: s - 1], list(payload.meta["assign"])]
-        return Message(up, meta), {"model": new_state, "sizes": sizes, "assign": assign}
+        base = new_state if s == 0 else (client_state or {}).get("base")  # own-size model of the last stage 0
+        return Message(up, meta), {"model": new_state, "sizes": sizes, "assign": assign, "base": base}

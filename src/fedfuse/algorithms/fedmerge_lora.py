@@ -135,7 +135,8 @@ class FedMergeLoRA(LoraAlgorithm):
         return {c: Message(self.merged(state, c)) for c in clients}
 
     def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
-        return {c: Message(self.merged(state, c)) for c in clients}
+        meta = self.eval_meta(state)
+        return {c: Message(self.merged(state, c), dict(meta)) for c in clients}
 
     def fit(self, payload: Message, client_state: ClientState, data: ClientData,
             gen: torch.Generator) -> tuple[Message, ClientState]:
@@ -143,6 +144,7 @@ class FedMergeLoRA(LoraAlgorithm):
         return Message(delta(adapter, payload.tensors), self.adapter_meta(data, stats)), client_state
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        state = self.tag_round(state, info)
         if not results:
             return state
         o = self.opt
@@ -179,7 +181,7 @@ class FedMergeLoRA(LoraAlgorithm):
 
     def evaluate(self, payload: Message, client_state: ClientState, data: ClientData,
                  gen: torch.Generator) -> dict[str, float]:
-        return self.evaluate_mixture(([payload.tensors], [1.0]), data)
+        return self.evaluate_mixture(([payload.tensors], [1.0]), data, payload.meta)
 
     def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
         out = super().diagnostics(state, fed, info)
@@ -219,6 +221,7 @@ class FedEMLoRA(LoraAlgorithm):
 
     def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
         msg = self._msg(state)
+        msg.meta.update(self.eval_meta(state))
         return {c: msg for c in clients}
 
     def fit(self, payload: Message, client_state: ClientState, data: ClientData,
@@ -265,6 +268,7 @@ class FedEMLoRA(LoraAlgorithm):
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         clients = sorted(results)
+        state = self.tag_round(state, info)
         if not clients:
             return state
         M = len(state["adapters"])
@@ -283,4 +287,4 @@ class FedEMLoRA(LoraAlgorithm):
                  gen: torch.Generator) -> dict[str, float]:
         adapters = unpack(payload.tensors, int(payload.meta["m"]))
         pi = (client_state or self.init_client_state(data.cid))["pi"]
-        return self.evaluate_mixture((adapters, [float(p) for p in pi]), data)
+        return self.evaluate_mixture((adapters, [float(p) for p in pi]), data, payload.meta)

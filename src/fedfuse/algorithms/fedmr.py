@@ -67,6 +67,7 @@ def model_units(model: torch.nn.Module, granularity: str = "module", segments: i
 class FedMR(Algorithm):
     name = "fedmr"
     description = "FedMR: K slot models, layer-wise random recombination after every round (two-stage, FedMR-p)"
+    echo_meta = ("slot",)  # the server notes which slot each reply trained (partial rounds keep the others)
 
     @dataclass
     class Options:
@@ -164,8 +165,12 @@ class FedMR(Algorithm):
                                  int_policy=self.opt.int_policy)
             return {**state, "global": g, "slots": None, "similarity": history}
         slots = self.slot_states(state)
-        if len(trained) < len(slots):  # fewer uploads than slots: untouched slots keep their models
-            trained = trained + [clone_state(s) for s in slots[len(trained):]]
+        if len(trained) < len(slots):  # fewer uploads than slots (dropouts): untouched slots keep their models
+            got = {int(m.meta["slot"]): m.tensors for m in msgs if "slot" in m.meta}
+            if len(got) == len(trained):
+                trained = [got[i] if i in got else clone_state(s) for i, s in enumerate(slots)]
+            else:
+                trained = trained + [clone_state(s) for s in slots[len(trained):]]
         rng = numpy_rng(self.ctx.seed, "fedmr-recombine", info.index)
         units = self.units()
         new = recombine(trained, units, random_permutations(len(units), len(trained), rng))

@@ -47,6 +47,12 @@ class SimpleFedMA(Algorithm):
         residual: str = opt("auto", "permute the residual stream: 'auto' (when the positional table is "
                             "persistent), 'yes' or 'no'", choices=("auto", "yes", "no"))
 
+    def __init__(self, ctx, options=None) -> None:
+        super().__init__(ctx, options)
+        if not hasattr(ctx.model(), "d_model"):
+            raise ValueError(f"simple-fedma permutes transformer layers; model {ctx.model_name!r} is not a "
+                             "transformer (use --model transformer, or fedma / oneshot-match for MLPs and CNNs)")
+
     def _spec(self):
         flag = {"auto": None, "yes": True, "no": False}[self.opt.residual]
         return transformer_spec(self.ctx.model(), residual=flag)

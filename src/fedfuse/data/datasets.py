@@ -42,6 +42,7 @@ import re
 import tarfile
 import tempfile
 import warnings
+import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -351,7 +352,16 @@ def load_dataset(name: str, data_dir: str | os.PathLike[str] | None = None, **op
     key = _canonical_name(name)
     opts = _check_options(key, options)
     root = resolve_data_dir(data_dir)
-    ds = _LOADERS[key](root, opts)
+    try:
+        ds = _LOADERS[key](root, opts)
+    except DatasetNotFoundError:
+        raise
+    except (OSError, EOFError, zlib.error, tarfile.TarError, pickle.UnpicklingError, UnicodeDecodeError,
+            KeyError, IndexError, TypeError) as e:  # unreadable or corrupt files the readers did not name
+        where = f" under {root}" if root is not None else ""
+        raise ValueError(f"dataset {key!r}: its files{where} are unreadable or corrupt ({type(e).__name__}: {e}); "
+                         "replace them with the canonical files (see the dataset README)") from e
+    _check_labels(ds)
     if ds.task == "classification":
         ds = _apply_limits(ds, opts.get("train_limit"), opts.get("test_limit"))
         k = int(opts.get("rotate_domains") or 0)
@@ -368,6 +378,25 @@ def load_dataset(name: str, data_dir: str | os.PathLike[str] | None = None, **op
         }
     ds.info["options"] = opts
     return ds
+
+
+def _check_labels(ds: Dataset) -> None:
+    """Every label/token id must lie in ``0 .. num_classes - 1``; the error names the split and the files."""
+    files = ", ".join(ds.info.get("source_files", [])[:4]) or "its files"
+    for split, y in (("train", ds.train_y), ("test", ds.test_y), ("validation", ds.val_y)):
+        if y is None or not len(y):
+            continue
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= ds.num_classes:
+            bad = hi if hi >= ds.num_classes else lo
+            what = "token id" if ds.task == "lm" else "label"
+            raise ValueError(f"dataset {ds.name!r}: {split} {what} {bad} is outside 0..{ds.num_classes - 1} "
+                             f"({files}); the files are corrupt or not the canonical ones")
+
+
+def check_dataset_options(name: str, options: dict[str, Any]) -> None:
+    """Raise ValueError naming the option and what is allowed, for any bad option of dataset ``name``."""
+    _check_options(_canonical_name(name), options)
 
 
 def _check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -642,12 +671,18 @@ def read_idx(path: Path) -> np.ndarray:
     """Parse an IDX file (gzip-compressed or not): magic ``00 00 <dtype> <ndim>``, big-endian uint32 dims."""
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, OSError, zlib.error) as e:
+            raise ValueError(f"{path}: corrupt or truncated gzip file ({e}); replace it with the canonical file"
+                             ) from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic {raw[:4].hex()})")
     dtype = np.dtype(_IDX_DTYPES[raw[2]])
     ndim = raw[3]
     header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes, {header} needed)")
     dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
     expected = header + int(np.prod(dims)) * dtype.itemsize
     if len(raw) != expected:
@@ -754,13 +789,17 @@ def _pickle_source(
         tar_path = base / tarball
         if tar_path.is_file():
             members: dict[str, bytes] = {}
-            with tarfile.open(tar_path) as tar:
-                for m in tar:
-                    parts = m.name.split("/")
-                    if m.isfile() and len(parts) >= 2 and parts[-2] == folder:
-                        f = tar.extractfile(m)
-                        if f is not None:
-                            members[parts[-1]] = f.read()
+            try:
+                with tarfile.open(tar_path) as tar:
+                    for m in tar:
+                        parts = m.name.split("/")
+                        if m.isfile() and len(parts) >= 2 and parts[-2] == folder:
+                            f = tar.extractfile(m)
+                            if f is not None:
+                                members[parts[-1]] = f.read()
+            except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+                raise ValueError(f"{tar_path}: corrupt or truncated archive ({e}); replace it with the canonical "
+                                 "file") from None
             if all(f in members for f in required):
                 return members.get, [tar_path], searched
     return None
@@ -936,8 +975,9 @@ def _read_leaf(paths: Sequence[Path]) -> list[tuple[str, list[Any], list[Any]]]:
     """(user, x, y) in file order then user order; sample counts from ``len(y)``, not ``num_samples``."""
     out = []
     for p in paths:
-        with open(p, encoding="utf-8") as f:
-            blob = json.load(f)
+        blob = _read_json(p)
+        if not isinstance(blob, dict) or not isinstance(blob.get("user_data"), dict):
+            raise ValueError(f"{p}: not a LEAF file (expected a JSON object with 'user_data')")
         users = blob.get("users") or list(blob["user_data"])
         for u in users:
             data = blob["user_data"][u]
@@ -945,6 +985,17 @@ def _read_leaf(paths: Sequence[Path]) -> list[tuple[str, list[Any], list[Any]]]:
                 raise ValueError(f"{p}: user {u} has {len(data['x'])} inputs but {len(data['y'])} targets")
             out.append((str(u), data["x"], data["y"]))
     return out
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's content; a malformed file is a ValueError naming it and the place."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _group_ids(records: Sequence[tuple[str, list[Any], list[Any]]], index: dict[str, int]) -> np.ndarray:
@@ -1046,8 +1097,7 @@ def _load_shakespeare(root: Path | None, opts: dict[str, Any]) -> Dataset:
     files = [*train_files, *test_files]
     if plays_file.is_file():
         files.append(plays_file)
-        with open(plays_file, encoding="utf-8") as f:
-            plays = json.load(f)
+        plays = _read_json(plays_file)
         user_play = [str(plays.get(u, "UNKNOWN")) for u in users]
         domain_names = sorted(set(user_play))
         play_id = np.array([domain_names.index(p) for p in user_play], dtype=np.int64)

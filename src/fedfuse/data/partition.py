@@ -8,6 +8,7 @@ the options with their defaults.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,47 @@ _OPTIONS: dict[str, dict[str, object]] = {
 
 _LM_PARTITIONS = ("iid", "contiguous")
 
+#: (kind, lower bound, whether the bound is inclusive) of every numeric partition option; None may mean "auto"
+_BOUNDS: dict[str, tuple[type, float, bool]] = {
+    "alpha": (float, 0.0, False),
+    "min_size": (int, 0, True),
+    "max_attempts": (int, 1, True),
+    "classes_per_client": (int, 1, True),
+    "clusters": (int, 1, True),
+    "classes_per_cluster": (int, 1, True),
+    "cluster_alpha": (float, 0.0, False),
+    "max_clients": (int, 1, True),
+}
+_CHOICES: dict[str, tuple[object, ...]] = {"within": (None, "equal", "dirichlet")}
+
+#: a non-natural partition needs on average this many training samples per client
+MIN_SAMPLES_PER_CLIENT = 5
+
+
+def check_partition_options(name: str, options: dict[str, Any]) -> None:
+    """Raise ValueError naming the option, its value and the allowed range, for any bad partition option."""
+    _check_name(name)
+    unknown = sorted(set(options) - set(_OPTIONS[name]))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for partition {name!r}; valid: {', '.join(_OPTIONS[name])}")
+    for key, v in options.items():
+        if key in _BOUNDS and v is not None:
+            kind, lo, inclusive = _BOUNDS[key]
+            ok_type = not isinstance(v, bool) and isinstance(v, int | float)
+            ok_type = ok_type and (kind is float or float(v).is_integer())
+            if not ok_type or not math.isfinite(float(v)) or (v < lo if inclusive else v <= lo):
+                what = "an integer" if kind is int else "a number"
+                raise ValueError(f"{key} must be {what} {'>=' if inclusive else '>'} {lo}, got {v!r}")
+        if key in _CHOICES and v not in _CHOICES[key]:
+            raise ValueError(f"{key} must be one of {', '.join(map(str, _CHOICES[key]))}, got {v!r}")
+        if key in ("balance", "overlapping") and not isinstance(v, bool):
+            raise ValueError(f"{key} must be true or false, got {v!r}")
+        if key == "group_sizes" and v is not None and (
+            not isinstance(v, list | tuple) or not v
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v)
+        ):
+            raise ValueError(f"group_sizes must be a list of positive integers (or none), got {v!r}")
+
 
 def partition_options(name: str) -> dict[str, object]:
     """The options of partition ``name`` with their defaults."""
@@ -92,10 +134,17 @@ def make_partition(
             f"use one of {list(_LM_PARTITIONS)}"
         )
     opts = {**_OPTIONS[name], **options}
+    check_partition_options(name, opts)
     if name != "natural":
         if num_clients is None or int(num_clients) < 1:
             raise ValueError(f"num_clients must be >= 1, got {num_clients}")
         num_clients = int(num_clients)
+        n = len(dataset.train_y)
+        if num_clients * MIN_SAMPLES_PER_CLIENT > n:
+            raise ValueError(
+                f"clients: {num_clients} clients for {n} training samples of {dataset.name!r} leaves fewer than "
+                f"{MIN_SAMPLES_PER_CLIENT} samples per client; use at most {n // MIN_SAMPLES_PER_CLIENT} clients"
+            )
     part = _PARTITIONERS[name](dataset, num_clients, int(seed), opts)
     part.train_indices = [np.sort(np.asarray(i, dtype=np.int64)) for i in part.train_indices]
     if part.test_indices is not None:

@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from fedfuse.engine.batched import BatchedExecutor, unbatchable_reason
 from fedfuse.engine.executor import ClientFn, Job, SequentialExecutor, job_generator, seed_global
 from fedfuse.engine.processes import ProcessExecutor, available_cores
@@ -36,6 +38,12 @@ class AutoExecutor:
         self.probe_clients = probe_clients
         self.inner: Any = None
         self.timings: dict[str, float] = {}  # seconds per client-step measured or estimated by the probe
+
+    def _clock(self) -> float:
+        """Wall time after the device's queued work is done (CUDA kernels run asynchronously)."""
+        if self.clients and self.clients[0].train.x.device.type == "cuda":
+            torch.cuda.synchronize(self.clients[0].train.x.device)
+        return time.perf_counter()
 
     # ---- choice --------------------------------------------------------------------------------
     def restore(self, choice: str | None) -> None:
@@ -58,27 +66,27 @@ class AutoExecutor:
         workers = min(available_cores(), len(jobs))
         seq = BatchedExecutor(self.clients, self.seed)  # its _run_program is the sequential execution
         if any(p is None for p in progs) or not jobs:
-            t0 = time.perf_counter()
+            t0 = self._clock()
             if jobs:  # no declared program: time one whole client step (discarded)
                 SequentialExecutor(self.clients, self.seed).run_one(target.fit, jobs[0])
-            self.timings["sequential"] = time.perf_counter() - t0
+            self.timings["sequential"] = self._clock() - t0
         else:
             steps = self.probe_steps
             short = [p.with_spec(max_steps=steps) for p in progs]
             seq._run_program(progs[0].with_spec(max_steps=1), jobs[0])  # warm-up (FLOP counting, caches)
-            t0 = time.perf_counter()
+            t0 = self._clock()
             n = min(2, len(jobs))
             for j, p in zip(jobs[:n], short[:n], strict=True):
                 seq._run_program(p, j)
-            self.timings["sequential"] = (time.perf_counter() - t0) / (n * steps)
+            self.timings["sequential"] = (self._clock() - t0) / (n * steps)
             if len(jobs) > 1 and unbatchable_reason(progs[0].model) is None:
                 bat = BatchedExecutor(self.clients, self.seed)
                 try:
                     group = list(zip(jobs, [p.with_spec(max_steps=1) for p in progs], strict=True))
                     bat.train_group(group)  # warm-up
-                    t0 = time.perf_counter()
+                    t0 = self._clock()
                     bat.train_group(list(zip(jobs, short, strict=True)))
-                    self.timings["batched"] = (time.perf_counter() - t0) / (len(jobs) * steps)
+                    self.timings["batched"] = (self._clock() - t0) / (len(jobs) * steps)
                 except (RuntimeError, NotImplementedError):
                     pass
         if workers >= 2:

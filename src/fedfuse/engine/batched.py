@@ -203,7 +203,8 @@ class BatchedExecutor(SequentialExecutor):
 
         batched = vmap(loss_fn, in_dims=(0, 0, 0, 0, 0, None if exact else 0), randomness="error")
         opt = _StackedOptimizer(spec, [P[n] for n in opt_names])
-        loss_acc = torch.zeros(C, dtype=torch.float64, device=device)
+        acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        loss_acc = torch.zeros(C, dtype=acc_dtype, device=device)
         steps_of = torch.tensor([len(s) for s in scheds], device=device)
         was_training = model.training
         model.train()
@@ -219,7 +220,7 @@ class BatchedExecutor(SequentialExecutor):
                 grads = torch.autograd.grad(total.sum(), [P[n] for n in opt_names], allow_unused=True)
                 active = None if exact else (t < steps_of)
                 opt.step(list(grads), active)
-                loss_acc += task.detach().double() * counts[:, t].double()
+                loss_acc += task.detach().to(acc_dtype) * counts[:, t].to(acc_dtype)
         finally:
             model.train(was_training)
 

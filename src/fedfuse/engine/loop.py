@@ -4,8 +4,10 @@ checkpoint.  It never names an algorithm.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import logging
 import math
 import os
 import time
@@ -17,16 +19,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.config import RunConfig, dump_yaml, resolve_device, validate
+from fedfuse.config import ConfigError, RunConfig, check_resume, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.engine.executor import Job, make_executor
+from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
 from fedfuse.engine.sampling import make_sampler
+from fedfuse.engine.validate import check_replies, is_state_like
+from fedfuse.errors import DivergenceError
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Federation, Message
 
 CHECKPOINT = "checkpoint.pt"
 TIMING_KEYS = ("seconds", "wall_seconds")
+MAX_ROLLBACKS = 8  # on_divergence=rollback halves the lr at most this many times in one round
+log = logging.getLogger("fedfuse")
 
 
 def build_federation(cfg: RunConfig, device: torch.device | str = "cpu") -> Federation:
@@ -74,11 +81,23 @@ AlgorithmLookup = Callable[[str], Any]
 def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | None = None) -> Any:
     """The configured algorithm.  ``lookup(name) -> class`` resolves the name; the default is fedfuse's
     registry, imported here at call time (the engine has no import-time dependency on ``fedfuse.algorithms``;
-    callers that assemble runs themselves pass ``lookup`` or an ``algorithm`` to :class:`Experiment`)."""
+    callers that assemble runs themselves pass ``lookup`` or an ``algorithm`` to :class:`Experiment`).
+
+    An option or model the algorithm cannot work with is a :class:`ConfigError` naming both: the algorithm is
+    constructed and initialised once as a dry run (algorithms inspect the model's structure there)."""
     if lookup is None:
         from fedfuse.algorithms import get_algorithm as lookup
     cls = lookup(cfg.algorithm)
-    return cls(ctx, cls.Options(**cfg.algorithm_options))
+    try:
+        algo = cls(ctx, cls.Options(**cfg.algorithm_options))
+        with torch.random.fork_rng(devices=[]):
+            algo.init_state()
+    except ValueError as e:  # the algorithm's own check of its options and model
+        raise ConfigError(f"algorithm {cfg.algorithm!r} (model {cfg.model!r}): {e}") from e
+    except (AttributeError, KeyError, NotImplementedError, TypeError, IndexError) as e:
+        raise ConfigError(f"algorithm {cfg.algorithm!r} cannot run with model {cfg.model!r} on {cfg.dataset!r}: "
+                          f"{type(e).__name__}: {e}") from e
+    return algo
 
 
 @dataclass
@@ -88,6 +107,10 @@ class Totals:
     bytes_peer: int = 0
     client_flops: float = 0.0
     wall_seconds: float = 0.0
+    dropped: int = 0  # sampled clients that never replied
+    late: int = 0  # replies that missed the deadline
+    quarantined: int = 0  # replies rejected by the update checks
+    skipped_rounds: int = 0  # rounds with fewer replies than the quorum
 
 
 class Experiment:
@@ -127,6 +150,8 @@ class Experiment:
         self.start_round = 0
         self.state: ServerState = {}
         self.client_states: dict[int, ClientState] = {}
+        self.faults = FaultPlan.from_config(self.cfg)
+        self.late_box: dict[int, tuple[Message, Message]] = {}  # late_replies=next-round: cid -> (reply, sent)
 
     # ---- setup / resume ------------------------------------------------------------------------
     def _fresh(self) -> None:
@@ -157,17 +182,24 @@ class Experiment:
 
     def _resume(self) -> None:
         assert self.out is not None
-        ck = torch.load(self.out / CHECKPOINT, map_location=self.device, weights_only=False)
+        path = self.out / CHECKPOINT
+        ck = load_checkpoint(path, self.device)
+        check_resume(ck.get("config") or {}, self.cfg, int(ck["round"]), str(path))
         self.state = ck["state"]
         self.client_states = ck["client_states"]
         self.start_round = int(ck["round"])
         self.totals = Totals(**ck["totals"])
         self.best = ck["best"]
         self.history = ck["history"]
+        if ck.get("lr") is not None:  # halved by on_divergence=rollback
+            self.ctx.train = dataclasses.replace(self.ctx.train, lr=float(ck["lr"]))
+        if ck["config"].get("rounds") != self.cfg.rounds:  # a resume that extends the run
+            dump_yaml(self.cfg, self.out / "config.yaml")
         restore = getattr(self.executor, "restore", None)  # auto: keep the executor the probe chose
         if restore is not None:
             restore(ck.get("executor"))
         self.sampler.load_state_dict(ck.get("sampler", {}))
+        self.late_box = ck.get("late_box", {})
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
         (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -182,7 +214,9 @@ class Experiment:
             "best": self.best,
             "history": self.history,
             "sampler": self.sampler.state_dict(),
+            "late_box": self.late_box,
             "config": self.cfg.to_dict(),
+            "lr": self.ctx.train.lr,
             "executor": _describe(self.executor),
         }
         tmp = self.out / (CHECKPOINT + ".tmp")
@@ -203,7 +237,7 @@ class Experiment:
             bar = tqdm(total=R, initial=self.start_round, desc=f"{self.cfg.algorithm}", unit="round")
         for r in range(self.start_round, R):
             t0 = time.perf_counter()
-            rec = self._round(r)
+            rec = self._guarded_round(r)
             self.totals.wall_seconds += time.perf_counter() - t0
             rec["seconds"] = time.perf_counter() - t0
             rec["wall_seconds"] = self.totals.wall_seconds
@@ -231,34 +265,111 @@ class Experiment:
             self._finish(summary)
         return summary
 
+    def _guarded_round(self, r: int) -> dict[str, Any]:
+        """One round; a non-finite outcome stops the run (or, with on_divergence=rollback, redoes the round from
+        the state before it with half the learning rate)."""
+        rollback = self.cfg.on_divergence == "rollback"
+        for attempt in range(MAX_ROLLBACKS + 1):
+            saved = copy.deepcopy((self.state, self.client_states, self.totals, self.sampler.state_dict(),
+                                   self.late_box)) if rollback else None
+            rec = self._round(r)
+            why = rec.pop("_diverged", None)
+            if why is None:
+                if attempt:
+                    rec["rollbacks"] = attempt
+                return rec
+            lr = self.ctx.train.lr
+            if saved is None or attempt == MAX_ROLLBACKS:
+                raise DivergenceError(self._divergence_message(r, why, lr))
+            self.state, self.client_states, self.totals, sampler_state, self.late_box = saved
+            self.sampler.load_state_dict(sampler_state)
+            self.ctx.train = dataclasses.replace(self.ctx.train, lr=lr / 2)
+            log.warning("round %d diverged (%s); rolled back, lr %.4g -> %.4g", r + 1, why, lr, lr / 2)
+        raise AssertionError("unreachable")
+
+    def _divergence_message(self, r: int, why: str, lr: float) -> str:
+        msg = f"the run diverged in round {r + 1}: {why}."
+        ck = self.out / CHECKPOINT if self.out else None
+        if ck is not None and ck.exists():
+            done = int(torch.load(ck, map_location="cpu", weights_only=False)["round"])
+            msg += f" The last good checkpoint ({ck}, after round {done}) is kept."
+        if self.cfg.on_divergence == "rollback":
+            msg += f" Rolling back and halving the lr {MAX_ROLLBACKS} times (to {lr:.3g}) did not help."
+        else:
+            msg += f" Lower --lr (now {lr:g}) or use --set on_divergence=rollback."
+        return msg
+
     def _round(self, r: int) -> dict[str, Any]:
-        algo, seed = self.algo, self.cfg.seed
+        algo, seed, cfg = self.algo, self.cfg.seed, self.cfg
         info = RoundInfo(index=r, total=self.cfg.rounds)
         clients = self.sampler.select(algo, info, numpy_rng(seed, "select", r))
         sampling_weight = self.sampler.weights()
+        fates = self.faults.fates(r, clients)
+        dropped = [c for c in clients if fates[c] == DROPOUT]
+        late: list[int] = []
+        new_late: dict[int, tuple[Message, Message]] = {}
+        delivered_late: list[int] = []
+        quarantined: dict[str, str] = {}
+        active = list(clients)  # who takes part in the next stage: everyone sampled, then whoever replied
         down = up = peer = 0
         flops = 0.0
         comm_params: list[int] = []
         trained_params: list[int] = []
         train_loss = 0.0
         train_n = 0
+        honest_bad = honest_replies = 0
+        skipped = False
+        start_state = self.state
         for stage in range(algo.num_stages(self.state, info)):
             info = RoundInfo(index=r, total=self.cfg.rounds, stage=stage)
-            payloads = algo.configure_fit(self.state, info, clients)
-            jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage)) for c in payloads]
+            payloads = algo.configure_fit(self.state, info, active)
+            # a dropped-out client received its payload but never replies (and does no work)
+            jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage))
+                    for c in payloads if fates.get(c) != DROPOUT]
             fit = getattr(self.executor, "fit", None)  # executors that own the loop run declared programs
             outs = fit(algo, jobs) if fit is not None else self.executor.map(algo.fit, jobs)
             results: dict[int, Message] = {}
+            state_like = is_state_like(algo, payloads, outs_results(outs))
             for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
                 self.client_states[c] = cstate
+                if fates.get(c) == LATE:  # worked, but the reply missed the deadline
+                    late.append(c)
+                    if cfg.late_replies == "next-round" and stage == 0:
+                        stale = self.faults.corrupt(c, payloads[c], res, state_like)
+                        if stale is not None:
+                            new_late[c] = (stale, payloads[c])
+                    continue
+                res = self.faults.corrupt(c, payloads[c], res, state_like)
+                if res is None:
+                    continue
                 results[c] = res
+                for key in getattr(algo, "echo_meta", ()):  # server-side bookkeeping of what was sent
+                    if key in payloads[c].meta:
+                        res.meta.setdefault(key, payloads[c].meta[key])
                 if c in sampling_weight:
                     res.meta["sampling_weight"] = sampling_weight[c]
-            if stage == 0:  # the training stage: what gradient-based sampling policies learn from
-                self.sampler.observe(payloads, results)
+            sent = payloads
+            if stage == 0 and self.late_box:  # replies that missed an earlier deadline arrive now
+                sent = dict(payloads)
+                for c, (reply, was_sent) in sorted(self.late_box.items()):
+                    if c not in results:  # a fresh reply supersedes a stale one
+                        results[c], sent[c] = Message(reply.tensors, {**reply.meta, "late": True}), was_sent
+                        delivered_late.append(c)
+                self.late_box = {}
             down += sum(p.nbytes for p in payloads.values())
             up += sum(res.nbytes for res in results.values())
             comm_params += [sum(t.numel() for t in p.tensors.values()) for p in payloads.values()]
+            honest_replies += sum(1 for c in results if not self.faults.corrupts(c))
+            if cfg.check_updates and results:
+                bad = check_replies(algo, sent, results, self.ctx.client_sizes, cfg.norm_bound)
+                for c, reason in bad.items():
+                    quarantined[str(c)] = f"stage {stage}: {reason}" if stage else reason
+                    log.warning("round %d: quarantined the update of client %d: %s", r + 1, c, reason)
+                    if not self.faults.corrupts(c) and "non-finite" in reason:
+                        honest_bad += 1
+                    del results[c]
+            if stage == 0:  # the training stage: what gradient-based sampling policies learn from
+                self.sampler.observe(payloads, results)
             for res in results.values():
                 flops += float(res.meta.get("flops", 0.0))
                 if "trained_params" in res.meta:  # stages without training (e.g. BN statistics) do not count
@@ -266,17 +377,33 @@ class Experiment:
                 n = int(res.meta.get("samples", 0))
                 train_loss += float(res.meta.get("train_loss", 0.0)) * n
                 train_n += n
+            active = sorted(results)
+            if len(results) < max(cfg.quorum, 1):  # too few replies: the round leaves the server as it was
+                self.state = start_state
+                skipped = True
+                break
             results, moved = algo.exchange(info, results)
             peer += moved
             self.state = algo.aggregate_fit(self.state, info, results)
+        self.late_box = new_late
         t = self.totals
         t.bytes_down += down
         t.bytes_up += up
         t.bytes_peer += peer
         t.client_flops += flops
+        t.dropped += len(dropped)
+        t.late += len(late)
+        t.quarantined += len(quarantined)
+        t.skipped_rounds += int(skipped)
         rec: dict[str, Any] = {
             "round": r + 1,
             "clients": clients,
+            "replied": len(active),
+            "dropped": dropped,
+            "late": sorted(set(late)),
+            "delivered_late": delivered_late,
+            "quarantined": quarantined,
+            "round_skipped": skipped,
             "train_loss": train_loss / train_n if train_n else None,
             "bytes_down": down,
             "bytes_up": up,
@@ -289,10 +416,31 @@ class Experiment:
             "server_parameters": algo.server_parameters(self.state),
             "communicated_parameters_per_client": float(np.mean(comm_params)) if comm_params else 0.0,
             "optimised_parameters_per_client": float(np.mean(trained_params)) if trained_params else 0.0,
+            "total_dropped": t.dropped,
+            "total_late": t.late,
+            "total_quarantined": t.quarantined,
         }
+        why = self._diverged(honest_bad, honest_replies, train_loss / train_n if train_n else None)
+        if why:
+            rec["_diverged"] = why
+            return rec
         if (r + 1) % self.cfg.eval_every == 0 or r + 1 == self.cfg.rounds:
             rec.update(self.evaluate(r))
         return rec
+
+    def _diverged(self, bad: int, replies: int, loss: float | None) -> str | None:
+        """Why this round counts as diverged (None if it does not): most honest replies non-finite, a
+        non-finite mean training loss, or non-finite values in the server's global model."""
+        if replies and bad * 2 > replies:
+            return f"{bad} of {replies} client updates were non-finite"
+        if loss is not None and not math.isfinite(loss):
+            return f"the mean training loss is {loss}"
+        g = self.algo.global_model(self.state)
+        if g is not None:
+            for k, v in g[0].items():
+                if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
+                    return f"the global model holds non-finite values (first in {k})"
+        return None
 
     def evaluate(self, r: int) -> dict[str, Any]:
         """Global model on the global test set; every client's personal model on its own splits."""
@@ -361,6 +509,30 @@ class Experiment:
             finish(self.state, self.fed, self.out)
 
 
+def outs_results(outs: dict[int, Any]) -> dict[int, Message]:
+    """The reply part of an executor's ``{cid: (reply, client_state)}`` output."""
+    return {c: o[0] for c, o in outs.items()}
+
+
+def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """A run checkpoint; an empty, truncated or foreign file is a :class:`ConfigError` naming it."""
+    if not path.is_file():
+        raise ConfigError(f"--resume: {path} does not exist (nothing to resume)")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"--resume: {path} is empty (the run was stopped while writing it?); start the run "
+                          "again with --overwrite")
+    try:
+        ck = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # truncated zip, wrong pickle, not a torch file at all
+        raise ConfigError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else 'corrupt'}); start the run again with --overwrite"
+                          ) from None
+    needed = ("round", "state", "client_states", "totals", "best", "history")
+    if not isinstance(ck, dict) or any(k not in ck for k in needed):
+        raise ConfigError(f"--resume: {path} is not a fedfuse run checkpoint (missing entries)")
+    return ck
+
+
 def _describe(executor: Any) -> str:
     describe = getattr(executor, "describe", None)
     return describe() if describe is not None else str(getattr(executor, "name", type(executor).__name__))
@@ -399,7 +571,12 @@ def aggregate_client_metrics(res: dict[int, dict[str, float]]) -> dict[str, Any]
         "val_loss": wmean("val_loss", "val_count"),
         "val_accuracy": wmean("val_accuracy", "val_count"),
     }
+    out["clients_without_test"] = sum(1 for v in vals if not v["test_count"])  # not in the personal means
     out["client_test_accuracy"] = {str(c): v["test_accuracy"] for c, v in res.items()}
+    extra = sorted({k for v in vals for k in v if k.startswith("test_")} - {"test_loss", "test_accuracy", "test_count"})
+    for key in extra:  # further per-client test metrics (e.g. ROUGE-1): unweighted mean over the clients reporting it
+        xs = [float(v[key]) for v in vals if key in v and v[key] is not None and math.isfinite(float(v[key]))]
+        out["personal_" + key[5:]] = float(np.mean(xs)) if xs else None
     return out
 
 

@@ -110,3 +110,86 @@ def add_scaled(
 def clone_state(state: Mapping[str, torch.Tensor]) -> TensorDict:
     """Detached deep copy of a state dict."""
     return {k: v.detach().clone() for k, v in state.items()}
+
+
+# ---- robust fusion (for studying faulty or poisoned clients) -------------------------------------------
+
+RobustRule = Literal["mean", "median", "trimmed-mean"]
+
+
+def _robust_stack(stack: torch.Tensor, rule: str, trim: float) -> torch.Tensor:
+    """Coordinate-wise median or trimmed mean over dim 0 (float64 accumulation)."""
+    n = stack.shape[0]
+    srt = stack.to(torch.float64).sort(dim=0).values
+    if rule == "median":
+        mid = n // 2
+        return srt[mid] if n % 2 else (srt[mid - 1] + srt[mid]) / 2
+    k = int(trim * n)
+    if n - 2 * k < 1:
+        k = (n - 1) // 2
+    return srt[k:n - k].mean(0)
+
+
+def robust_average(
+    states: Sequence[Mapping[str, torch.Tensor]],
+    rule: RobustRule = "median",
+    *,
+    trim: float = 0.1,
+    base: Mapping[str, torch.Tensor] | None = None,
+    int_policy: IntPolicy = "max",
+) -> TensorDict:
+    """Coordinate-wise median (Yin et al. 2018) or ``trim``-trimmed mean of state dicts, key by key.
+
+    Unweighted by design: a client cannot buy influence with a claimed sample count.  For every coordinate the
+    trimmed mean drops the ``floor(trim * n)`` largest and smallest values (at least one value is kept).  Keys
+    follow :func:`weighted_average`: a key is fused over the clients that sent it, a key nobody sent keeps its
+    ``base`` value, and integer buffers (``num_batches_tracked``) follow ``int_policy``.  ``rule="mean"`` is the
+    plain unweighted average.
+    """
+    if rule == "mean":
+        return weighted_average(states, None, base=base, int_policy=int_policy)
+    if rule not in ("median", "trimmed-mean"):
+        raise ValueError(f"unknown fusion rule {rule!r}; choose mean, median or trimmed-mean")
+    if not 0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+    if not states:
+        if base is None:
+            raise ValueError("robust_average needs at least one state or a base")
+        return {k: v.clone() for k, v in base.items()}
+    keys: list[str] = list(base.keys()) if base is not None else []
+    for s in states:
+        keys += [k for k in s if k not in keys]
+    out: TensorDict = {}
+    for k in keys:
+        held = [s[k] for s in states if k in s]
+        if not held:
+            assert base is not None
+            out[k] = base[k].clone()
+        elif held[0].is_floating_point():
+            out[k] = _robust_stack(torch.stack(held), rule, trim).to(held[0].dtype)
+        else:
+            out[k] = _combine_int(held, int_policy, base[k] if base is not None and k in base else None)
+    return out
+
+
+def clip_updates(
+    states: Sequence[Mapping[str, torch.Tensor]], base: Mapping[str, torch.Tensor], max_norm: float
+) -> list[TensorDict]:
+    """Each state with its update ``state - base`` scaled down to L2 norm ``<= max_norm`` (Sun et al. 2019).
+
+    The norm runs over the floating entries both hold; integer buffers and keys missing from ``base`` are
+    left as they are.  ``max_norm <= 0`` returns copies unchanged."""
+    out = []
+    for s in states:
+        keys = [k for k, v in s.items() if v.is_floating_point() and k in base and base[k].shape == v.shape]
+        sq = sum(float(((s[k].double() - base[k].double()) ** 2).sum()) for k in keys)
+        norm = sq ** 0.5
+        factor = max_norm / norm if max_norm > 0 and norm > max_norm else 1.0
+        clipped: TensorDict = {}
+        for k, v in s.items():
+            if k in keys and factor != 1.0:
+                clipped[k] = (base[k].double() + factor * (v.double() - base[k].double())).to(v.dtype)
+            else:
+                clipped[k] = v.clone()
+        out.append(clipped)
+    return out

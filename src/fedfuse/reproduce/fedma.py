@@ -61,7 +61,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--optimizers", default=None, help="comma list of sgd/adam (default sgd,adam; quick sgd)")
     parser.add_argument("--methods", default=None,
                         help="comma list among fedma,fedavg-report,fedavg,oneshot (default all)")
-    # --reuse (read finished runs with the same config from --out) is registered for every reproduction
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--lm-corpus", default="wikitext2", choices=["wikitext2", "tiny-shakespeare"],
                         help="the second client's corpus (report: wikitext2)")
@@ -97,28 +96,8 @@ def report_options(opt: str) -> dict[str, dict[str, Any]]:
     return {"fedma": dict(sched), "fedavg-report": {**sched, "continuation": "fedavg"}}
 
 
-def _run(base: dict[str, Any], out: Path, reuse: bool, **kw: Any) -> list[dict[str, Any]]:
-    """Run one configuration, or with ``reuse`` read the history of a finished run in ``out`` with as many rounds
-    (its ``config.yaml`` must match; a partial grid can then be completed without recomputing)."""
-    rounds = int(kw.get("rounds", 1))
-    metrics, summary = out / "metrics.jsonl", out / "summary.json"
-    if reuse and metrics.exists() and summary.exists():
-        import yaml
-
-        from fedfuse.config import RunConfig, apply
-
-        want = apply(RunConfig(), {**base, **kw, "out": str(out)})
-        have = yaml.safe_load((out / "config.yaml").read_text()) if (out / "config.yaml").exists() else {}
-        def agrees(k: str, v: Any) -> bool:
-            if isinstance(v, dict) and isinstance(have.get(k), dict):
-                return all(have[k].get(kk) == vv for kk, vv in v.items())
-            return have.get(k) == v
-
-        same = all(agrees(k, v) for k, v in vars(want).items()
-                   if k in have and k not in ("out", "data_dir", "rounds", "threads"))
-        hist = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        if same and len(hist) >= rounds:
-            return hist[:rounds]
+def _run(base: dict[str, Any], out: Path, **kw: Any) -> list[dict[str, Any]]:
+    """One configuration's history (``fedfuse reproduce --reuse`` keeps finished runs: common.run_one)."""
     _, hist = run_one(base, out, progress=False, **kw)
     return hist
 
@@ -161,7 +140,7 @@ def _mlp_grid(args, out: Path, seeds: list[int]) -> list[dict[str, Any]]:
                     for algo in ("ensemble", "oneshot-match", "oneshot-avg"):
                         runs[algo] = dict(algorithm=algo, rounds=1)
                 for name, kw in runs.items():
-                    res.setdefault(name, []).append(_run(base, out / tag / name, args.reuse, seed=s, **kw))
+                    res.setdefault(name, []).append(_run(base, out / tag / name, seed=s, **kw))
             for comms in comms_grid:
                 r_ma, r_avg = comms // HIDDEN_LAYERS, comms
                 fm = [_acc(h, r_ma) for h in res.get("fedma", [])]
@@ -204,12 +183,12 @@ def _oneshot_study(args, out: Path, seeds: list[int]) -> list[dict[str, Any]]:
         acc: dict[str, list[float | None]] = {}
         widths: dict[str, str] = {}
         for s in seeds:
-            h = _run(base, out / f"oneshot-{n}-seed{s}" / "avg", args.reuse, seed=s, algorithm="oneshot-avg",
+            h = _run(base, out / f"oneshot-{n}-seed{s}" / "avg", seed=s, algorithm="oneshot-avg",
                      rounds=1)
             acc.setdefault("element-wise average (no matching)", []).append(_acc(h, 0))
             for name, o in variants.items():
                 sub = "-".join(f"{k}={v}" for k, v in sorted(o.items())) or "code"
-                h = _run(base, out / f"oneshot-{n}-seed{s}" / sub, args.reuse, seed=s, algorithm="oneshot-match",
+                h = _run(base, out / f"oneshot-{n}-seed{s}" / sub, seed=s, algorithm="oneshot-match",
                          rounds=1, algorithm_options=o)
                 acc.setdefault(name, []).append(_acc(h, 0))
                 widths[name] = "-".join(str(w) for w in h[0].get("global_widths", []))

@@ -117,7 +117,8 @@ def federation(args: argparse.Namespace, base: str, s: dict[str, Any], data_dir:
     if args.task == "tasks":
         from fedfuse.data.lm_clients import TASKS
 
-        return task_split(tok, data_dir, tasks=list(TASKS)[:n], seed=seed, device=device)
+        sizes = {"train": 60, "val": 10, "test": 20} if args.quick else {"train": 150, "val": 20, "test": 40}
+        return task_split(tok, data_dir, tasks=list(TASKS)[:n], seed=seed, device=device, **sizes)
     from fedfuse.data.instructions import instruction_federation
 
     if not args.instructions:
@@ -202,8 +203,9 @@ def report(records: list[dict], args: argparse.Namespace, rounds: int, base: str
 
     labels = list(dict.fromkeys(r["label"] for r in records))
     by = {lab: sorted((r for r in records if r["label"] == lab), key=lambda r: r["seed"]) for lab in labels}
-    ref_label = next((lab for lab in labels if lab.startswith("fedmerge-lora")), None)
-    ref = {r["seed"]: r for r in by.get("fedmerge-lora d=4", by.get(ref_label, []))} if ref_label else {}
+    ref_label = "fedmerge-lora d=4" if "fedmerge-lora d=4" in by else next(
+        (lab for lab in labels if lab.startswith("fedmerge-lora")), None)
+    ref = {r["seed"]: r for r in by[ref_label]} if ref_label else {}
     rows = []
     for lab in labels:
         rs = by[lab]
@@ -216,10 +218,13 @@ def report(records: list[dict], args: argparse.Namespace, rounds: int, base: str
                "client params": int(r0["client_params"] or 0),
                "KB/client/round": round(r0["kb_client_round"], 1),
                "MFLOPs/client/round": round(r0["mflops_client_round"], 1)}
-        if ref and not lab.startswith("fedmerge-lora d=4"):
+        if ref and lab != ref_label:
             seeds = [r["seed"] for r in rs if r["seed"] in ref]
+            if not seeds:
+                rows.append(row)
+                continue
             t = paired_test([ref[s]["ppl"] for s in seeds], [r["ppl"] for r in rs if r["seed"] in ref])
-            row["FedMerge(d=4) − this, ppl"] = f"{t.diff:+.3f} {t.mark()}"
+            row[f"{ref_label} − this, ppl"] = f"{t.diff:+.3f} {t.mark()}"
         rows.append(row)
     return (f"# FedMerge on LoRA adapters ({'quick' if args.quick else 'full'}, task {args.task})\n\n"
             f"base {base}; rounds {rounds}; all clients every round; seeds "
@@ -231,22 +236,25 @@ def plot_scale(records: list[dict], path: Path, rank: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import re
+
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for algo, marker in (("fedmerge-lora", "o"), ("fedem-lora", "s"), ("fedit", "^"), ("fedlora", "v")):
-        pts: dict[float, list[float]] = {}
-        for r in records:
-            if r["algorithm"] != algo or r["ppl"] is None:
-                continue
-            unit = r["adapter_params"] * 8 / max(int(r["options"].get("rank", rank)), 1)
-            pts.setdefault(round(r["server_params"] / unit, 2), []).append(r["ppl"])
-        if pts:
-            xs = sorted(pts)
-            ys = [float(np.mean(pts[x])) for x in xs]
-            es = [float(np.std(pts[x], ddof=1)) if len(pts[x]) > 1 else 0.0 for x in xs]
-            ax.errorbar(xs, ys, yerr=es, marker=marker, capsize=3, label=algo)
+    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    families: dict[str, dict[float, list[float]]] = {}
+    for r in records:  # one line per method variant: the label without its d / m / r value
+        if r["ppl"] is None:
+            continue
+        unit = r["adapter_params"] * 8 / max(int(r["options"].get("rank", rank)), 1)
+        fam = re.sub(r" [dmr]=\d+", "", r["label"])
+        families.setdefault(fam, {}).setdefault(round(r["server_params"] / unit, 2), []).append(r["ppl"])
+    markers = iter("os^vDPX*<>")
+    for fam, pts in families.items():  # single-setting methods (FedLoRA, Local, FedEM m=4) are single points
+        xs = sorted(pts)
+        ys = [float(np.mean(pts[x])) for x in xs]
+        es = [float(np.std(pts[x], ddof=1)) if len(pts[x]) > 1 else 0.0 for x in xs]
+        ax.errorbar(xs, ys, yerr=es, marker=next(markers, "o"), capsize=3, label=fam)
     ax.set_xlabel("server parameters (× a rank-8 adapter)")
     ax.set_ylabel("personalised perplexity (lower is better)")
     ax.legend(fontsize=8)

@@ -44,13 +44,18 @@ PAPER_CIFAR = {  # Table 1 (CIFAR-10, ResNet-18, 10 participants); MSfusion rows
 PAPER_ABLATION = {"msfusion": "75.71", "w/o con": "73.16", "w/o dyn": "73.31", "w/o con & dyn": "70.17"}  # mu=18.75%
 PAPER_PTB = {"heterofl": "55.97 (mu=75%)", "fedrolex": "61.52 (mu=75%)", "msfusion": "8.02 (mu=25%)"}
 METHODS = ("msfusion", "fedrolex", "heterofl")
+PAPER_CIFAR.update({("fedet", "non-iid", None): "81.13", ("fedet", "iid", None): "83.42"})
+PAPER_RING = {"dpsgd": "13.38 (CIFAR-100)", "dispfl": "52.57 (CIFAR-100)"}  # Table 3: local accuracy, ring
+# Fed-ET: heterogeneous small client CNNs sharing the server ResNet-18's 128-wide final layer (width_mult 0.25)
+FEDET = {"small_models": [{"model": "cnn-cifar", "hidden": [120, 128]},
+                          {"model": "cnn-cifar", "channels": [12, 32], "hidden": [120, 128]}]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", default="",
                    help="comma list of mnist, cifar, ablation, ring, ptb (default: all; quick: mnist,cifar,ptb)")
     p.add_argument("--mus", default="", help="comma list of split ratios for the mnist and cifar sweeps")
-    p.add_argument("--methods", default="", help="comma list of msfusion, fedrolex, heterofl (default: all three)")
+    p.add_argument("--methods", default="", help="comma list of msfusion, fedrolex, heterofl, fedet (default: all)")
     p.add_argument("--rounds", type=int, default=0, help="override the CIFAR rounds")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
 
@@ -113,7 +118,8 @@ def cell_row(label: str, runs: list[tuple[dict, list[dict]]], seeds: list[int], 
     """Mean ± std over seeds of the final ``metric`` plus the cost columns (means over seeds)."""
     vals = [r[0]["final"].get(metric) for r in runs]
     scale = 100.0 if metric.endswith("accuracy") else 1.0
-    name = "global acc %" if metric.endswith("accuracy") else "perplexity"
+    name = ("local acc %" if metric == "personal_accuracy" else "global acc %") if metric.endswith("accuracy") \
+        else "perplexity"
     n = runs[0][0]["clients"]
     rounds = max(runs[0][0]["rounds_completed"], 1)
     hist = runs[0][1]
@@ -127,21 +133,27 @@ def cell_row(label: str, runs: list[tuple[dict, list[dict]]], seeds: list[int], 
         "method": label, **cols,
         f"{name} (mean ± std)": mean_std(vals).fmt(scale, 2),
         "per seed": " / ".join("—" if v is None else f"{scale * v:.1f}" for v in vals),
-        "FLOPs/participant/round": sum((f.get("client_flops") or 0) for f in fin) / len(fin) / n / rounds,
+        "FLOPs/participant/round": sum((f.get("client_flops") or 0) / rounds + (f.get("server_flops") or 0)
+                                       for f in fin) / len(fin) / n,  # Fed-ET: server work shared by participants
         "bytes/participant/round": byts,
         "seeds": ",".join(map(str, seeds)), "wall s": round(wall, 1), "_vals": vals, "_metric": metric,
     }
 
 
-def ordering(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
-    """MSfusion vs FedRolex vs HeteroFL on the same seeds, per group of ``keys`` (paper: MSfusion > FedRolex >
-    HeteroFL; lower perplexity is better)."""
+PAIRS = (("msfusion", "fedrolex"), ("msfusion", "heterofl"), ("fedrolex", "heterofl"))  # Table 1, CIFAR
+PTB_PAIRS = (("msfusion", "fedrolex"), ("msfusion", "heterofl"), ("heterofl", "fedrolex"))  # Table 1, PTB
+
+
+def ordering(rows: list[dict[str, Any]], keys: tuple[str, ...],
+             pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[dict[str, Any]]:
+    """Each (better, worse) pair of the paper's ordering on the same seeds, per group of ``keys`` (CIFAR: MSfusion >
+    FedRolex > HeteroFL; PTB perplexity: MSfusion < HeteroFL < FedRolex; lower perplexity is better)."""
     out = []
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         groups.setdefault(tuple(r.get(k) for k in keys), {})[r["method"]] = r
     for key, by in groups.items():
-        for a, b in (("msfusion", "fedrolex"), ("msfusion", "heterofl"), ("fedrolex", "heterofl")):
+        for a, b in pairs:
             if a not in by or b not in by:
                 continue
             sign = -1.0 if by[a]["_metric"] == "perplexity" else 1.0
@@ -195,18 +207,20 @@ def run(args: argparse.Namespace) -> int:
                 continue
             blocks.append(f"{TITLES[k]}\n\n{show(v)}")
             if k in ORDER_KEYS:
-                blocks.append(f"Paper ordering (same seeds):\n\n{markdown(ordering(v, ORDER_KEYS[k]))}")
+                pairs = PTB_PAIRS if k == "ptb" else PAIRS
+                blocks.append(f"Paper ordering (same seeds):\n\n{markdown(ordering(v, ORDER_KEYS[k], pairs))}")
         text = f"Seeds {','.join(map(str, seeds))}\n\n" + "\n\n".join(blocks)
         text += f"\n\nTotal wall time: {time.time() - t_start:.0f} s\n"
         (out / "tables.md").write_text(text)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
         return text
 
-    def go(section: str, name: str, base: dict, label: str, over: dict[str, Any], **cols: Any) -> None:
+    def go(section: str, name: str, base: dict, label: str, over: dict[str, Any], metric: str = "global_accuracy",
+           **cols: Any) -> None:
         t = time.time()
         runs = [run_one(base, out / section / name / f"seed{sd}", progress=False, **{**over, "seed": sd})
                 for sd in seeds]
-        results[section].append(cell_row(label, runs, seeds, time.time() - t, "global_accuracy", **cols))
+        results[section].append(cell_row(label, runs, seeds, time.time() - t, metric, **cols))
         print(show([results[section][-1]]).splitlines()[-1], flush=True)
         write()
 
@@ -232,6 +246,11 @@ def run(args: argparse.Namespace) -> int:
             point("cifar", cifar_base(s, data_dir, "non-iid"), "non-iid", mu, s["eval_every"], s["rounds"])
         if s["iid"]:
             point("cifar", cifar_base(s, data_dir, "iid"), "iid", 0.25, s["eval_every"], s["rounds"])
+        if "fedet" in wanted or not getattr(args, "methods", ""):  # Fed-ET: no split ratio, one row per split
+            for partition in ("non-iid", "iid") if s["iid"] else ("non-iid",):
+                go("cifar", f"{partition}-fedet", cifar_base(s, data_dir, partition), "fedet",
+                   {"algorithm": "fedet", "algorithm_options": FEDET}, data=partition, mu="N/A",
+                   paper=PAPER_CIFAR.get(("fedet", partition, None), "—"))
     if "ablation" in parts:
         base = cifar_base(s, data_dir, "non-iid")
         for label, extra in (("msfusion", {}), *ABLATIONS):
@@ -246,6 +265,9 @@ def run(args: argparse.Namespace) -> int:
             go("ring", topo, base, f"msfusion ({topo})",
                {"algorithm": "msfusion", "algorithm_options": algo_options("msfusion", 0.25, 0, s["rounds"],
                                                                            topology=topo)}, mu=0.25)
+        for algo in ("dpsgd", "dispfl"):  # Table 3's serverless baselines: each participant's own model
+            go("ring", algo, base, algo, {"algorithm": algo, "algorithm_options": {"topology": "ring"}},
+               metric="personal_accuracy", mu="N/A", paper=PAPER_RING[algo])
     if "ptb" in parts:
         base = {
             "dataset": "ptb", "data_dir": data_dir, "partition": "contiguous", "partition_options": {},

@@ -1,0 +1,142 @@
+"""Server-side checks of client updates before fusion; a bad update is quarantined, never fused.
+
+A reply is quarantined, with its reason, when
+
+1. it declares a non-integer, negative, or larger example count than the client's known training size;
+2. it reports a non-finite training loss, or any of its tensors holds a NaN or an Inf;
+3. a tensor has another shape or dtype than the tensor of the same name that was sent (when replies live in the
+   payload's space: model states, or deltas as in FedMerge), or — otherwise (FedMA's own-size layers, MSfusion's
+   sub-models, IFCA's chosen cluster model) — than the shape and dtype that a strict majority of the round's
+   replies agree on;
+4. it holds a key that was not sent, in algorithms whose replies are the sent model trained further
+   ("state-like": every other reply's keys are a subset of its payload's keys);
+5. its update norm exceeds ``norm_bound`` times the median norm of the round's replies (with >= 3 replies).
+   The update is ``reply - sent`` for state-like replies and the reply itself otherwise (deltas, sub-models).
+
+The checks read the replies only; the server state is untouched until the remaining replies are fused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedfuse.engine.faults import update_norm
+from fedfuse.types import Message
+
+
+def is_state_like(algo: object, sent: Mapping[int, Message], replies: Mapping[int, Message]) -> bool:
+    """Whether replies are the sent model trained further (keys a subset of the payload's keys).
+
+    An algorithm may say so with a ``reply_kind`` attribute: ``"state"``, ``"delta"`` (same keys and shapes as
+    the payload, but a difference) or ``"other"`` (replies are not in the payload's space, e.g. FedMA's
+    own-size layers); without it the round's replies vote."""
+    kind = getattr(algo, "reply_kind", None)
+    if kind is not None:
+        return kind == "state"
+    votes = [bool(r.tensors) and bool(sent[c].tensors) and set(r.tensors) <= set(sent[c].tensors)
+             for c, r in replies.items() if c in sent]
+    return bool(votes) and sum(votes) * 2 > len(votes)
+
+
+def check_meta(reply: Message, known_size: int | None) -> str | None:
+    n = reply.meta.get("num_examples")
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int | float | np.integer | np.floating) or not math.isfinite(n) \
+                or float(n) != int(n):
+            return f"declared example count {n!r} is not an integer"
+        if n < 0:
+            return f"declared example count {n} is negative"
+        if known_size is not None and n > known_size:
+            return f"declares {int(n)} examples but holds {known_size}"
+    loss = reply.meta.get("train_loss")
+    if isinstance(loss, float) and not math.isfinite(loss):
+        return f"non-finite training loss ({loss})"
+    return None
+
+
+def check_values(reply: Message) -> str | None:
+    for k, v in reply.tensors.items():
+        if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
+            what = "NaN" if bool(torch.isnan(v).any()) else "Inf"
+            return f"non-finite values ({what}) in {k}"
+    return None
+
+
+def _overlap_matches(sent: Mapping[int, Message], replies: Mapping[int, Message]) -> bool:
+    """Whether most replies that share keys with their payload also share those keys' shapes (then a reply's
+    tensors are compared with the payload's)."""
+    votes = []
+    for c, r in replies.items():
+        common = [k for k in r.tensors if k in sent.get(c, Message()).tensors]
+        if common:
+            votes.append(all(r.tensors[k].shape == sent[c].tensors[k].shape for k in common))
+    return bool(votes) and sum(votes) * 2 > len(votes)
+
+
+def _signature(v: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    return tuple(v.shape), v.dtype
+
+
+def check_replies(
+    algo: object,
+    sent: Mapping[int, Message],
+    replies: Mapping[int, Message],
+    sizes: Sequence[int] | np.ndarray | None = None,
+    norm_bound: float = 0.0,
+) -> dict[int, str]:
+    """Reasons, per client id, for the replies that must not be fused (see the module docstring)."""
+    bad: dict[int, str] = {}
+    state_like = is_state_like(algo, sent, replies)
+    kind = getattr(algo, "reply_kind", None)
+    same_space = state_like or kind == "delta" or (kind is None and _overlap_matches(sent, replies))
+    for c, r in replies.items():
+        known = int(sizes[c]) if sizes is not None and 0 <= c < len(sizes) else None
+        why = check_meta(r, known) or check_values(r)
+        if why:
+            bad[c] = why
+    # shapes and dtypes: against what was sent, else against the round's majority
+    modal: dict[str, tuple[tuple[tuple[int, ...], torch.dtype], int, int]] = {}
+    by_key: dict[str, Counter] = {}
+    for r in replies.values():
+        for k, v in r.tensors.items():
+            by_key.setdefault(k, Counter())[_signature(v)] += 1
+    for k, cnt in by_key.items():
+        sig, n = cnt.most_common(1)[0]
+        modal[k] = (sig, n, sum(cnt.values()))
+    for c, r in replies.items():
+        if c in bad:
+            continue
+        payload = sent.get(c, Message()).tensors if same_space else {}
+        for k, v in r.tensors.items():
+            if k in payload:
+                want = _signature(payload[k])
+                if _signature(v) != want:
+                    bad[c] = f"{k} has shape {tuple(v.shape)} {v.dtype}, sent {want[0]} {want[1]}"
+                    break
+            elif state_like:
+                bad[c] = f"unexpected key {k} (not in what was sent)"
+                break
+            else:
+                sig, n, total = modal[k]
+                if _signature(v) != sig and n * 2 > total and n >= 2:
+                    bad[c] = f"{k} has shape {tuple(v.shape)} {v.dtype}, the round's other replies {sig[0]} {sig[1]}"
+                    break
+    # norms relative to the round's median
+    if norm_bound > 0:
+        ok = [c for c in replies if c not in bad]
+        norms = {c: update_norm(sent.get(c, Message()), replies[c], state_like) for c in ok}
+        if len(norms) >= 3:
+            med = float(np.median(list(norms.values())))
+            if med > 0:
+                for c, v in norms.items():
+                    if v > norm_bound * med:
+                        bad[c] = f"update norm {v:.3g} exceeds {norm_bound:g} x the round's median {med:.3g}"
+    return dict(sorted(bad.items()))
+
+
+__all__ = ["check_meta", "check_replies", "check_values", "is_state_like"]
