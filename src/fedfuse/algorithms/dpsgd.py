@@ -38,6 +38,7 @@ import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import train_local
+from fedfuse.engine.peers import route_peers
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
@@ -100,26 +101,6 @@ def mix_states(states: Mapping[int, Mapping[str, torch.Tensor]], weights: Mappin
         else:
             out[k] = torch.stack([states[j][k] for j in order]).max(0).values.clone()
     return out
-
-
-def route_peers(results: dict[int, Message]) -> tuple[dict[int, Message], int]:
-    """The peer path shared with MSfusion: ``sim/peer/{m}/key`` of sender n → m's ``sim/mail/{n}/key``.
-
-    Returns the results with routed mail (and the senders' ``sim/own/`` tensors) and the bytes moved, each
-    transmission counted once."""
-    moved = 0
-    routed: dict[int, TensorDict] = {c: {} for c in results}
-    for n, msg in results.items():
-        for k, v in msg.tensors.items():
-            if k.startswith("sim/peer/"):
-                _, _, m, key = k.split("/", 3)
-                routed.setdefault(int(m), {})[f"sim/mail/{n}/{key}"] = v
-                moved += v.numel() * v.element_size()
-    out = {}
-    for c, msg in results.items():
-        own = {k: v for k, v in msg.tensors.items() if k.startswith("sim/own/")}
-        out[c] = Message({**own, **routed.get(c, {})}, dict(msg.meta))
-    return out, int(moved)
 
 
 def unpack_mail(tensors: Mapping[str, torch.Tensor], prefix: str = "sim/") -> dict[int, TensorDict]:

@@ -56,6 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
 from fedfuse.algorithms.heterofl import LR_MIN_RATIO
 from fedfuse.engine.client import LR_SCHEDULES, cyclic_lr, scheduled_lr, train_local
+from fedfuse.engine.peers import route_peers
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -193,19 +194,7 @@ class MSfusion(Algorithm):
         """Route every ``sim/peer/{m}/key`` tensor of sender n to m's mailbox as ``sim/mail/{n}/key``.
 
         The transmission is counted once, here, as peer bytes; the ``sim/`` relay is not counted again."""
-        moved = 0
-        routed: dict[int, TensorDict] = {c: {} for c in results}
-        for n, msg in results.items():
-            for k, v in msg.tensors.items():
-                if k.startswith("sim/peer/"):
-                    _, _, m, key = k.split("/", 3)
-                    routed.setdefault(int(m), {})[f"sim/mail/{n}/{key}"] = v
-                    moved += v.numel() * v.element_size()
-        out = {}
-        for c, msg in results.items():
-            own = {k: v for k, v in msg.tensors.items() if k.startswith("sim/own/")}
-            out[c] = Message({**own, **routed.get(c, {})}, dict(msg.meta))
-        return out, int(moved)
+        return route_peers(results)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         full_sel = self.spec.full_selection()

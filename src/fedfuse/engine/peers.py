@@ -1,0 +1,29 @@
+"""The simulated peer channel used by serverless algorithms (MSfusion, D-PSGD, Dis-PFL).
+
+A participant addresses a tensor to peer ``m`` by naming it ``sim/peer/{m}/key`` in its reply; the engine's
+``exchange`` step delivers it to ``m`` as ``sim/mail/{n}/key`` (``n`` = sender) together with the sender's own
+``sim/own/`` tensors.  Only the addressed tensors are real traffic: they are counted once, as peer bytes.
+"""
+
+from __future__ import annotations
+
+from fedfuse.types import Message, TensorDict
+
+
+def route_peers(results: dict[int, Message]) -> tuple[dict[int, Message], int]:
+    """Deliver every ``sim/peer/{m}/key`` of sender n to m's mailbox as ``sim/mail/{n}/key``.
+
+    Returns the routed messages (mail plus each sender's ``sim/own/`` tensors) and the bytes moved."""
+    moved = 0
+    routed: dict[int, TensorDict] = {c: {} for c in results}
+    for n, msg in results.items():
+        for k, v in msg.tensors.items():
+            if k.startswith("sim/peer/"):
+                _, _, m, key = k.split("/", 3)
+                routed.setdefault(int(m), {})[f"sim/mail/{n}/{key}"] = v
+                moved += v.numel() * v.element_size()
+    out = {}
+    for c, msg in results.items():
+        own = {k: v for k, v in msg.tensors.items() if k.startswith("sim/own/")}
+        out[c] = Message({**own, **routed.get(c, {})}, dict(msg.meta))
+    return out, int(moved)
