@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
-from fedfuse.engine.client import LR_SCHEDULES, scheduled_lr, train_local
+from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, scheduled_lr, train_local
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -74,7 +74,7 @@ def bn_statistics(model: nn.Module, x: torch.Tensor, batch_size: int) -> tuple[T
     return stats, batches
 
 
-LR_MIN_RATIO = 0.001 / 0.0012  # App. A.2.2: CyclicLR 0.001 → 0.0012
+LR_MIN_RATIO = CYCLIC_MIN_RATIO  # App. A.2.2: CyclicLR 0.001 → 0.0012
 
 
 class HeteroFL(Algorithm):

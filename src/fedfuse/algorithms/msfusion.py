@@ -54,8 +54,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
-from fedfuse.algorithms.heterofl import LR_MIN_RATIO
-from fedfuse.engine.client import LR_SCHEDULES, cyclic_lr, scheduled_lr, train_local
+from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, cyclic_lr, scheduled_lr, train_local
 from fedfuse.engine.peers import route_peers
 from fedfuse.fusion.slicing import (
     Selection,
@@ -140,7 +139,7 @@ class MSfusion(Algorithm):
         lr_schedule: str = opt("cyclic", "local learning-rate schedule: cyclic (triangular, one cycle over all "
                                "rounds, App. A.2.2; peak = the run's --lr) | constant (--lr every round)",
                                choices=LR_SCHEDULES)
-        lr_min_ratio: float = opt(LR_MIN_RATIO, "floor of the cyclic schedule as a fraction of --lr (paper: "
+        lr_min_ratio: float = opt(CYCLIC_MIN_RATIO, "floor of the cyclic schedule as a fraction of --lr (paper: "
                                   "0.001/0.0012)", gt=0.0, le=1.0)
 
     def __init__(self, ctx, options=None) -> None:

@@ -54,6 +54,9 @@ def task_loss(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") ->
 
 
 LR_SCHEDULES = ("constant", "cyclic")
+#: Floor of the cyclic schedule as a fraction of its peak in the MSfusion paper's setup (App. A.2.2: CyclicLR
+#: 0.001 → 0.0012), shared by MSfusion and the baselines it is compared with (HeteroFL, FedRolex).
+CYCLIC_MIN_RATIO = 0.001 / 0.0012
 
 
 def cyclic_lr(r: int, total: int, lr_min: float, lr_max: float) -> float:
