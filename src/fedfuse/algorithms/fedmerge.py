@@ -64,16 +64,11 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.fusion.average import delta
 from fedfuse.fusion.merge import (
     cluster_ari,
-    column_normalised,
-    fixed_magnitude_step,
     fixed_weights,
-    inner_products,
-    logit_gradient,
     merge_states,
-    paper_coefficients,
     row_softmax,
     select_keys,
-    update_globals,
+    server_step,
 )
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed, numpy_rng
@@ -212,30 +207,13 @@ class FedMerge(Algorithm):
             return state
         o = self.opt
         clients = sorted(results)
-        idx = torch.tensor(clients)
-        deltas = [results[c].tensors for c in clients]
         sizes = torch.tensor([float(results[c].meta.get("num_examples", 0)) for c in clients], dtype=torch.float64)
         total = float(sizes.sum()) if o.size_norm == "sampled" else float(self.ctx.client_sizes.sum())
-        scale = sizes / total if total > 0 else torch.zeros_like(sizes)
-        logits = state["logits"].clone()
-        w_old = row_softmax(logits[idx])
-        step = self.merge_step(info.total)
-        if not o.fixed_k and o.merge_update != "none" and step > 0:
-            sent = [merge_states([{k: g[k] for k in self.keys} for g in state["globals"]], w_old[r])
-                    for r in range(len(clients))]
-            inner = inner_products(deltas, state["globals"], sent, self.keys)
-            grad = logit_gradient(w_old, inner, scale)
-            if o.merge_update == "fixed":
-                logits[idx] = fixed_magnitude_step(logits[idx], grad, step)
-            else:
-                logits[idx] = logits[idx] + step * grad
-        w = row_softmax(logits[idx]) if o.weights_first else w_old
-        if o.theta_update == "paper":
-            coef, normalised = paper_coefficients(w, scale), False
-        else:
-            coef, normalised = column_normalised(w, sizes), True
-        globals_ = update_globals(
-            state["globals"], deltas, coef, o.theta_lr, normalised=normalised, int_policy=o.int_policy
+        step = 0.0 if o.fixed_k or o.merge_update == "none" else self.merge_step(info.total)
+        globals_, logits = server_step(
+            state["globals"], state["logits"], clients, [results[c].tensors for c in clients], sizes, total,
+            self.keys, step=step, merge_update=o.merge_update, weights_first=o.weights_first,
+            theta_update=o.theta_update, theta_lr=o.theta_lr, int_policy=o.int_policy,
         )
         return {**state, "globals": globals_, "logits": logits}
 

@@ -46,14 +46,9 @@ from fedfuse.engine.client import make_optimizer, task_loss
 from fedfuse.fusion.average import delta, weighted_average
 from fedfuse.fusion.merge import (
     cluster_ari,
-    column_normalised,
-    fixed_magnitude_step,
-    inner_products,
-    logit_gradient,
     merge_states,
-    paper_coefficients,
     row_softmax,
-    update_globals,
+    server_step,
 )
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
@@ -149,28 +144,13 @@ class FedMergeLoRA(LoraAlgorithm):
             return state
         o = self.opt
         clients = sorted(results)
-        idx = torch.tensor(clients)
-        deltas = [results[c].tensors for c in clients]
         sizes = torch.tensor(size_weights(results, clients), dtype=torch.float64)
         total = float(sizes.sum()) if o.size_norm == "sampled" else float(self.ctx.client_sizes.sum())
-        scale = sizes / total if total > 0 else torch.zeros_like(sizes)
-        logits = state["logits"].clone()
-        w_old = row_softmax(logits[idx])
-        keys = self.keys
-        if o.merge_step > 0:
-            sent = [merge_states([{k: g[k] for k in keys} for g in state["globals"]], w_old[r])
-                    for r in range(len(clients))]
-            grad = logit_gradient(w_old, inner_products(deltas, state["globals"], sent, keys), scale)
-            if o.merge_update == "fixed":
-                logits[idx] = fixed_magnitude_step(logits[idx], grad, o.merge_step)
-            else:
-                logits[idx] = logits[idx] + o.merge_step * grad
-        w = row_softmax(logits[idx]) if o.weights_first else w_old
-        if o.theta_update == "paper":
-            coef, normalised = paper_coefficients(w, scale), False
-        else:
-            coef, normalised = column_normalised(w, sizes), True
-        globals_ = update_globals(state["globals"], deltas, coef, o.theta_lr, normalised=normalised)
+        globals_, logits = server_step(
+            state["globals"], state["logits"], clients, [results[c].tensors for c in clients], sizes, total,
+            self.keys, step=o.merge_step, merge_update=o.merge_update, weights_first=o.weights_first,
+            theta_update=o.theta_update, theta_lr=o.theta_lr,
+        )
         return {**state, "globals": globals_, "logits": logits}
 
     def global_model(self, state: ServerState) -> None:

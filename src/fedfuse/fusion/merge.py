@@ -152,6 +152,51 @@ def update_globals(
     return out
 
 
+def server_step(
+    globals_: States,
+    logits: torch.Tensor,
+    clients: Sequence[int],
+    deltas: States,
+    sizes: torch.Tensor,
+    total: float,
+    keys: Sequence[str],
+    *,
+    step: float,
+    merge_update: str = "fixed",
+    weights_first: bool = False,
+    theta_update: str = "column_normalised",
+    theta_lr: float = 1.0,
+    int_policy: str = "max",
+) -> tuple[list[TensorDict], torch.Tensor]:
+    """One FedMerge server round on the replies of ``clients`` (deltas Δθ_i, example counts n_i).
+
+    1. Merging logits (skipped when ``step`` is 0): G_ij = s_i w_ij ⟨Δθ_i, Θ_j − θ_i⟩ over ``keys`` with
+       s_i = n_i / ``total``; ``merge_update="fixed"`` moves the largest logit by exactly ``step``,
+       ``"gradient"`` takes a += step · G.
+    2. Global models: Θ_j += η_Θ Σ_i c_ij Δθ_i with c = the paper's s_i w_ij (Eq. 8) or the author code's
+       column-normalised w_ij n_i / Σ_k w_kj n_k; ``weights_first`` uses the updated weights (code order).
+
+    Returns the new global models and the full logit matrix (rows of other clients unchanged).
+    """
+    idx = torch.tensor(list(clients))
+    scale = sizes / total if total > 0 else torch.zeros_like(sizes)
+    logits = logits.clone()
+    w_old = row_softmax(logits[idx])
+    if step > 0:
+        sent = [merge_states([{k: g[k] for k in keys} for g in globals_], w_old[r]) for r in range(len(clients))]
+        grad = logit_gradient(w_old, inner_products(deltas, globals_, sent, keys), scale)
+        if merge_update == "fixed":
+            logits[idx] = fixed_magnitude_step(logits[idx], grad, step)
+        else:
+            logits[idx] = logits[idx] + step * grad
+    w = row_softmax(logits[idx]) if weights_first else w_old
+    if theta_update == "paper":
+        coef, normalised = paper_coefficients(w, scale), False
+    else:
+        coef, normalised = column_normalised(w, sizes), True
+    return update_globals(globals_, deltas, coef, theta_lr, normalised=normalised, int_policy=int_policy), logits
+
+
 def select_keys(model: torch.nn.Module, spec: str) -> list[str]:
     """Parameter keys entering the logit inner product: ``head`` | ``last-K`` (last K layers) | ``all``.
 
