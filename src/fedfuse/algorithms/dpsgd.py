@@ -38,7 +38,7 @@ import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import train_local
-from fedfuse.engine.peers import route_peers
+from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
@@ -149,17 +149,15 @@ class DPSGD(Algorithm):
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
         out = {}
         for c in clients:
-            box = state.get("mailbox", {}).get(c, {})
-            out[c] = Message({f"sim/{k}": v for k, v in box.items()}, {"round": info.index, "total": info.total})
+            out[c] = Message(deliver(state.get("mailbox", {}), c), {"round": info.index, "total": info.total})
         return out
 
     def exchange(self, info: RoundInfo, results: dict[int, Message]) -> tuple[dict[int, Message], int]:
         return route_peers(results)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
-        owns = {c: {k[8:]: v for k, v in m.tensors.items() if k.startswith("sim/own/")} for c, m in results.items()}
-        mailbox = {c: {k[9:]: v for k, v in m.tensors.items() if k.startswith("sim/mail/")}
-                   for c, m in results.items()}
+        owns = {c: own_tensors(m) for c, m in results.items()}
+        mailbox = {c: mail_of(m) for c, m in results.items()}
         owns = {c: s for c, s in owns.items() if s}
         glob = mix_states(owns, {c: 1.0 / len(owns) for c in owns}) if owns else state["global"]
         diag = {"peer_bytes_per_participant": float(np.mean([m.meta.get("peer_bytes", 0) for m in results.values()]))}

@@ -55,7 +55,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
 from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, cyclic_lr, scheduled_lr, train_local
-from fedfuse.engine.peers import route_peers
+from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -186,7 +186,7 @@ class MSfusion(Algorithm):
             box = state.get("mailbox", {}).get(c, {})
             senders = sorted({int(k.split("/", 1)[0]) for k in box})
             meta = {"round": info.index, "total": info.total, "senders": senders}
-            out[c] = Message({f"sim/{k}": v for k, v in box.items()}, meta)
+            out[c] = Message(deliver(state.get("mailbox", {}), c), meta)
         return out
 
     def exchange(self, info: RoundInfo, results: dict[int, Message]) -> tuple[dict[int, Message], int]:
@@ -200,11 +200,11 @@ class MSfusion(Algorithm):
         subs, sels = [], {}
         mailbox: dict[int, TensorDict] = {}
         for c, msg in results.items():
-            own = {k[8:]: v for k, v in msg.tensors.items() if k.startswith("sim/own/")}
+            own = own_tensors(msg)
             sel = {g: torch.tensor(v, dtype=torch.long) for g, v in msg.meta["sel"].items()}
             subs.append((own, sel))
             sels[c] = sel
-            mailbox[c] = {k[9:]: v for k, v in msg.tensors.items() if k.startswith("sim/mail/")}
+            mailbox[c] = mail_of(msg)
         glob, _ = combine(state["global"], full_sel, self.spec, self.shapes, subs)
         n = len(results)
         order = sorted(results)

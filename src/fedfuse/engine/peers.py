@@ -27,3 +27,18 @@ def route_peers(results: dict[int, Message]) -> tuple[dict[int, Message], int]:
         own = {k: v for k, v in msg.tensors.items() if k.startswith("sim/own/")}
         out[c] = Message({**own, **routed.get(c, {})}, dict(msg.meta))
     return out, int(moved)
+
+
+def own_tensors(msg: Message) -> TensorDict:
+    """The sender's own ``sim/own/`` tensors of a routed reply (what the simulation assembles for evaluation)."""
+    return {k[len("sim/own/"):]: v for k, v in msg.tensors.items() if k.startswith("sim/own/")}
+
+
+def mail_of(msg: Message) -> TensorDict:
+    """The mail a routed reply holds, keyed ``{sender}/key``, to keep until the participant's next round."""
+    return {k[len("sim/mail/"):]: v for k, v in msg.tensors.items() if k.startswith("sim/mail/")}
+
+
+def deliver(mailbox: dict[int, TensorDict], cid: int) -> TensorDict:
+    """Participant ``cid``'s kept mail as ``sim/`` payload tensors (``sim/{sender}/key``)."""
+    return {f"sim/{k}": v for k, v in mailbox.get(cid, {}).items()}
