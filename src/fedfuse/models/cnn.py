@@ -17,6 +17,27 @@ def _conv_pool_size(size: int, kernel: int, padding: int) -> int:
     return (size + 2 * padding - kernel + 1) // 2
 
 
+def _two_conv_pool_out(image: tuple[int, int, int], name: str, padding: int | None) -> tuple[int, int, int]:
+    """(padding, height, width) after two 5x5 conv + 2x2 max-pool stages.
+
+    ``padding=None`` picks 0 (the original models) when the input is large enough and 2 ('same') otherwise.
+    """
+    _, h, w = image
+
+    def out_size(pad: int) -> tuple[int, int]:
+        hh, ww = h, w
+        for _ in range(2):
+            hh, ww = _conv_pool_size(hh, 5, pad), _conv_pool_size(ww, 5, pad)
+        return hh, ww
+
+    if padding is None:
+        padding = 0 if min(out_size(0)) >= 1 else 2
+    oh, ow = out_size(padding)
+    if min(oh, ow) < 1:
+        raise ValueError(f"input {image} is too small for {name} with padding={padding}")
+    return padding, oh, ow
+
+
 class CNN(FedModel):
     """McMahan et al. 2017: conv5x5 32 -> ReLU -> pool -> conv5x5 64 -> ReLU -> pool -> fc 512 -> ReLU -> fc.
 
@@ -72,20 +93,9 @@ class CifarCNN(FedModel):
         super().__init__("classification")
         if len(channels) != 2 or len(hidden) != 2:
             raise ValueError("cnn-cifar needs two conv widths and two hidden widths")
-        c, h, w = image
+        c = image[0]
         self.image = image
-
-        def out_size(pad: int) -> tuple[int, int]:
-            hh, ww = h, w
-            for _ in range(2):
-                hh, ww = _conv_pool_size(hh, 5, pad), _conv_pool_size(ww, 5, pad)
-            return hh, ww
-
-        if padding is None:
-            padding = 0 if min(out_size(0)) >= 1 else 2
-        oh, ow = out_size(padding)
-        if min(oh, ow) < 1:
-            raise ValueError(f"input {image} is too small for cnn-cifar with padding={padding}")
+        padding, oh, ow = _two_conv_pool_out(image, "cnn-cifar", padding)
         self.conv1 = nn.Conv2d(c, channels[0], 5, padding=padding)
         self.conv2 = nn.Conv2d(channels[0], channels[1], 5, padding=padding)
         self.fc1 = nn.Linear(channels[1] * oh * ow, hidden[0])
@@ -121,20 +131,9 @@ class FemnistCNN(FedModel):
         super().__init__("classification")
         if len(channels) != 2:
             raise ValueError(f"cnn-femnist needs two conv widths, got {tuple(channels)}")
-        c, h, w = image
+        c = image[0]
         self.image = image
-
-        def out_size(pad: int) -> tuple[int, int]:
-            hh, ww = h, w
-            for _ in range(2):
-                hh, ww = _conv_pool_size(hh, 5, pad), _conv_pool_size(ww, 5, pad)
-            return hh, ww
-
-        if padding is None:
-            padding = 0 if min(out_size(0)) >= 1 else 2
-        h, w = out_size(padding)
-        if min(h, w) < 1:
-            raise ValueError(f"input {image} is too small for cnn-femnist with padding={padding}")
+        padding, h, w = _two_conv_pool_out(image, "cnn-femnist", padding)
         self.conv1 = nn.Conv2d(c, channels[0], 5, padding=padding)
         self.conv2 = nn.Conv2d(channels[0], channels[1], 5, padding=padding)
         self.fc1 = nn.Linear(channels[1] * h * w, hidden)
