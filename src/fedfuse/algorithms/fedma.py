@@ -45,7 +45,7 @@ import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState, state_of
 from fedfuse.engine.client import TrainConfig, train_local
-from fedfuse.fusion.match import class_weighted_average, match_group
+from fedfuse.fusion.match import MatchingOptions, class_weighted_average, match_group
 from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather, width_options
 from fedfuse.models.base import layer_index
 from fedfuse.options import opt
@@ -120,17 +120,7 @@ class FedMA(Algorithm):
     reply_kind = "other"  # replies are the client's own-size layers, not the (grown) global ones it was sent
 
     @dataclass
-    class Options:
-        matching: str = opt("bbp", "layer matching: BBP-MAP (paper, code; may grow layers) or Hungarian "
-                            "permutations (no growth)", choices=("bbp", "hungarian"))
-        sigma: float = opt(1.0, "BBP-MAP noise variance σ (code: 1)", gt=0.0)
-        sigma0: float = opt(1.0, "BBP-MAP prior variance σ0 (code: 1)", gt=0.0)
-        gamma: float = opt(7.0, "BBP-MAP new-neuron rate γ (code: 7)", gt=0.0)
-        iters: int = opt(5, "BBP-MAP passes (code: 5) / Hungarian re-alignments", ge=0)
-        cap: int = opt(700, "soft cap on a global layer's width (code: 700)", ge=1)
-        estimator: str = opt("posterior", "global unit: posterior mean g/p (paper, code) or the plain mean of the "
-                             "matched units", choices=("posterior", "mean"))
-        metric: str = opt("l2", "Hungarian cost", choices=("l2", "l1"))
+    class Options(MatchingOptions):
         init: str = opt("distinct", "round-0 client models: own seeded initialisations (code's init_models) or "
                         "one shared initialisation", choices=("distinct", "shared"))
         retrain_schedule: str = opt("code", "retraining optimiser: 'code' = IBM/FedMA local_retrain (SGD momentum "

@@ -31,7 +31,7 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.algorithms.fedma import base_sizes, class_counts, initial_state, retrain_config
 from fedfuse.engine.client import evaluate_model, train_local
 from fedfuse.fusion.average import weighted_average
-from fedfuse.fusion.match import match_network
+from fedfuse.fusion.match import MatchingOptions, match_network
 from fedfuse.fusion.permute import chain_spec, width_options
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
@@ -116,17 +116,8 @@ class OneShotMatching(_LocalModels):
     description = "One-shot matching: layer-wise BBP-MAP (or Hungarian) matched averaging, no retraining"
 
     @dataclass
-    class Options(_LocalModels.Options):
-        matching: str = opt("bbp", "layer matching: BBP-MAP (paper, code) or Hungarian permutations",
-                            choices=("bbp", "hungarian"))
-        sigma: float = opt(1.0, "BBP-MAP noise variance σ (code: 1)", gt=0.0)
-        sigma0: float = opt(1.0, "BBP-MAP prior variance σ0 (code: 1)", gt=0.0)
-        gamma: float = opt(7.0, "BBP-MAP new-neuron rate γ (code: 7)", gt=0.0)
-        iters: int = opt(5, "BBP-MAP passes (code: 5) / Hungarian re-alignments", ge=0)
-        cap: int = opt(700, "soft cap on a global layer's width (code: 700)", ge=1)
-        estimator: str = opt("posterior", "global unit: posterior mean (paper, code) or plain mean of the matched "
-                             "units", choices=("posterior", "mean"))
-        metric: str = opt("l2", "Hungarian cost", choices=("l2", "l1"))
+    class Options(_LocalModels.Options, MatchingOptions):
+        pass
 
     def init_state(self) -> ServerState:
         return {**super().init_state(), "sizes": base_sizes(self.ctx)}

@@ -43,6 +43,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from fedfuse.fusion.permute import PermGroup, expand
+from fedfuse.options import opt
 from fedfuse.types import TensorDict
 
 # ------------------------------------------------------------------------------------------------- atoms
@@ -114,6 +115,22 @@ def hungarian(ref: np.ndarray | torch.Tensor, other: np.ndarray | torch.Tensor, 
     perm = np.empty(len(rows), dtype=np.int64)
     perm[rows] = cols
     return perm
+
+
+@dataclass
+class MatchingOptions:
+    """The matching options shared by every algorithm that matches neurons (FedMA, one-shot matching)."""
+
+    matching: str = opt("bbp", "layer matching: BBP-MAP (paper, code; may grow layers) or Hungarian "
+                        "permutations (no growth)", choices=("bbp", "hungarian"))
+    sigma: float = opt(1.0, "BBP-MAP noise variance σ (code: 1)", gt=0.0)
+    sigma0: float = opt(1.0, "BBP-MAP prior variance σ0 (code: 1)", gt=0.0)
+    gamma: float = opt(7.0, "BBP-MAP new-neuron rate γ (code: 7)", gt=0.0)
+    iters: int = opt(5, "BBP-MAP passes (code: 5) / Hungarian re-alignments", ge=0)
+    cap: int = opt(700, "soft cap on a global layer's width (code: 700)", ge=1)
+    estimator: str = opt("posterior", "global unit: posterior mean g/p (paper, code) or the plain mean of the "
+                         "matched units", choices=("posterior", "mean"))
+    metric: str = opt("l2", "Hungarian cost", choices=("l2", "l1"))
 
 
 @dataclass
