@@ -65,6 +65,7 @@ from fedfuse.fusion.average import delta
 from fedfuse.fusion.merge import (
     cluster_ari,
     fixed_weights,
+    merge_entropy,
     merge_states,
     row_softmax,
     select_keys,
@@ -241,7 +242,7 @@ class FedMerge(Algorithm):
     # ---- diagnostics ---------------------------------------------------------------------------
     def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
         w = self.weights(state).numpy()
-        out: dict[str, Any] = {"merge_entropy": float(-(w * np.log(np.clip(w, 1e-300, None))).sum(1).mean())}
+        out: dict[str, Any] = {"merge_entropy": merge_entropy(w)}
         groups = self.ctx.client_groups
         out["ari"] = cluster_ari(w, groups, self.ctx.seed) if groups else None
         every = int(self.opt.heatmap_every)

@@ -46,6 +46,7 @@ from fedfuse.engine.client import make_optimizer, task_loss
 from fedfuse.fusion.average import delta, weighted_average
 from fedfuse.fusion.merge import (
     cluster_ari,
+    merge_entropy,
     merge_states,
     row_softmax,
     server_step,
@@ -167,7 +168,7 @@ class FedMergeLoRA(LoraAlgorithm):
         out = super().diagnostics(state, fed, info)
         w = self.weights(state)
         wn = w.numpy()
-        out["merge_entropy"] = float(-(wn * np.log(np.clip(wn, 1e-300, None))).sum(1).mean())
+        out["merge_entropy"] = merge_entropy(wn)
         out["merge_cross_term"] = float(np.mean([cross_term_gap(state["globals"], w[i].tolist())
                                                  for i in range(w.shape[0])]))
         groups = self.ctx.client_groups

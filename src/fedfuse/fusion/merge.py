@@ -197,6 +197,11 @@ def server_step(
     return update_globals(globals_, deltas, coef, theta_lr, normalised=normalised, int_policy=int_policy), logits
 
 
+def merge_entropy(weights: np.ndarray) -> float:
+    """Mean row entropy (nats) of a merging-weight matrix: log d for uniform rows, 0 for one-hot rows."""
+    return float(-(weights * np.log(np.clip(weights, 1e-300, None))).sum(1).mean())
+
+
 def select_keys(model: torch.nn.Module, spec: str) -> list[str]:
     """Parameter keys entering the logit inner product: ``head`` | ``last-K`` (last K layers) | ``all``.
 
