@@ -25,6 +25,7 @@ import datetime as _dt
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,7 +33,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -218,7 +220,8 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
         "# Submit it with:  FLWR_HOME=.flwr flwr run . " + connection + "\n\n"
         + "[build-system]\nrequires = [\"hatchling\"]\nbuild-backend = \"hatchling.build\"\n\n"
         + _toml_table("project", {"name": name, "version": "1.0.0",
-                                  "description": "fedfuse experiment as a Flower app"})
+                                  "description": "fedfuse experiment as a Flower app",
+                                  "license": "Apache-2.0"})
         + f"dependencies = [{deps}]\n\n"
         + _toml_table("tool.flwr.app", {"publisher": publisher}) + "\n"
         + _toml_table("tool.flwr.app.components", {"serverapp": serverapp, "clientapp": clientapp}) + "\n"
@@ -265,7 +268,7 @@ class _Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
-    cmd: list[str] = field(default_factory=list)
+    offset: int  # where this process's output starts in ``log`` (a restarted SuperNode appends)
 
 
 class LocalFederation:
@@ -299,6 +302,8 @@ class LocalFederation:
         self.certs: Certificates | None = None
         self.superlink: _Proc | None = None
         self.nodes: list[_Proc | None] = []
+        self.node_id: list[int] = []  # Flower node id of each SuperNode
+        self._streams: dict[int, subprocess.Popen[bytes]] = {}
         self._env = dict(os.environ)
         self._env.update(env or {})
         self._env.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -337,12 +342,23 @@ class LocalFederation:
             cmd.append("--enable-supernode-auth")
         self.superlink = self._spawn("superlink", cmd, self.dir / "superlink-home")
         self._wait_listening(self.superlink, self.port)
-        for i in range(self.num_nodes):
-            if self.auth:
-                self.flwr("supernode", "register", str(self.certs.node_keys[i][1]), self.connection,
-                          "--name", f"node-{i}")
-            self.nodes.append(self._start_node(i))
-        self.wait_nodes(self.num_nodes)
+        if self.auth:  # registrations run side by side: each `flwr` call is a Python start-up
+            with ThreadPoolExecutor(self.num_nodes) as pool:
+                list(pool.map(self.register, range(self.num_nodes)))
+        self.nodes = [self._start_node(i) for i in range(self.num_nodes)]
+        self.node_id = [self._wait_node(i) for i in range(self.num_nodes)]
+
+    def register(self, i: int) -> None:
+        """``flwr supernode register certs/node-I.pub``: the SuperLink will accept SuperNode ``i``'s key."""
+        assert self.certs is not None
+        self.flwr("supernode", "register", str(self.certs.node_keys[i][1]), self.connection, "--name", f"node-{i}")
+
+    def restart(self, i: int) -> int:
+        """Start SuperNode ``i`` again (after :meth:`kill`) with its registered key; returns its node id."""
+        if self.nodes[i] is None:
+            self.nodes[i] = self._start_node(i)
+            self.node_id[i] = self._wait_node(i)
+        return self.node_id[i]
 
     def _start_node(self, i: int) -> _Proc:
         assert self.certs is not None
@@ -354,14 +370,32 @@ class LocalFederation:
             cmd += ["--node-config", self.node_config[i]]
         return self._spawn(f"supernode-{i}", cmd, self.dir / f"supernode-{i}-home")
 
+    def _wait_node(self, i: int) -> int:
+        """Wait until SuperNode ``i`` is connected: it logs ``SuperNode ID: N`` once the SuperLink accepted it
+        (TLS handshake and, with ``auth``, its signature); returns N."""
+        proc = self.nodes[i]
+        assert proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            text = proc.log.read_bytes()[proc.offset:].decode(errors="replace")
+            found = re.search(r"SuperNode ID: (\d+)", text)
+            if found:
+                return int(found.group(1))
+            if proc.popen.poll() is not None:
+                raise FederationError(f"{proc.name} exited with {proc.popen.returncode}:\n{_tail(proc.log)}")
+            if time.monotonic() > deadline:
+                raise FederationError(f"{proc.name} not connected after {self.startup_timeout}s:\n{_tail(proc.log)}")
+            time.sleep(0.2)
+
     def _spawn(self, name: str, cmd: list[str], home: Path) -> _Proc:
         home.mkdir(parents=True, exist_ok=True)
         log = self.logs / f"{name}.log"
         env = dict(self._env, FLWR_HOME=str(home))
         with log.open("ab") as fh:
+            offset = fh.tell()
             popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=home, start_new_session=True)
-        return _Proc(name, popen, log, cmd)
+        return _Proc(name, popen, log, offset)
 
     def _wait_listening(self, proc: _Proc, port: int) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -377,23 +411,10 @@ class LocalFederation:
                               f"{_tail(proc.log)}")
 
     def node_ids(self) -> list[int]:
-        """Node ids of the SuperNodes the SuperLink currently lists as online."""
+        """Node ids of the SuperNodes the SuperLink lists as online (``flwr supernode list``; a killed SuperNode
+        stays listed until its heartbeats are missed, ~1 min)."""
         rows = self.flwr_json("supernode", "list", self.connection).get("nodes", [])
         return [int(r["node-id"]) for r in rows if r.get("status") == "online"]
-
-    def wait_nodes(self, n: int) -> None:
-        """Block until ``n`` SuperNodes are online (SuperNode processes are checked for early exits)."""
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            for p in self.nodes:
-                if p is not None and p.popen.poll() is not None:
-                    raise FederationError(f"{p.name} exited with {p.popen.returncode}:\n{_tail(p.log)}")
-            if len(self.node_ids()) >= n:
-                return
-            if time.monotonic() > deadline:
-                raise FederationError(f"only {len(self.node_ids())}/{n} SuperNodes online after "
-                                      f"{self.startup_timeout}s")
-            time.sleep(0.5)
 
     def kill(self, node_index: int) -> None:
         """SIGKILL SuperNode ``node_index`` and every process it spawned (a device that dies: no goodbye)."""
@@ -406,6 +427,10 @@ class LocalFederation:
 
     def stop(self) -> None:
         """Terminate the SuperNodes, then the SuperLink (SIGTERM; SIGKILL to what is left after 10 s)."""
+        for stream in self._streams.values():  # `flwr run --stream` of runs nobody waited for
+            _signal_tree(_tree(stream.pid), signal.SIGKILL)
+            stream.wait()
+        self._streams.clear()
         for procs in ([p for p in self.nodes if p is not None], [self.superlink] if self.superlink else []):
             trees = [_tree(p.popen.pid) for p in procs]
             for p in procs:
@@ -442,15 +467,32 @@ class LocalFederation:
             raise FederationError(f"no JSON in the output of flwr {' '.join(args)}:\n{out}")
         return json.loads(out[start:])
 
-    def run(self, app: str | Path, run_config: Mapping[str, Any] | None = None) -> int:
-        """``flwr run APP <connection>``; returns the run id."""
-        args = ["run", str(app), self.connection]
+    def run(self, app: str | Path, run_config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> int:
+        """Submit ``app`` with ``flwr run APP <connection> --stream``; returns the run id once the SuperLink has
+        accepted it.  The ``flwr`` process keeps streaming the ServerApp's log to ``logs/run-ID.log`` until the run
+        ends, which is what :meth:`wait` waits for (no status polling)."""
+        args = ["run", str(app), self.connection, "--stream"]
         for k, v in (run_config or {}).items():
             args += ["--run-config", f"{k}={_toml_value(v)}"]
-        res = self.flwr_json(*args)
-        if not res.get("success"):
-            raise FederationError(f"flwr run failed: {res}")
-        return int(res["run-id"])
+        log = self.logs / f"flwr-run-{time.monotonic_ns()}.log"
+        env = dict(self._env, FLWR_HOME=str(self.home), COLUMNS="200", NO_COLOR="1")
+        with log.open("wb") as fh:
+            popen = subprocess.Popen([_tool("flwr"), *args], stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            found = re.search(r"Successfully started run (\d+)", log.read_text(errors="replace"))
+            if found:
+                run_id = int(found.group(1))
+                self._streams[run_id] = popen
+                final = self.logs / f"run-{run_id}.log"
+                log.rename(final)  # the open file keeps receiving the stream under its new name
+                return run_id
+            if popen.poll() is not None or time.monotonic() > deadline:
+                _signal_tree(_tree(popen.pid), signal.SIGKILL)
+                popen.wait()
+                raise FederationError(f"flwr run {app} did not start a run:\n{_tail(log)}")
+            time.sleep(0.2)
 
     def status(self, run_id: int) -> str:
         """The run's status as ``flwr list`` shows it, e.g. ``running`` or ``finished:completed``."""
@@ -458,15 +500,28 @@ class LocalFederation:
         runs = res.get("runs", [])
         return str(runs[0]["status"]) if runs else "unknown"
 
-    def wait(self, run_id: int, timeout: float = 300.0, poll: float = 1.0) -> str:
-        """Block until the run finishes; returns its final status (raises on timeout)."""
+    def wait(self, run_id: int, timeout: float = 300.0) -> str:
+        """Block until the run finishes; returns its final status, e.g. ``finished:completed`` (raises on timeout).
+
+        Waits for the run's log stream to end (the SuperLink closes it when the run finishes), then asks the
+        SuperLink for the status; a stream that ends early falls back to polling every 2 s."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        stream = self._streams.pop(run_id, None)
+        if stream is not None:
+            try:
+                stream.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _signal_tree(_tree(stream.pid), signal.SIGKILL)
+                stream.wait()
+                raise FederationError(f"run {run_id} not finished after {timeout}s:\n"
+                                      f"{_tail(self.logs / f'run-{run_id}.log')}") from None
+        while True:
             status = self.status(run_id)
             if status.startswith("finished"):
                 return status
-            time.sleep(poll)
-        raise FederationError(f"run {run_id} not finished after {timeout}s (status {self.status(run_id)})")
+            if time.monotonic() > deadline:
+                raise FederationError(f"run {run_id} not finished after {timeout}s (status {status})")
+            time.sleep(2.0)
 
     def logs_of(self, run_id: int) -> str:
         """The run's ServerApp log as the SuperLink stored it (``flwr log RUN --show``)."""
