@@ -59,17 +59,22 @@ def run_key(run_json: str) -> str:
     return hashlib.sha256(run_json.encode()).hexdigest()
 
 
-def node_run(run_json: str) -> NodeRun:
-    """The node-side federation and algorithm of a run (built once per config, then cached)."""
+def node_run(run_json: str, node_config: Any = None) -> NodeRun:
+    """The node-side federation and algorithm of a run (built once per config, then cached).
+
+    A SuperNode started with ``--node-config "data-dir='/path'"`` reads the dataset files from its own
+    directory instead of the path in the server's config (the files must be the same for the same run)."""
     key = run_key(run_json)
     if key not in _RUNS:
         from fedfuse.api import make_config
 
-        prepare_node(make_config(json.loads(run_json)))
+        cfg = make_config(json.loads(run_json))
+        data_dir = (node_config or {}).get("data-dir")
+        prepare_node(dataclasses.replace(cfg, data_dir=str(data_dir)) if data_dir else cfg, key=key)
     return _RUNS[key]
 
 
-def prepare_node(cfg: Any, fed: Any = None) -> NodeRun:
+def prepare_node(cfg: Any, fed: Any = None, *, key: str | None = None) -> NodeRun:
     """Build (and cache) this node's side of run ``cfg``.  ``fed`` gives the federation instead of building it
     from the config — for a federation assembled in code, as ``Experiment(cfg, fed=...)`` accepts in process."""
     from fedfuse.algorithms import get_algorithm
@@ -81,7 +86,7 @@ def prepare_node(cfg: Any, fed: Any = None) -> NodeRun:
     with torch.random.fork_rng(devices=[]):
         built = NodeRun(*assemble(cfg, resolve_device(cfg.device), fed=fed, lookup=get_algorithm))
     _RUNS.clear()  # one run at a time per node process
-    _RUNS[run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
+    _RUNS[key or run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
     return built
 
 
@@ -90,7 +95,7 @@ def handle(msg: Message, context: Context) -> Message:
     from fedfuse.engine.client import TrainConfig
 
     job_rec = msg.content[JOB]
-    run = node_run(str(job_rec["run"]))
+    run = node_run(str(job_rec["run"]), context.node_config)
     method, cid, seed = str(job_rec["method"]), int(job_rec["cid"]), int(job_rec["seed"])
     train = json.loads(str(job_rec["train"]))
     if train:
