@@ -192,15 +192,16 @@ def write_connection(home: str | Path, superlink: str, root_certificates: str | 
 def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str = f"127.0.0.1:{DEFAULT_PORT}",
               root_certificates: str | Path | None = None, insecure: bool = False,
               connection: str = DEFAULT_CONNECTION, out: str | Path | None = None, round_timeout: float = 0.0,
-              name: str = "fedfuse-app", publisher: str = "fedfuse", serverapp: str = SERVERAPP,
+              min_nodes: int = 1, name: str = "fedfuse-app", publisher: str = "fedfuse", serverapp: str = SERVERAPP,
               clientapp: str = CLIENTAPP, run_config: Mapping[str, Any] | None = None,
               dependencies: Sequence[str] = ("fedfuse", FLOWER_REQUIREMENT)) -> Path:
     """Write a Flower app project into ``dir`` and a SuperLink connection into ``dir/.flwr``; returns ``dir``.
 
     ``pyproject.toml`` names fedfuse's ServerApp and ClientApp and carries ``[tool.flwr.app.config]``:
     ``fedfuse-config`` (absolute path of a copy of ``config_path`` written to ``dir/fedfuse-config.yaml``; the
-    ServerApp reads it on the SuperLink's machine), ``out`` and ``round-timeout`` (seconds each round waits for
-    replies; 0 = forever), plus ``run_config``.  ``config_path=None`` writes no fedfuse config (for other apps).
+    ServerApp reads it on the SuperLink's machine), ``out`` (run directory there), ``round-timeout`` (seconds each
+    round waits for replies; 0 = forever) and ``min-nodes`` (SuperNodes to wait for before round 1), plus
+    ``run_config``.  ``config_path=None`` writes no fedfuse config (for other apps).
     Submit with ``FLWR_HOME=dir/.flwr flwr run dir <connection>``.
     """
     app = Path(dir).resolve()
@@ -213,6 +214,7 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
         cfg["fedfuse-config"] = str(copy)
     cfg["out"] = str(Path(out).resolve()) if out else ""
     cfg["round-timeout"] = float(round_timeout)
+    cfg["min-nodes"] = int(min_nodes)
     cfg.update(run_config or {})
     deps = ", ".join(json.dumps(d) for d in dependencies)
     text = (
@@ -597,6 +599,7 @@ def add_flower_app_parser(sub: Any) -> None:
     p.add_argument("--out", default=None, help="output directory of the run on the SuperLink's machine")
     p.add_argument("--round-timeout", type=float, default=0.0,
                    help="seconds a round waits for replies before it continues without them (0 = forever)")
+    p.add_argument("--min-nodes", type=int, default=1, help="SuperNodes to wait for before the first round")
     p.set_defaults(func=cmd_flower_app)
 
 
@@ -618,7 +621,7 @@ def cmd_flower_app(args: Any) -> int:
     else:
         certs = make_certificates(cert_dir, hosts=[host], nodes=args.nodes)
     app = write_app(args.dir, args.config, superlink=args.superlink, root_certificates=certs.ca_cert,
-                    out=args.out, round_timeout=args.round_timeout)
+                    out=args.out, round_timeout=args.round_timeout, min_nodes=args.min_nodes)
     cmds = deployment_commands(app, certs, args.superlink)
     auth = "with SuperNode authentication" if certs.node_keys else "without SuperNode authentication"
     print(f"Flower app written to {app} (certificates in {certs.dir.resolve()}, {auth}).\n"
