@@ -184,6 +184,10 @@ def test_flower_app_command_writes_app_and_prints_commands(tmp_path: Path, capsy
     assert main(["flower-app", str(tmp_path / "app"), "--config", str(cfg), "--superlink", "10.0.0.5:9093",
                  "--certificates", str(tmp_path / "certs")]) == 0
     printed = capsys.readouterr().out
+    from flwr.cli.config_utils import load_and_validate
+
+    _, warnings = load_and_validate(tmp_path / "app" / "pyproject.toml")  # flwr's own check (imports the apps)
+    assert warnings == []
     pyproject = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())
     app = pyproject["tool"]["flwr"]["app"]
     assert app["components"] == {"serverapp": "fedfuse.flower.app:server_app",

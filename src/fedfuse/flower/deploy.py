@@ -277,7 +277,7 @@ class LocalFederation:
     """A TLS SuperLink and ``nodes`` SuperNodes on loopback, started as subprocesses.
 
     >>> with LocalFederation(tmp, nodes=2) as fed:            # doctest: +SKIP
-    ...     run_id = fed.run(app_dir)                          # flwr run APP fedfuse --format json
+    ...     run_id = fed.run(app_dir)                          # flwr run APP fedfuse --stream
     ...     fed.wait(run_id, timeout=120)                      # "finished:completed"
 
     Every process gets its own ``FLWR_HOME`` under ``dir`` and logs to ``dir/logs/NAME.log``; :meth:`kill` SIGKILLs
@@ -609,7 +609,7 @@ def cmd_flower_app(args: Any) -> int:
 
     validate(apply(RunConfig(), load_yaml(args.config)))
     host = args.superlink.rsplit(":", 1)[0].strip("[]")
-    cert_dir = Path(args.certificates) if args.certificates else Path(args.dir) / "certs"
+    cert_dir = (Path(args.certificates) if args.certificates else Path(args.dir) / "certs").resolve()
     if (cert_dir / "ca.crt").exists():
         names = certificate_hosts(cert_dir / "server.pem")
         if host not in names:
