@@ -200,3 +200,22 @@ def test_flower_app_command_writes_app_and_prints_commands(tmp_path: Path, capsy
     for command in ("flower-superlink", "flower-supernode", "flwr supernode register", "flwr run"):
         assert command in printed
     assert "10.0.0.5:9093" in printed and "--disable-runtime-dependency-installation" in printed
+
+
+def test_app_bundle_holds_the_config_but_no_keys_or_outputs(tmp_path: Path) -> None:
+    """What `flwr run` uploads (the FAB, built by flwr's own builder): pyproject and the config copy; not the
+    certificates and keys, the CLI's connection file, or an output directory placed inside the app."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(CONFIG)
+    app = write_app(tmp_path / "app", cfg, out=tmp_path / "app" / "runs" / "r1")
+    make_certificates(app / "certs", nodes=1)
+    (app / "runs" / "r1").mkdir(parents=True)
+    (app / "runs" / "r1" / "metrics.jsonl").write_text("{}\n")
+    names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(app))).namelist())
+    assert {"pyproject.toml", "fedfuse-config.yaml"} <= names
+    assert not any(n.startswith(("certs/", ".flwr/", "runs/")) for n in names), names

@@ -201,7 +201,8 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
     ``fedfuse-config`` (absolute path of a copy of ``config_path`` written to ``dir/fedfuse-config.yaml``; the
     ServerApp reads it on the SuperLink's machine), ``out`` (run directory there), ``round-timeout`` (seconds each
     round waits for replies; 0 = forever) and ``min-nodes`` (SuperNodes to wait for before round 1), plus
-    ``run_config``.  ``config_path=None`` writes no fedfuse config (for other apps).
+    ``run_config``.  ``config_path=None`` writes no fedfuse config (for other apps).  ``.gitignore`` keeps
+    ``.flwr/``, ``certs/`` and an ``out`` inside ``dir`` out of the bundle ``flwr run`` uploads (and out of git).
     Submit with ``FLWR_HOME=dir/.flwr flwr run dir <connection>``.
     """
     app = Path(dir).resolve()
@@ -231,6 +232,12 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
     )
     (app / "pyproject.toml").write_text(text)
     write_connection(app / ".flwr", superlink, root_certificates, connection, insecure)
+    ignore = [".flwr/", "certs/"]  # flwr run builds the app bundle from DIR minus .gitignore: no keys, no outputs
+    if out and Path(out).resolve().is_relative_to(app):
+        ignore.append(Path(out).resolve().relative_to(app).as_posix() + "/")
+    gitignore = app / ".gitignore"
+    have = gitignore.read_text().splitlines() if gitignore.exists() else []
+    gitignore.write_text("\n".join(have + [line for line in ignore if line not in have]) + "\n")
     return app
 
 
