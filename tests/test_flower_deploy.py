@@ -133,6 +133,37 @@ def federation(_federation: LocalFederation) -> LocalFederation:
     return _federation
 
 
+def test_supernodes_with_an_unregistered_key_or_a_foreign_ca_are_refused(federation: LocalFederation,
+                                                                       tmp_path: Path) -> None:
+    """Node authentication and TLS are enforced: a SuperNode whose key was never registered is refused by the
+    SuperLink, and one that trusts another CA refuses the SuperLink's certificate; both exit with an error."""
+    import shutil
+    import subprocess
+
+    from fedfuse.flower.deploy import free_port
+
+    rogue = make_certificates(tmp_path / "rogue", nodes=1)
+    assert federation.certs is not None
+    cases = {"unregistered-key": (federation.certs.ca_cert, rogue.node_keys[0][0]),
+             "foreign-ca": (rogue.ca_cert, federation.certs.node_keys[0][0])}
+    procs = {}
+    for name, (ca, key) in cases.items():
+        with (tmp_path / f"{name}.log").open("wb") as log:
+            procs[name] = subprocess.Popen(
+                [shutil.which("flower-supernode") or "flower-supernode", "--superlink", federation.address,
+                 "--root-certificates", str(ca), "--auth-supernode-private-key", str(key),
+                 "--port", str(free_port()), "--max-retries", "1"],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **_env(), "FLWR_HOME": str(tmp_path / name)})
+    for name, proc in procs.items():
+        try:
+            assert proc.wait(timeout=120) != 0, name
+        finally:
+            proc.kill()
+    assert "SuperNode ID" not in (tmp_path / "unregistered-key.log").read_text()
+    assert "No SuperNode found with the given public key" in (federation.logs / "superlink.log").read_text()
+    assert "CERTIFICATE_VERIFY_FAILED" in (tmp_path / "foreign-ca.log").read_text()
+
+
 @pytest.mark.slow
 def test_fedfuse_app_three_rounds_over_tls_equals_in_process(federation: LocalFederation, tmp_path: Path) -> None:
     """flwr run of fedfuse's app on a TLS SuperLink with two registered SuperNodes: 3 FedAvg rounds, both clients
