@@ -165,8 +165,12 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"unsupported TOML value {v!r}")
 
 
+def _toml_key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)  # bare only where TOML allows it
+
+
 def _toml_table(name: str, items: Mapping[str, Any]) -> str:
-    lines = [f"[{name}]"] + [f"{json.dumps(k) if '.' in k else k} = {_toml_value(v)}" for k, v in items.items()]
+    lines = [f"[{name}]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in items.items()]
     return "\n".join(lines) + "\n"
 
 
