@@ -264,12 +264,12 @@ def test_a_client_leaving_between_stages(stage):
     trained = trained_models(ex, 0)
     uploads = {c: rep.tensors for c, (rep, _) in ex.outs[(0, 2)].items()}
     assert gone not in uploads and 1 <= len(uploads) <= K - 1
-    for c, up in uploads.items():
+    for up in uploads.values():
         assert not any(holds(up, own) for own in trained.values())
     for unit in exp.algo.units():  # every position filled once; no trained layer used twice
         found = [s for c in uploads for s in source_of(unit, uploads[c], trained)]
         assert len(found) == len(uploads) == len(set(found))
-    for _, r, st, results in exp.algo.seen:
+    for _, r, _, results in exp.algo.seen:
         for msg in results.values():
             assert not any(holds(msg.tensors, own) for own in trained_models(ex, r).values())
 
