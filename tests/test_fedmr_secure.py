@@ -167,14 +167,24 @@ def test_recombined_models_equal_the_server_side_simulation():
 
 # ---- (3) the same run through Flower messages ---------------------------------------------------------------
 def test_secure_fedmr_over_flower_messages_equals_in_process():
+    """Every job travels as a Flower message to in-process ClientApp nodes; the metrics equal the in-process
+    run exactly, and nothing a node sends back — replies *and* the client state that returns with them —
+    holds a client's trained model: the model and private key stay in the node's ``context.state``."""
     pytest.importorskip("flwr")
-    from fedfuse.flower.app import client_app
+    from fedfuse.flower import wire
+    from fedfuse.flower.app import KEPT, client_app
     from fedfuse.flower.executor import FlowerExecutor, LocalGrid
 
+    class RecordingGrid(LocalGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = super().send_and_receive(messages, timeout=timeout)
+            self.seen += [wire.unpack(r.content)["result"] for r in replies if not r.has_error()]
+            return replies
+
     cfg = validate(secure_cfg())
-    ref = Experiment(cfg)
-    ref.run()
-    grid = LocalGrid(client_app, 2)
+    ref, ex = recorded_run(cfg)
+    grid = RecordingGrid(client_app, 2)
+    grid.seen = []
     flw = Experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
     flw.run()
     assert [strip_timing(h) for h in flw.history] == [strip_timing(h) for h in ref.history]
@@ -182,7 +192,16 @@ def test_secure_fedmr_over_flower_messages_equals_in_process():
     assert totals == {k: v for k, v in ref.summary()["totals"].items() if k != "wall_seconds"}
     for a, b in zip(flw.state["slots"], ref.state["slots"], strict=True):
         assert all(torch.equal(a[k], b[k]) for k in b)
-    assert grid.calls >= 2 * 3
+    trained = [m for r in range(2) for m in trained_models(ex, r).values()]
+    fit_replies = [x for x in grid.seen if isinstance(x, tuple)]
+    assert len(fit_replies) == 2 * 3 * K
+    kept = 0
+    for reply, state in fit_replies:
+        assert not any(holds(reply.tensors, own) for own in trained)
+        assert state is None or state == {"secure": KEPT}  # no tensor of the client's state reaches the server
+        kept += state is not None
+    assert kept == 2 * 2 * K  # after stages 0 and 1 the node keeps the model; stage 2 drops it
+    assert all(st in (None, {"secure": KEPT}) for st in flw.client_states.values())
 
 
 # ---- (4) determinism ----------------------------------------------------------------------------------------

@@ -162,6 +162,7 @@ class FedMR(Algorithm):
     name = "fedmr"
     description = "FedMR: K slot models, layer-wise random recombination after every round (two-stage, FedMR-p)"
     echo_meta = ("slot",)  # the server notes which slot each reply trained (partial rounds keep the others)
+    node_private = ("secure",)  # secure mode's trained model and private key never leave a Flower node
 
     @dataclass
     class Options:
