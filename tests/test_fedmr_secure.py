@@ -302,3 +302,38 @@ def test_two_clients_one_leaves_skips_the_round():
     assert rec["round_skipped"] and (0, 2) not in ex.outs  # the survivor withholds its own model
     assert exp.state["slots"] is None  # the server is left as it was
     assert np.isfinite(rec["global_accuracy"])
+
+
+def test_flower_node_that_lost_its_store_is_a_dropout():
+    """A node restarts between stage 0 and stage 1 (its ``context.state`` is empty): its clients cannot send
+    their layers, the ClientApp raises, Flower turns that into an error reply (as its runtimes do), and the
+    loop counts them as dropouts; the round completes under the dropout policy."""
+    pytest.importorskip("flwr")
+    from flwr.app import Error, Message as FlowerMessage, RecordDict
+
+    from fedfuse.flower.app import client_app
+    from fedfuse.flower.executor import FlowerExecutor, LocalGrid
+
+    class RestartingGrid(LocalGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            if self.calls == 1:  # after round 1's stage 0: node 1 restarts
+                self.contexts[1].state = RecordDict()
+            out = []
+            self.calls += 1
+            for msg in messages:
+                received = self._wire(msg)
+                try:
+                    reply = self.client_app(received, self.contexts[msg.metadata.dst_node_id])
+                except Exception as e:  # what Flower's runtimes send back when a ClientApp raises
+                    reply = FlowerMessage(Error(code=2, reason=str(e)), reply_to=received)
+                out.append(self._wire(reply))
+            return out
+
+    cfg = validate(secure_cfg())
+    flw = Experiment(cfg, executor=FlowerExecutor(RestartingGrid(client_app, 2), cfg, cfg.seed))
+    flw.run()
+    rec = flw.history[0]
+    node1 = [c for c in rec["clients"] if c % 2 == 0]  # client cid is served by node ids[cid % 2]
+    assert node1 and sorted(rec["dropped"]) == node1 and not rec["round_skipped"]
+    assert rec["replied"] <= K - len(node1) and len(flw.history) == 2
+    assert np.isfinite(flw.history[-1]["global_accuracy"])
