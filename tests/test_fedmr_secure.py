@@ -309,7 +309,8 @@ def test_flower_node_that_lost_its_store_is_a_dropout():
     their layers, the ClientApp raises, Flower turns that into an error reply (as its runtimes do), and the
     loop counts them as dropouts; the round completes under the dropout policy."""
     pytest.importorskip("flwr")
-    from flwr.app import Error, Message as FlowerMessage, RecordDict
+    from flwr.app import Error, RecordDict
+    from flwr.app import Message as FlowerMessage
 
     from fedfuse.flower.app import client_app
     from fedfuse.flower.executor import FlowerExecutor, LocalGrid
