@@ -177,9 +177,10 @@ class FedMR(Algorithm):
         warmup_weighting: str = opt(
             "uniform", "warm-up averaging: 'uniform' over the K uploads (author code) or 'samples' "
             "(sample-weighted FedAvg)", choices=("uniform", "samples"))
-        secure: bool = opt(False, "App. B client-side secure recombination before upload (not in the author code)")
-        secure_send_prob: float = opt(0.5, "secure exchange: probability a client sends a given layer in stage 1",
-                                      ge=0.0, le=1.0)
+        secure: bool = opt(False, "App. B client-side secure recombination before upload (not in the author code): "
+                                  "three stages per round, layers travel encrypted client to client")
+        secure_send_prob: float = opt(0.5, "secure exchange plan: probability a client sends a given layer in the "
+                                      "first step of an App. B pass", ge=0.0, le=1.0)
         secure_min_passes: int = opt(1, "secure exchange: minimum number of exchange passes per round", ge=1)
         int_policy: str = opt("max", "num_batches_tracked in averages (warm-up, global model)",
                               choices=("max", "sum", "first"))
