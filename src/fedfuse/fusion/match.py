@@ -199,6 +199,7 @@ def bbp_map(
     rng: np.random.Generator | None = None,
     precision: str = "float32",
     certify: bool = True,
+    skip_settled: bool = True,
 ) -> BBPResult:
     """FedMA's BBP-MAP matching of ``J`` clients' atoms ((L_j, D) arrays); see the module docstring.
 
@@ -209,6 +210,11 @@ def bbp_map(
     natural parameters ``g`` are accumulated in float64, and each client's ``|x_l|²`` and new-atom scores are
     computed once and reused across the passes.  Per-dimension ``sigma``/``sigma0`` arrays use the general
     (elementwise) formula of :func:`bbp_cost`.
+
+    ``skip_settled`` (scalar path): once every client has been re-matched without changing which units share an
+    atom, the remaining passes cannot change it either (a client's choice depends only on the other clients'
+    atoms, which are then fixed), so they only redo the index bookkeeping (a client's atoms that hold only its
+    own units are deleted and re-appended, as the code does) without computing scores.
     """
     J = len(atoms)
     if J == 0:
@@ -221,7 +227,8 @@ def bbp_map(
     prior_norm = np.broadcast_to(np.asarray(mu0, dtype=np.float64), (D,)) / np.broadcast_to(sig0, (D,))
     if sig.ndim == 0 and sig0.ndim == 0:
         return _bbp_map_scalar([np.asarray(a, dtype=np.float64) for a in atoms], 1.0 / float(sig), 1.0 / float(sig0),
-                               prior_norm, gamma, iters, cap, popularity_cap, rng, np.dtype(precision), certify)
+                               prior_norm, gamma, iters, cap, popularity_cap, rng, np.dtype(precision), certify,
+                               skip_settled)
     s = np.broadcast_to(1.0 / sig, (D,)).copy()
     s0 = np.broadcast_to(1.0 / sig0, (D,)).copy()
     sw = [np.asarray(a, dtype=np.float64) * s for a in atoms]
@@ -256,7 +263,8 @@ def bbp_map(
     return BBPResult(g / p, g, p, counts, [np.asarray(a) for a in assign])
 
 
-def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype, certify) -> BBPResult:
+def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype, certify,
+                    skip_settled=True) -> BBPResult:
     """BBP-MAP with scalar precisions (see :func:`bbp_map`): the same schedule, scores by one product each.
 
     Reused across the passes: each client's ``|x_l|²``, Gram matrix ``x_j x_jᵀ`` and new-atom scores; the
@@ -269,7 +277,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     x = [a * s for a in w]
     xc = [np.ascontiguousarray(a, dtype=dtype) for a in x]
     xxh = [0.5 * (a * a).sum(1) for a in x]
-    gram = [a @ a.T for a in x]
+    gram: dict[int, np.ndarray] = {}  # x_j x_jᵀ, computed when first needed
     m2 = float((prior_norm**2).sum() / s0)
     new_score = [((a + prior_norm) ** 2).sum(1) / (s0 + s) - m2 for a in x]
     n = np.arange(J + 1)
@@ -283,7 +291,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     new_block: dict[tuple[int, int], np.ndarray] = {}
     new_offsets: dict[int, np.ndarray] = {}
     aranges = {Lj: np.arange(Lj) for Lj in {a.shape[0] for a in x}}
-    stats = {"solver": 0, "certified": 0, "unchanged": 0}
+    stats = {"solver": 0, "certified": 0, "unchanged": 0, "settled": 0}
     order = sorted(range(J), key=lambda j: -x[j].shape[0])  # stable: ties keep client order
     first = order[0]
     g = prior_norm[None, :] + x[first]
@@ -292,6 +300,14 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     counts = np.ones(g.shape[0], dtype=np.int64)
     assign: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * J
     assign[first] = np.arange(g.shape[0])
+
+    remap_last = np.empty(0, dtype=np.int64)
+
+    def arange_L(n_: int) -> np.ndarray:
+        r = aranges.get(n_)
+        if r is None:
+            r = aranges[n_] = np.arange(n_)
+        return r
 
     def refresh(rows_: np.ndarray) -> None:
         g32[rows_] = g[rows_]
@@ -357,15 +373,17 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         assign[j] = a
 
     def remove(j: int) -> None:
-        nonlocal g, g32, gg, counts
+        """Take client ``j``'s units out of their atoms; atoms left empty are deleted (``remap_last``: old → new)."""
+        nonlocal g, g32, gg, counts, remap_last
         a = assign[j]
         counts[a] -= 1
         g[a] -= x[j]
         keep = counts > 0
         if keep.all():
             refresh(a)
+            remap_last = arange_L(len(keep))
             return
-        remap = np.cumsum(keep) - 1
+        remap = remap_last = np.cumsum(keep) - 1
         for k in range(J):
             if k != j:
                 assign[k] = remap[assign[k]]
@@ -374,27 +392,49 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
 
     for j in order[1:]:
         add(j, solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts))
+    settled: set[int] = set()  # clients re-matched since the grouping of units into atoms last changed
     for _ in range(iters):
         for j in rng.permutation(J):
             j = int(j)
             a = assign[j]
             cnt_ = counts.copy()
             cnt_[a] -= 1
-            if cnt_[a].min() == 0:  # j held atoms alone: they are deleted first, as the code does
+            alone = cnt_[a] == 0
+            if skip_settled and len(settled) == J:  # nothing can change any more: only the index bookkeeping
+                stats["settled"] += 1
+                if alone.any():
+                    kept = a[~alone]
+                    remove(j)
+                    picked = np.empty(len(a), dtype=np.int64)
+                    picked[~alone] = remap_last[kept]
+                    picked[alone] = g.shape[0] + np.arange(int(alone.sum()))
+                    add(j, picked)
+                continue
+            if alone.any():  # j held atoms alone: they are deleted first, as the code does
+                kept = a[~alone]
                 remove(j)
-                add(j, solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts))
+                L = g.shape[0]
+                picked = solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts)
+                same = bool((picked[alone] >= L).all()) and np.array_equal(picked[~alone], remap_last[kept])
+                add(j, picked)
+                settled = settled | {j} if same else {j}
                 continue
             dot = (xc[j] @ g32.T).astype(np.float64)
             rows = aranges[len(a)]
             gg_ = gg.copy()
             gg_[a] += 2.0 * (xxh[j] - dot[rows, a])  # |g_i − x_l|² for the atoms j contributed to
-            dot[:, a] -= gram[j]  # products with the atoms without j
+            gj = gram.get(j)
+            if gj is None:
+                gj = gram[j] = x[j] @ x[j].T
+            dot[:, a] -= gj  # products with the atoms without j
             picked = solve(j, dot, gg_, cnt_)
             if np.array_equal(picked, a):
                 stats["unchanged"] += 1
+                settled.add(j)
                 continue
             remove(j)
             add(j, picked)
+            settled = {j}  # j's choice depends only on the others' atoms, which it did not change
     p = np.repeat((s0 + counts * s)[:, None], D, axis=1)
     return BBPResult(g / p, g, p, counts, [np.asarray(a) for a in assign], stats)
 
