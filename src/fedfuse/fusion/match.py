@@ -224,11 +224,12 @@ def bbp_map(
     rng = rng if rng is not None else np.random.default_rng(0)
     D = atoms[0].shape[1]
     sig, sig0 = np.asarray(sigma, dtype=np.float64), np.asarray(sigma0, dtype=np.float64)
-    prior_norm = np.broadcast_to(np.asarray(mu0, dtype=np.float64), (D,)) / np.broadcast_to(sig0, (D,))
+    mu = np.asarray(mu0, dtype=np.float64)
     if sig.ndim == 0 and sig0.ndim == 0:
-        return _bbp_map_scalar([np.asarray(a, dtype=np.float64) for a in atoms], 1.0 / float(sig), 1.0 / float(sig0),
-                               prior_norm, gamma, iters, cap, popularity_cap, rng, np.dtype(precision), certify,
-                               skip_settled)
+        prior_norm = mu / float(sig0) if mu.ndim else np.full(D, float(mu) / float(sig0))
+        return _bbp_map_scalar(atoms, 1.0 / float(sig), 1.0 / float(sig0), prior_norm, gamma, iters, cap,
+                               popularity_cap, rng, np.dtype(precision), certify, skip_settled)
+    prior_norm = np.broadcast_to(mu, (D,)) / np.broadcast_to(sig0, (D,))
     s = np.broadcast_to(1.0 / sig, (D,)).copy()
     s0 = np.broadcast_to(1.0 / sig0, (D,)).copy()
     sw = [np.asarray(a, dtype=np.float64) * s for a in atoms]
@@ -274,27 +275,37 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     products with the current atoms), so when ``j``'s assignment does not change no atom row is touched.
     """
     J, D = len(w), w[0].shape[1]
-    x = [a * s for a in w]
-    xc = [np.ascontiguousarray(a, dtype=dtype) for a in x]
-    xxh = [0.5 * (a * a).sum(1) for a in x]
-    gram: dict[int, np.ndarray] = {}  # x_j x_jᵀ, computed when first needed
-    m2 = float((prior_norm**2).sum() / s0)
-    new_score = [((a + prior_norm) ** 2).sum(1) / (s0 + s) - m2 for a in x]
+    sizes = [a.shape[0] for a in w]
+    X = np.concatenate(w, axis=0, dtype=np.float64)  # every client's units, one array (a copy)
+    if s != 1.0:
+        X *= s
+    X32 = X if dtype == np.float64 else X.astype(dtype)
+    bounds = np.cumsum([0, *sizes]).tolist()
+    x = [X[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    xc = [X32[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    xxh_all = 0.5 * np.einsum("ij,ij->i", X, X)
+    m2 = float(prior_norm @ prior_norm) / s0
+    # |x + μ0 s0|² / (s0 + s) − |μ0 s0|² / s0: a unit's score for opening a new atom (before the offsets c_k)
+    new_all = (2.0 * xxh_all + (2.0 * (X @ prior_norm) + s0 * m2)) / (s0 + s) - m2
+    xxh = [xxh_all[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    new_score = [new_all[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    gram: dict[int, np.ndarray] = {}  # x_j x_jᵀ (in ``dtype``), computed when first needed
     n = np.arange(J + 1)
     inv_p = 1.0 / (s0 + n * s)  # 1/p_i for an atom holding n units
     inv_ps2 = 2.0 / (s0 + (n + 1) * s)  # 2/(p_i + s)
     gap = 0.5 * inv_ps2 - inv_p  # |g|² (1/(p+s) − 1/p)
-    cnt = np.minimum(n, pop_cap).astype(np.float64)
-    with np.errstate(divide="ignore"):
-        pop = np.log(cnt / np.maximum(J - cnt, 1e-12))  # count 0 never occurs for a live atom
+    cnt = np.minimum(n[1:], pop_cap).astype(np.float64)
+    pop = np.empty(J + 1)  # log(min(n,10) / (J − min(n,10))); count 0 never occurs for a live atom
+    pop[0] = -np.inf
+    pop[1:] = np.log(cnt / np.maximum(J - cnt, 1e-12))
     log_new = 2.0 * math.log(gamma / J)
     new_block: dict[tuple[int, int], np.ndarray] = {}
     new_offsets: dict[int, np.ndarray] = {}
-    aranges = {Lj: np.arange(Lj) for Lj in {a.shape[0] for a in x}}
+    aranges = {Lj: np.arange(Lj) for Lj in set(sizes)}
     stats = {"solver": 0, "certified": 0, "unchanged": 0, "settled": 0}
-    order = sorted(range(J), key=lambda j: -x[j].shape[0])  # stable: ties keep client order
+    order = sorted(range(J), key=lambda j: -sizes[j])  # stable: ties keep client order
     first = order[0]
-    g = prior_norm[None, :] + x[first]
+    g = prior_norm + x[first]
     g32 = g.astype(dtype)
     gg = np.einsum("ij,ij->i", g, g)
     counts = np.ones(g.shape[0], dtype=np.int64)
@@ -392,7 +403,9 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
 
     for j in order[1:]:
         add(j, solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts))
-    settled: set[int] = set()  # clients re-matched since the grouping of units into atoms last changed
+    # Clients whose re-match would change nothing: those re-matched since the grouping of units into atoms last
+    # changed, and the client added last (it was matched against all the others' atoms as they still are).
+    settled: set[int] = {order[-1]} if J > 1 else set()
     for _ in range(iters):
         for j in rng.permutation(J):
             j = int(j)
@@ -400,7 +413,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
             cnt_ = counts.copy()
             cnt_[a] -= 1
             alone = cnt_[a] == 0
-            if skip_settled and len(settled) == J:  # nothing can change any more: only the index bookkeeping
+            if skip_settled and j in settled:  # re-matching j would change nothing: only the index bookkeeping
                 stats["settled"] += 1
                 if alone.any():
                     kept = a[~alone]
@@ -425,7 +438,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
             gg_[a] += 2.0 * (xxh[j] - dot[rows, a])  # |g_i − x_l|² for the atoms j contributed to
             gj = gram.get(j)
             if gj is None:
-                gj = gram[j] = x[j] @ x[j].T
+                gj = gram[j] = xc[j] @ xc[j].T
             dot[:, a] -= gj  # products with the atoms without j
             picked = solve(j, dot, gg_, cnt_)
             if np.array_equal(picked, a):
