@@ -406,9 +406,25 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     # Clients whose re-match would change nothing: those re-matched since the grouping of units into atoms last
     # changed, and the client added last (it was matched against all the others' atoms as they still are).
     settled: set[int] = {order[-1]} if J > 1 else set()
+    # Once every client is settled only the atoms' order still changes: ``order`` (atom index → its position
+    # from then on) is tracked instead of moving rows, and applied once at the end.
+    order_: np.ndarray | None = None
+    alone_ids: list[np.ndarray] = []
+    alone_mask: list[np.ndarray] = []
     for _ in range(iters):
         for j in rng.permutation(J):
             j = int(j)
+            if skip_settled and order_ is None and len(settled) == J:
+                order_ = np.arange(len(counts))
+                for k in range(J):
+                    alone_ids.append(assign[k][counts[assign[k]] == 1])
+                    alone_mask.append(np.zeros(len(counts), dtype=bool))
+                    alone_mask[k][alone_ids[k]] = True
+            if order_ is not None:
+                stats["settled"] += 1
+                if len(alone_ids[j]):  # j's own atoms are deleted and re-appended in unit order
+                    order_ = np.concatenate([order_[~alone_mask[j][order_]], alone_ids[j]])
+                continue
             a = assign[j]
             cnt_ = counts.copy()
             cnt_[a] -= 1
@@ -448,6 +464,11 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
             remove(j)
             add(j, picked)
             settled = {j}  # j's choice depends only on the others' atoms, which it did not change
+    if order_ is not None:
+        where = np.empty_like(order_)
+        where[order_] = np.arange(len(order_))
+        g, counts = g[order_], counts[order_]
+        assign = [where[a] for a in assign]
     p = np.repeat((s0 + counts * s)[:, None], D, axis=1)
     return BBPResult(g / p, g, p, counts, [np.asarray(a) for a in assign], stats)
 
