@@ -139,7 +139,7 @@ class BBPResult:
 
     atoms: np.ndarray  # (L, D) posterior means g / p
     g: np.ndarray  # (L, D) precision-weighted sums
-    p: np.ndarray  # (L, D) precisions
+    p: np.ndarray  # (L, D) precisions (scalar σ: a read-only broadcast of one value per atom)
     counts: np.ndarray  # (L,) number of local units matched to each global atom
     assign: list[np.ndarray]  # per client: local unit l -> global atom
     solver_stats: dict[str, int] | None = None  # assignment problems solved by the solver / by certificate
@@ -283,7 +283,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     bounds = np.cumsum([0, *sizes]).tolist()
     x = [X[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
     xc = [X32[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-    xxh_all = 0.5 * np.einsum("ij,ij->i", X, X)
+    xxh_all = 0.5 * _sqnorms(X)
     m2 = float(prior_norm @ prior_norm) / s0
     # |x + μ0 s0|² / (s0 + s) − |μ0 s0|² / s0: a unit's score for opening a new atom (before the offsets c_k)
     new_all = (2.0 * xxh_all + (2.0 * (X @ prior_norm) + s0 * m2)) / (s0 + s) - m2
@@ -307,7 +307,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     first = order[0]
     g = prior_norm + x[first]
     g32 = g.astype(dtype)
-    gg = np.einsum("ij,ij->i", g, g)
+    gg = _sqnorms(g)
     counts = np.ones(g.shape[0], dtype=np.int64)
     assign: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * J
     assign[first] = np.arange(g.shape[0])
@@ -321,8 +321,14 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         return r
 
     def refresh(rows_: np.ndarray) -> None:
-        g32[rows_] = g[rows_]
-        gg[rows_] = np.einsum("ij,ij->i", g[rows_], g[rows_])
+        """Bring the low-precision copy and squared norms of the atoms ``rows_`` (distinct) up to date."""
+        if len(rows_) == len(gg):  # every atom (a permutation): no gathers
+            g32[...] = g
+            gg[...] = _sqnorms(g)
+            return
+        gr = g[rows_]
+        g32[rows_] = gr
+        gg[rows_] = _sqnorms(gr)
 
     def solve(j: int, dot: np.ndarray, gg_: np.ndarray, cnt_: np.ndarray) -> np.ndarray:
         """Scores of client ``j`` against the atoms (``dot`` = products, already without ``j``), then the
@@ -379,7 +385,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         fresh = prior_norm[None, :] + x[j][new_rows]
         g = np.vstack([g, fresh])
         g32 = np.vstack([g32, fresh.astype(dtype)])
-        gg = np.concatenate([gg, np.einsum("ij,ij->i", fresh, fresh)])
+        gg = np.concatenate([gg, _sqnorms(fresh)])
         counts = np.concatenate([counts, np.ones(len(new_rows), dtype=np.int64)])
         assign[j] = a
 
@@ -399,7 +405,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
             if k != j:
                 assign[k] = remap[assign[k]]
         g, counts = g[keep], counts[keep]
-        g32, gg = g.astype(dtype), np.einsum("ij,ij->i", g, g)
+        g32, gg = g.astype(dtype), _sqnorms(g)
 
     for j in order[1:]:
         add(j, solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts))
@@ -454,7 +460,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
             gg_[a] += 2.0 * (xxh[j] - dot[rows, a])  # |g_i − x_l|² for the atoms j contributed to
             gj = gram.get(j)
             if gj is None:
-                gj = gram[j] = xc[j] @ xc[j].T
+                gj = gram[j] = xc[j] @ xc[j].copy().T  # (a copy: numpy's x xᵀ path is slower here)
             dot[:, a] -= gj  # products with the atoms without j
             picked = solve(j, dot, gg_, cnt_)
             if np.array_equal(picked, a):
@@ -469,8 +475,13 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         where[order_] = np.arange(len(order_))
         g, counts = g[order_], counts[order_]
         assign = [where[a] for a in assign]
-    p = np.repeat((s0 + counts * s)[:, None], D, axis=1)
+    p = np.broadcast_to((s0 + counts * s)[:, None], g.shape)  # read-only: the same precision in every dimension
     return BBPResult(g / p, g, p, counts, [np.asarray(a) for a in assign], stats)
+
+
+def _sqnorms(a: np.ndarray) -> np.ndarray:
+    """Squared norm of every row."""
+    return (a * a).sum(1)
 
 
 def _certified_assignment(score: np.ndarray, new: np.ndarray, c: np.ndarray) -> np.ndarray | None:
