@@ -247,3 +247,25 @@ def test_certified_assignment_hand_cases():
     assert _certified_assignment(tie, np.zeros(2), c) is None
     two_new = np.array([[0.0, 0.0], [0.0, 0.0]])
     assert _certified_assignment(two_new, np.array([3.0, 2.5]), c).tolist() == [2, 3]  # 3 > 0 and 2.5 - 1 > 0
+
+
+@pytest.mark.parametrize("dim", [6, 40])
+def test_bbp_skipping_settled_passes_equals_computing_every_pass(dim):
+    """Once every client re-matches without changing the grouping, the remaining passes are skipped (only the
+    atoms' order is kept up to date): assignments, counts and atoms equal the run that computes every pass, and
+    the caller's generator ends in the same state."""
+    rng = np.random.default_rng(21)
+    theta = rng.normal(0, 0.3, size=(30, dim))
+    clients = [(theta + rng.normal(0, 0.1, size=theta.shape))[rng.permutation(30)] for _ in range(6)]
+    clients.append(rng.normal(0, 0.3, size=(9, dim)))  # unrelated units: atoms of their own
+    mu0 = np.r_[np.zeros(dim - 1), 0.1]
+    g1, g2 = np.random.default_rng(4), np.random.default_rng(4)
+    fast = bbp_map(clients, mu0=mu0, iters=6, rng=g1)
+    full = bbp_map(clients, mu0=mu0, iters=6, rng=g2, skip_settled=False)
+    assert fast.solver_stats["settled"] > 0 and full.solver_stats["settled"] == 0
+    assert (fast.counts == 1).any()  # some atoms hold one client's unit alone: they move to the end every pass
+    for a, b in zip(fast.assign, full.assign):
+        assert np.array_equal(a, b)
+    np.testing.assert_array_equal(fast.counts, full.counts)
+    np.testing.assert_allclose(fast.atoms, full.atoms, rtol=1e-12, atol=1e-12)
+    assert g1.random() == g2.random()

@@ -34,6 +34,7 @@ current average, repeatedly); the global layer is the weighted average of the al
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -274,21 +275,21 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     client ``j`` before re-matching it is done on the score matrix (subtracting its Gram matrix from the
     products with the current atoms), so when ``j``'s assignment does not change no atom row is touched.
     """
-    J, D = len(w), w[0].shape[1]
+    J = len(w)
     sizes = [a.shape[0] for a in w]
     X = np.concatenate(w, axis=0, dtype=np.float64)  # every client's units, one array (a copy)
     if s != 1.0:
         X *= s
     X32 = X if dtype == np.float64 else X.astype(dtype)
-    bounds = np.cumsum([0, *sizes]).tolist()
-    x = [X[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-    xc = [X32[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    spans = [slice(lo, hi) for lo, hi in itertools.pairwise(np.cumsum([0, *sizes]).tolist())]
+    x = [X[sl] for sl in spans]
+    xc = [X32[sl] for sl in spans]
     xxh_all = 0.5 * _sqnorms(X)
     m2 = float(prior_norm @ prior_norm) / s0
     # |x + μ0 s0|² / (s0 + s) − |μ0 s0|² / s0: a unit's score for opening a new atom (before the offsets c_k)
     new_all = (2.0 * xxh_all + (2.0 * (X @ prior_norm) + s0 * m2)) / (s0 + s) - m2
-    xxh = [xxh_all[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-    new_score = [new_all[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+    xxh = [xxh_all[sl] for sl in spans]
+    new_score = [new_all[sl] for sl in spans]
     gram: dict[int, np.ndarray] = {}  # x_j x_jᵀ (in ``dtype``), computed when first needed
     n = np.arange(J + 1)
     inv_p = 1.0 / (s0 + n * s)  # 1/p_i for an atom holding n units
