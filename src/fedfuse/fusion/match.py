@@ -34,7 +34,6 @@ current average, repeatedly); the global layer is the weighted average of the al
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -277,19 +276,15 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     """
     J = len(w)
     sizes = [a.shape[0] for a in w]
-    X = np.concatenate(w, axis=0, dtype=np.float64)  # every client's units, one array (a copy)
+    # Per client, not stacked: large temporaries cost page faults, and each client's arrays are small.
+    x = [np.asarray(a, dtype=np.float64) for a in w]
     if s != 1.0:
-        X *= s
-    X32 = X if dtype == np.float64 else X.astype(dtype)
-    spans = [slice(lo, hi) for lo, hi in itertools.pairwise(np.cumsum([0, *sizes]).tolist())]
-    x = [X[sl] for sl in spans]
-    xc = [X32[sl] for sl in spans]
-    xxh_all = 0.5 * _sqnorms(X)
+        x = [a * s for a in x]
+    xc = x if dtype == np.float64 else [a.astype(dtype) for a in x]
+    xxh = [0.5 * _sqnorms(a) for a in x]
     m2 = float(prior_norm @ prior_norm) / s0
     # |x + μ0 s0|² / (s0 + s) − |μ0 s0|² / s0: a unit's score for opening a new atom (before the offsets c_k)
-    new_all = (2.0 * xxh_all + (2.0 * (X @ prior_norm) + s0 * m2)) / (s0 + s) - m2
-    xxh = [xxh_all[sl] for sl in spans]
-    new_score = [new_all[sl] for sl in spans]
+    new_score = [(2.0 * h + (2.0 * (a @ prior_norm) + s0 * m2)) / (s0 + s) - m2 for a, h in zip(x, xxh)]
     gram: dict[int, np.ndarray] = {}  # x_j x_jᵀ (in ``dtype``), computed when first needed
     n = np.arange(J + 1)
     inv_p = 1.0 / (s0 + n * s)  # 1/p_i for an atom holding n units
@@ -416,6 +411,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     # Once every client is settled only the atoms' order still changes: ``order`` (atom index → its position
     # from then on) is tracked instead of moving rows, and applied once at the end.
     order_: np.ndarray | None = None
+    reordered = False
     alone_ids: list[np.ndarray] = []
     alone_mask: list[np.ndarray] = []
     for _ in range(iters):
@@ -423,14 +419,18 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
             j = int(j)
             if skip_settled and order_ is None and len(settled) == J:
                 order_ = np.arange(len(counts))
+                single = counts == 1
                 for k in range(J):
-                    alone_ids.append(assign[k][counts[assign[k]] == 1])
-                    alone_mask.append(np.zeros(len(counts), dtype=bool))
-                    alone_mask[k][alone_ids[k]] = True
+                    alone_ids.append(assign[k][single[assign[k]]])
+                    alone_mask.append(single)
+                    if len(alone_ids[k]):
+                        alone_mask[k] = np.zeros(len(counts), dtype=bool)
+                        alone_mask[k][alone_ids[k]] = True
             if order_ is not None:
                 stats["settled"] += 1
                 if len(alone_ids[j]):  # j's own atoms are deleted and re-appended in unit order
                     order_ = np.concatenate([order_[~alone_mask[j][order_]], alone_ids[j]])
+                    reordered = True
                 continue
             a = assign[j]
             cnt_ = counts.copy()
@@ -471,7 +471,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
             remove(j)
             add(j, picked)
             settled = {j}  # j's choice depends only on the others' atoms, which it did not change
-    if order_ is not None:
+    if reordered:
         where = np.empty_like(order_)
         where[order_] = np.arange(len(order_))
         g, counts = g[order_], counts[order_]
@@ -481,8 +481,8 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
 
 
 def _sqnorms(a: np.ndarray) -> np.ndarray:
-    """Squared norm of every row."""
-    return (a * a).sum(1)
+    """Squared norm of every row (no temporary array)."""
+    return np.vecdot(a, a)
 
 
 def _certified_assignment(score: np.ndarray, new: np.ndarray, c: np.ndarray) -> np.ndarray | None:
