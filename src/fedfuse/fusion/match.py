@@ -281,19 +281,27 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     if s != 1.0:
         x = [a * s for a in x]
     xc = x if dtype == np.float64 else [a.astype(dtype) for a in x]
-    xxh = [0.5 * _sqnorms(a) for a in x]
-    m2 = float(prior_norm @ prior_norm) / s0
-    # |x + μ0 s0|² / (s0 + s) − |μ0 s0|² / s0: a unit's score for opening a new atom (before the offsets c_k)
-    new_score = [(2.0 * h + (2.0 * (a @ prior_norm) + s0 * m2)) / (s0 + s) - m2 for a, h in zip(x, xxh)]
+    # A unit's score for opening a new atom (before the offsets c_k): |x + μ0 s0|²/(s0 + s) − |μ0 s0|²/s0
+    # = |x|² k + x·(2 μ0 s0 k) + |μ0 s0|² (k − 1/s0) with k = 1/(s0 + s).
+    k_new = 1.0 / (s0 + s)
+    pn2 = (2.0 * k_new) * prior_norm
+    m2 = float(prior_norm @ prior_norm)
+    c_new = m2 * k_new - m2 / s0
+    xxh, new_score = [], []
+    for a in x:
+        sq = _sqnorms(a)
+        xxh.append(0.5 * sq)
+        new_score.append(sq * k_new + (a @ pn2 + c_new))
     gram: dict[int, np.ndarray] = {}  # x_j x_jᵀ (in ``dtype``), computed when first needed
-    n = np.arange(J + 1)
-    inv_p = 1.0 / (s0 + n * s)  # 1/p_i for an atom holding n units
-    inv_ps2 = 2.0 / (s0 + (n + 1) * s)  # 2/(p_i + s)
-    gap = 0.5 * inv_ps2 - inv_p  # |g|² (1/(p+s) − 1/p)
-    cnt = np.minimum(n[1:], pop_cap).astype(np.float64)
-    pop = np.empty(J + 1)  # log(min(n,10) / (J − min(n,10))); count 0 never occurs for a live atom
-    pop[0] = -np.inf
-    pop[1:] = np.log(cnt / np.maximum(J - cnt, 1e-12))
+    # Everything that depends only on an atom's count n = 0..J, in one table (one gather per update):
+    # 2/(p + s), |g|²(1/(p + s) − 1/p) per |g|², and the popularity term log(min(n,10)/(J − min(n,10))).
+    rows_tab = []
+    for n in range(J + 1):
+        inv_ps2 = 2.0 / (s0 + (n + 1) * s)
+        c_n = min(n, pop_cap)
+        pop_n = math.log(c_n / max(J - c_n, 1e-12)) if c_n else -math.inf  # count 0: never a live atom
+        rows_tab.append((inv_ps2, 0.5 * inv_ps2 - 1.0 / (s0 + n * s), pop_n))
+    table = np.array(rows_tab).T.copy()  # (3, J + 1)
     log_new = 2.0 * math.log(gamma / J)
     new_block: dict[tuple[int, int], np.ndarray] = {}
     new_offsets: dict[int, np.ndarray] = {}
@@ -333,10 +341,10 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         K = min(Lj, max(cap - L, Lj - L, 1))
         full = np.empty((Lj, L + K))
         score = full[:, :L]
-        a2 = inv_ps2[cnt_]
-        np.multiply(dot, a2, out=score)
-        score += np.multiply.outer(xxh[j], a2)
-        score += gg_ * gap[cnt_] + pop[cnt_]
+        a2, gap, pop = table[:, cnt_]
+        np.add(dot, xxh[j][:, None], out=score)
+        score *= a2
+        score += gg_ * gap + pop
         c = new_offsets.get(K)
         if c is None:
             c = new_offsets[K] = log_new - 2.0 * np.log(np.arange(1, K + 1))  # k-th new atom: new_score + c_k
