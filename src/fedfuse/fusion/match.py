@@ -23,8 +23,9 @@ assignment maximising the total is solved by ``scipy.optimize.linear_sum_assignm
 largest first, then ``iters`` passes each remove and re-match every client in a random order.  The global
 unit is the posterior mean ``g_i / p_i`` (paper and code agree); ``estimator="mean"`` gives the plain
 (client-weighted) mean of the matched units instead.  With scalar σ, σ0 (the code's setting) each client
-update costs one float32 matrix product; per-client terms are reused across passes, and the assignment solver
-is skipped when a dual certificate proves the greedy assignment is the unique optimum (:func:`bbp_map`).
+update costs one float32 matrix product; per-client terms are reused across passes, the assignment solver
+is skipped when a dual certificate proves the greedy assignment is the unique optimum, and passes after the
+grouping of units has settled are not recomputed (:func:`bbp_map`).
 ``benchmarks/matching.py`` checks the assignments against a port of the code's matching and times both.
 
 **Hungarian** weight matching: each client's atoms are aligned to a reference client (the first) by
@@ -273,6 +274,8 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     that depends only on a count ``n_i ∈ 0..J`` (precisions, the popularity term) is tabulated once.  Removing
     client ``j`` before re-matching it is done on the score matrix (subtracting its Gram matrix from the
     products with the current atoms), so when ``j``'s assignment does not change no atom row is touched.
+    ``settled`` holds the clients whose re-match would change nothing (see ``skip_settled`` in
+    :func:`bbp_map`); when it holds every client only the atoms' order is tracked from then on.
     """
     J = len(w)
     sizes = [a.shape[0] for a in w]
