@@ -19,7 +19,7 @@ assignments.  Cases: the report's SimpleMLP layers as matched layer by layer (20
 100×21, 120×101, 84×121; 2 and 10 clients), its widest first layer (270×785, 5 clients), the 400-unit ×
 10-client case, and VGG-9-sized conv layers with 16 clients (128 channels × 64·3·3 inputs, 256 × 256·3·3).
 
-    python benchmarks/matching.py                       # all cases, one thread
+    python benchmarks/matching.py                       # all cases, one thread, repeats chosen per case
     python benchmarks/matching.py --cases 400x785x10 --repeat 3
 """
 
@@ -144,8 +144,10 @@ def run_case(units: int, dim: int, clients: int, repeat: int = 1, iters: int = 5
     atoms = make_inputs(units, dim, clients)
     mu0 = np.r_[np.zeros(dim - 1), 0.1]  # weights 0, bias 0.1 (the code's prior mean)
     ones = np.ones(dim)
-    t_ibm, t_ff, t_all = [], [], []
-    for _ in range(repeat):
+    t_ibm: list[float] = []
+    t_ff: list[float] = []
+    t_all: list[float] = []
+    while len(t_ibm) < max(repeat, 1):
         t0 = time.process_time()
         a_ibm, g_ibm, s_ibm = ibm_match_layer(atoms, [ones] * clients, mu0, ones, 7.0, iters, np.random.default_rng(1))
         t_ibm.append(time.process_time() - t0)
@@ -157,10 +159,13 @@ def run_case(units: int, dim: int, clients: int, repeat: int = 1, iters: int = 5
         every = bbp_map(atoms, sigma=1.0, sigma0=1.0, gamma=7.0, mu0=mu0, iters=iters, cap=700,
                         rng=np.random.default_rng(1), skip_settled=False)
         t_all.append(time.process_time() - t0)
+        if repeat <= 0 and len(t_ibm) == 1:  # auto: about 2 s of the port's time, 1 to 51 repeats
+            repeat = max(1, min(51, int(2.0 / max(t_ibm[0], 1e-6))))
     same = all(np.array_equal(np.asarray(a, dtype=np.int64), b) for a, b in zip(a_ibm, res.assign))
     same &= all(np.array_equal(np.asarray(a, dtype=np.int64), b) for a, b in zip(a_ibm, every.assign))
-    atoms_close = g_ibm.shape == res.g.shape and bool(np.allclose(g_ibm / s_ibm, res.atoms, rtol=1e-9, atol=1e-9))
-    return {"ibm_s": min(t_ibm), "fedfuse_s": min(t_ff), "every_s": min(t_all), "same": same,
+    atoms_close = all(g_ibm.shape == r.g.shape and bool(np.allclose(g_ibm / s_ibm, r.atoms, rtol=1e-9, atol=1e-9))
+                      for r in (res, every))
+    return {"ibm_s": min(t_ibm), "fedfuse_s": min(t_ff), "every_s": min(t_all), "same": same, "repeats": len(t_ibm),
             "atoms_close": atoms_close, "width": res.atoms.shape[0],
             "median_ratio": float(np.median(np.array(t_ibm) / np.maximum(t_ff, 1e-9)))}
 
@@ -168,7 +173,8 @@ def run_case(units: int, dim: int, clients: int, repeat: int = 1, iters: int = 5
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), help=f"case names (default all): {', '.join(CASES)}")
-    p.add_argument("--repeat", type=int, default=1, help="timings are the best of this many runs")
+    p.add_argument("--repeat", type=int, default=0,
+                   help="timings are the best of this many interleaved runs (0 = auto: ≈ 2 s of the port's time)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="BLAS/torch threads (default 1)")
     args = p.parse_args()
@@ -182,8 +188,9 @@ def main() -> None:
         pass
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| case | units | D | clients | global width | identical assignments | same atoms | IBM port s "
-          "| fedfuse s | speed-up | median of paired ratios | fedfuse, every pass computed s | its speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| fedfuse s | speed-up | median of paired ratios | fedfuse, every pass computed s | its speed-up "
+          "| repeats |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst = float("inf")
     all_same = True
     for name in args.cases:
@@ -194,7 +201,8 @@ def main() -> None:
         all_same &= r["same"]
         print(f"| {name} | {n} | {d} | {j} | {r['width']} | {'yes' if r['same'] else 'NO'} | "
               f"{'yes' if r['atoms_close'] else 'NO'} | {r['ibm_s']:.4f} | {r['fedfuse_s']:.5f} | {ratio:.1f}× | "
-              f"{r['median_ratio']:.1f}× | {r['every_s']:.5f} | {r['ibm_s'] / r['every_s']:.1f}× |", flush=True)
+              f"{r['median_ratio']:.1f}× | {r['every_s']:.5f} | {r['ibm_s'] / r['every_s']:.1f}× | {r['repeats']} |",
+              flush=True)
     print(f"\nidentical assignments in every case: {'yes' if all_same else 'NO'}; smallest speed-up {worst:.1f}×")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
