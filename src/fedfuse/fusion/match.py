@@ -512,19 +512,13 @@ def _certified_assignment(score: np.ndarray, new: np.ndarray, c: np.ndarray) -> 
     Lj, L = score.shape
     if L == 0:  # every unit opens an atom (which new column each takes does not matter)
         return np.arange(Lj) if len(c) >= Lj else None
-    rows = np.arange(Lj)
     best = score.argmax(1)
-    b = score[rows, best]
+    b = score.max(1)
     delta = b - new
     if delta.min() > c[0]:  # the common case: no unit prefers a new atom (m = 0)
-        if np.bincount(best, minlength=L).max() > 1:
+        top = score >= b[:, None]  # each row's best entries
+        if top.sum(1).max() > 1 or top.sum(0).max() > 1:  # a tie in a row, or two rows with the same best atom
             return None
-        if L > 1:
-            score[rows, best] = -np.inf
-            ok = bool((score.max(1) < b).all())
-            score[rows, best] = b
-            if not ok:
-                return None
         return best
     order = np.argsort(delta, kind="stable")
     ds = delta[order]
