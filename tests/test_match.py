@@ -269,3 +269,23 @@ def test_bbp_skipping_settled_passes_equals_computing_every_pass(dim):
     np.testing.assert_array_equal(fast.counts, full.counts)
     np.testing.assert_allclose(fast.atoms, full.atoms, rtol=1e-12, atol=1e-12)
     assert g1.random() == g2.random()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bbp_two_clients_are_settled_after_the_first_match(seed):
+    """Two equal-size clients: re-matching either one is the first match with the roles swapped (the objectives
+    differ by a constant), so no pass is recomputed — and every pass computed agrees."""
+    rng = np.random.default_rng(seed)
+    dim = 5 + 10 * (seed % 3)
+    theta = rng.normal(0, 0.3, size=(16, dim))
+    noise = 0.1 + 0.1 * (seed % 2)
+    clients = [(theta + rng.normal(0, noise, size=theta.shape))[rng.permutation(16)] for _ in range(2)]
+    clients[1][:4] = rng.normal(0, 0.3, size=(4, dim))  # units the other client does not have: new atoms
+    mu0 = np.r_[np.zeros(dim - 1), 0.1]
+    fast = bbp_map(clients, mu0=mu0, rng=np.random.default_rng(seed))
+    full = bbp_map(clients, mu0=mu0, rng=np.random.default_rng(seed), skip_settled=False, certify=False)
+    assert fast.solver_stats["settled"] == 10 and fast.solver_stats["unchanged"] == 0
+    for a, b in zip(fast.assign, full.assign):
+        assert np.array_equal(a, b)
+    np.testing.assert_array_equal(fast.counts, full.counts)
+    np.testing.assert_allclose(fast.atoms, full.atoms, rtol=1e-12, atol=1e-12)

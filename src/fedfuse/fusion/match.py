@@ -419,6 +419,13 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     # Clients whose re-match would change nothing: those re-matched since the grouping of units into atoms last
     # changed, and the client added last (it was matched against all the others' atoms as they still are).
     settled: set[int] = {order[-1]} if J > 1 else set()
+    if J == 2 and sizes[0] == sizes[1]:
+        # Two clients of one size: re-matching the first into the second's atoms is the problem just solved
+        # with the roles swapped.  With all counts 1 its objective, Σ_matched [|μ0s0 + x_i + y_l|²/(s0 + 2s)
+        # − |μ0s0 + y_l|²/(s0 + s) + pop] + Σ_unmatched i [|μ0s0 + x_i|²/(s0 + s) − |μ0s0|²/s0] + Σ c_k, differs
+        # from the one just maximised by Σ_l |μ0s0 + y_l|²/(s0 + s) − Σ_i |μ0s0 + x_i|²/(s0 + s), a constant:
+        # the same matching is optimal, so neither client's re-match can change the grouping.
+        settled = {0, 1}
     # Once every client is settled only the atoms' order still changes: ``order`` (atom index → its position
     # from then on) is tracked instead of moving rows, and applied once at the end.
     order_: np.ndarray | None = None
