@@ -278,9 +278,9 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     :func:`bbp_map`); when it holds every client only the atoms' order is tracked from then on.
     """
     J = len(w)
-    sizes = [a.shape[0] for a in w]
     # Per client, not stacked: large temporaries cost page faults, and each client's arrays are small.
     x = [np.asarray(a, dtype=np.float64) for a in w]
+    sizes = [a.shape[0] for a in x]
     if s != 1.0:
         x = [a * s for a in x]
     xc = x if dtype == np.float64 else [a.astype(dtype) for a in x]
