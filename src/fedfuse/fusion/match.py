@@ -215,7 +215,9 @@ def bbp_map(
     ``skip_settled`` (scalar path): once every client has been re-matched without changing which units share an
     atom, the remaining passes cannot change it either (a client's choice depends only on the other clients'
     atoms, which are then fixed), so they only redo the index bookkeeping (a client's atoms that hold only its
-    own units are deleted and re-appended, as the code does) without computing scores.
+    own units are deleted and re-appended, as the code does) without computing scores.  The client added last
+    counts as re-matched, and with two clients of one size both do (see the code).  Assignments and counts
+    are those of computing every pass; ``g`` differs by rounding only.
     """
     J = len(atoms)
     if J == 0:
@@ -426,28 +428,28 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         # from the one just maximised by Σ_l |μ0s0 + y_l|²/(s0 + s) − Σ_i |μ0s0 + x_i|²/(s0 + s), a constant:
         # the same matching is optimal, so neither client's re-match can change the grouping.
         settled = {0, 1}
-    # Once every client is settled only the atoms' order still changes: ``order`` (atom index → its position
-    # from then on) is tracked instead of moving rows, and applied once at the end.
-    order_: np.ndarray | None = None
+    # Once every client is settled only the atoms' order still changes: ``atom_order[p]`` (the atom now at
+    # position p) is tracked instead of moving rows, and applied once at the end.
+    atom_order: np.ndarray | None = None
     reordered = False
     alone_ids: list[np.ndarray] = []
     alone_mask: list[np.ndarray] = []
     for _ in range(iters):
         for j in rng.permutation(J):
             j = int(j)
-            if skip_settled and order_ is None and len(settled) == J:
-                order_ = np.arange(len(counts))
+            if skip_settled and atom_order is None and len(settled) == J:
+                atom_order = np.arange(len(counts))
                 single = counts == 1
                 for k in range(J):
                     alone_ids.append(assign[k][single[assign[k]]])
-                    alone_mask.append(single)
+                    alone_mask.append(single)  # unused unless k has atoms of its own (then replaced)
                     if len(alone_ids[k]):
                         alone_mask[k] = np.zeros(len(counts), dtype=bool)
                         alone_mask[k][alone_ids[k]] = True
-            if order_ is not None:
+            if atom_order is not None:
                 stats["settled"] += 1
                 if len(alone_ids[j]):  # j's own atoms are deleted and re-appended in unit order
-                    order_ = np.concatenate([order_[~alone_mask[j][order_]], alone_ids[j]])
+                    atom_order = np.concatenate([atom_order[~alone_mask[j][atom_order]], alone_ids[j]])
                     reordered = True
                 continue
             a = assign[j]
@@ -490,9 +492,9 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
             add(j, picked)
             settled = {j}  # j's choice depends only on the others' atoms, which it did not change
     if reordered:
-        where = np.empty_like(order_)
-        where[order_] = np.arange(len(order_))
-        g, counts = g[order_], counts[order_]
+        where = np.empty_like(atom_order)
+        where[atom_order] = np.arange(len(atom_order))
+        g, counts = g[atom_order], counts[atom_order]
         assign = [where[a] for a in assign]
     p = np.broadcast_to((s0 + counts * s)[:, None], g.shape)  # read-only: the same precision in every dimension
     return BBPResult(g / p, g, p, counts, [np.asarray(a) for a in assign], stats)
