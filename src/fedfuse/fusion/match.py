@@ -285,19 +285,28 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     sizes = [a.shape[0] for a in x]
     if s != 1.0:
         x = [a * s for a in x]
-    xc = x if dtype == np.float64 else [a.astype(dtype) for a in x]
     # A unit's score for opening a new atom (before the offsets c_k): |x + μ0 s0|²/(s0 + s) − |μ0 s0|²/s0
     # = |x|² k + x·(2 μ0 s0 k) + |μ0 s0|² (k − 1/s0) with k = 1/(s0 + s).
     k_new = 1.0 / (s0 + s)
     pn2 = (2.0 * k_new) * prior_norm
     m2 = float(prior_norm @ prior_norm)
     c_new = m2 * k_new - m2 / s0
-    xxh, new_score = [], []
-    for a in x:
-        sq = _sqnorms(a)
-        xxh.append(0.5 * sq)
-        new_score.append(sq * k_new + (a @ pn2 + c_new))
-    gram: dict[int, np.ndarray] = {}  # x_j x_jᵀ (in ``dtype``), computed when first needed
+    # Per client, computed when the client is first matched (a client that never is needs none of them):
+    # its units in ``dtype``, half squared norms, new-atom scores and Gram matrix x_j x_jᵀ (in ``dtype``).
+    xc: list[np.ndarray | None] = [None] * J
+    xxh: list[np.ndarray | None] = [None] * J
+    new_score: list[np.ndarray | None] = [None] * J
+    gram: dict[int, np.ndarray] = {}
+
+    def prep(j: int) -> np.ndarray:
+        """Client ``j``'s per-client terms (computed once); returns its units in ``dtype``."""
+        if xc[j] is None:
+            a = x[j]
+            xc[j] = a if dtype == np.float64 else a.astype(dtype)
+            sq = _sqnorms(a)
+            xxh[j] = 0.5 * sq
+            new_score[j] = sq * k_new + (a @ pn2 + c_new)
+        return xc[j]
     # Everything that depends only on an atom's count n = 0..J, in one table (one gather per update):
     # 2/(p + s), |g|²(1/(p + s) − 1/p) per |g|², and the popularity term log(min(n,10)/(J − min(n,10))).
     rows_tab = []
@@ -417,7 +426,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         g32, gg = g.astype(dtype), _sqnorms(g)
 
     for j in order[1:]:
-        add(j, solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts))
+        add(j, solve(j, (prep(j) @ g32.T).astype(np.float64), gg, counts))
     # Clients whose re-match would change nothing: those re-matched since the grouping of units into atoms last
     # changed, and the client added last (it was matched against all the others' atoms as they still are).
     settled: set[int] = {order[-1]} if J > 1 else set()
@@ -440,7 +449,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
             if skip_settled and atom_order is None and len(settled) == J:
                 atom_order = np.arange(len(counts))
                 single = counts == 1
-                for k in range(J):
+                for k in range(J if single.any() else 0):
                     alone_ids.append(assign[k][single[assign[k]]])
                     alone_mask.append(single)  # unused unless k has atoms of its own (then replaced)
                     if len(alone_ids[k]):
@@ -448,7 +457,7 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
                         alone_mask[k][alone_ids[k]] = True
             if atom_order is not None:
                 stats["settled"] += 1
-                if len(alone_ids[j]):  # j's own atoms are deleted and re-appended in unit order
+                if alone_ids and len(alone_ids[j]):  # j's own atoms are deleted and re-appended in unit order
                     atom_order = np.concatenate([atom_order[~alone_mask[j][atom_order]], alone_ids[j]])
                     reordered = True
                 continue
@@ -470,18 +479,19 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
                 kept = a[~alone]
                 remove(j)
                 L = g.shape[0]
-                picked = solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts)
+                picked = solve(j, (prep(j) @ g32.T).astype(np.float64), gg, counts)
                 same = bool((picked[alone] >= L).all()) and np.array_equal(picked[~alone], remap_last[kept])
                 add(j, picked)
                 settled = settled | {j} if same else {j}
                 continue
-            dot = (xc[j] @ g32.T).astype(np.float64)
+            xj = prep(j)
+            dot = (xj @ g32.T).astype(np.float64)
             rows = aranges[len(a)]
             gg_ = gg.copy()
             gg_[a] += 2.0 * (xxh[j] - dot[rows, a])  # |g_i − x_l|² for the atoms j contributed to
             gj = gram.get(j)
             if gj is None:
-                gj = gram[j] = xc[j] @ xc[j].copy().T  # (a copy: numpy's x xᵀ path is slower here)
+                gj = gram[j] = xj @ xj.copy().T  # (a copy: numpy's x xᵀ path is slower here)
             dot[:, a] -= gj  # products with the atoms without j
             picked = solve(j, dot, gg_, cnt_)
             if np.array_equal(picked, a):
