@@ -289,3 +289,25 @@ def test_bbp_two_clients_are_settled_after_the_first_match(seed):
         assert np.array_equal(a, b)
     np.testing.assert_array_equal(fast.counts, full.counts)
     np.testing.assert_allclose(fast.atoms, full.atoms, rtol=1e-12, atol=1e-12)
+
+
+def test_bbp_settled_skipping_on_random_problems():
+    """Random sizes, noise, σ, σ0, γ, caps and pass counts: skipping settled passes never changes the result
+    of computing every pass with the solver (and it does skip in most problems)."""
+    skipped = 0
+    for seed in range(40):
+        rng = np.random.default_rng(700 + seed)
+        L, dim, J = int(rng.integers(1, 20)), int(rng.integers(2, 30)), int(rng.integers(1, 7))
+        theta = rng.normal(0, 0.3, size=(L, dim))
+        noise = rng.uniform(0.02, 0.5)
+        sizes = [max(1, L - int(rng.integers(0, 3))) for _ in range(J)]
+        clients = [(theta + rng.normal(0, noise, size=theta.shape))[rng.permutation(L)][:n] for n in sizes]
+        kw = dict(sigma=float(rng.uniform(0.3, 2)), sigma0=float(rng.uniform(0.3, 2)), gamma=float(rng.uniform(1, 10)),
+                  mu0=np.r_[np.zeros(dim - 1), 0.1], cap=int(rng.integers(L, 3 * L + 2)), iters=int(rng.integers(0, 7)))
+        fast = bbp_map(clients, rng=np.random.default_rng(seed), **kw)
+        full = bbp_map(clients, rng=np.random.default_rng(seed), skip_settled=False, certify=False, **kw)
+        skipped += fast.solver_stats["settled"] > 0
+        for a, b in zip(fast.assign, full.assign):
+            assert np.array_equal(a, b), seed
+        np.testing.assert_allclose(fast.atoms, full.atoms, rtol=1e-10, atol=1e-10)
+    assert skipped >= 20
