@@ -76,17 +76,19 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
 
 
 AlgorithmLookup = Callable[[str], Any]
+NO_LOOKUP = ("the engine does not know fedfuse's algorithms (one-way layers: engine -> algorithms is not an arrow); "
+             "pass algorithm_lookup=fedfuse.algorithms.get_algorithm, or use fedfuse.experiment.Experiment / "
+             "fedfuse.experiment.run, which bind the registry")
 
 
-def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | None = None) -> Any:
-    """The configured algorithm.  ``lookup(name) -> class`` resolves the name; the default is fedfuse's
-    registry, imported here at call time (the engine has no import-time dependency on ``fedfuse.algorithms``;
-    callers that assemble runs themselves pass ``lookup`` or an ``algorithm`` to :class:`Experiment`).
+def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup) -> Any:
+    """The configured algorithm.  ``lookup(name) -> class`` resolves the name (the api/cli layer passes fedfuse's
+    registry, :func:`fedfuse.algorithms.get_algorithm`; the engine never imports ``fedfuse.algorithms``).
 
     An option or model the algorithm cannot work with is a :class:`ConfigError` naming both: the algorithm is
     constructed and initialised once as a dry run (algorithms inspect the model's structure there)."""
     if lookup is None:
-        from fedfuse.algorithms import get_algorithm as lookup
+        raise TypeError(NO_LOOKUP)
     cls = lookup(cfg.algorithm)
     try:
         algo = cls(ctx, cls.Options(**cfg.algorithm_options))
@@ -126,6 +128,9 @@ class Experiment:
         on_round: Callable[[dict[str, Any]], None] | None = None,
         algorithm_lookup: AlgorithmLookup | None = None,
     ) -> None:
+        """``algorithm_lookup(name) -> class`` resolves ``cfg.algorithm`` (required: see :data:`NO_LOOKUP`)."""
+        if algorithm_lookup is None:
+            raise TypeError(NO_LOOKUP)
         self.cfg = validate(cfg)
         self.device = resolve_device(self.cfg.device)
         if self.cfg.threads:
@@ -609,6 +614,7 @@ def strip_timing(rec: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in rec.items() if k not in TIMING_KEYS}
 
 
-def run(cfg: RunConfig, *, resume: bool = False, progress: bool = False) -> dict[str, Any]:
-    """Convenience wrapper: build an :class:`Experiment` and run it."""
-    return Experiment(cfg, progress=progress).run(resume=resume)
+def run(cfg: RunConfig, *, lookup: AlgorithmLookup | None = None, resume: bool = False,
+        progress: bool = False) -> dict[str, Any]:
+    """Convenience wrapper: build an :class:`Experiment` (algorithms resolved by ``lookup``) and run it."""
+    return Experiment(cfg, progress=progress, algorithm_lookup=lookup).run(resume=resume)
