@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 import fedfuse
+from fedfuse.structure import Member, PermGroup, UnitGroupBuilder, UnitGroups, axis
 
 SRC = Path(fedfuse.__file__).parent
 
@@ -124,3 +126,129 @@ def test_engine_without_a_lookup_says_how_to_get_one():
 
     with pytest.raises(TypeError, match="algorithm_lookup"):
         Experiment(RunConfig(dataset="digits", clients=2, rounds=1))
+
+
+# ---------------------------------------------------------------------------------------------------- fusion
+
+FUSION_MAY_IMPORT = ("fedfuse.fusion", "fedfuse.types", "fedfuse.structure", "fedfuse.options", "fedfuse.rng")
+
+
+def test_fusion_imports_no_model_and_nothing_above_it():
+    """Fusion operators read what a model declares (``fedfuse.structure``), never a model class."""
+    bad = [a for a in ARROWS if _under(a.importer, "fedfuse.fusion")
+           and not any(_under(a.module, p) for p in FUSION_MAY_IMPORT)]
+    assert not bad, _report("fedfuse.fusion imports outside types/structure/options/rng/fusion", bad)
+
+
+def _model_names() -> set[str]:
+    from fedfuse.models import MODELS
+
+    classes = {type(m).__name__ for m in (_build(n) for n in ("mlp", "cnn", "cnn-cifar", "cnn-femnist", "resnet9",
+                                                               "vgg16", "transformer", "lstm"))}
+    return set(MODELS) | classes
+
+
+def _build(name: str):
+    from fedfuse.models import build_model
+
+    shape = {"transformer": (8,), "lstm": (8,), "mlp": (16,)}.get(name, (3, 32, 32))
+    return build_model(name, shape, 10)
+
+
+def test_fusion_does_not_switch_on_model_names():
+    """No ``type(m).__name__`` outside an error message, no comparison with a model or model-class name."""
+    names = _model_names()
+    bad = []
+    for path in sorted((SRC / "fusion").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        in_fstring = {id(n) for j in ast.walk(tree) if isinstance(j, ast.JoinedStr) for n in ast.walk(j)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr == "__name__" and isinstance(node.value, ast.Call)
+                    and getattr(node.value.func, "id", "") == "type" and id(node) not in in_fstring):
+                bad.append(f"fedfuse.fusion.{path.stem}:{node.lineno} uses type(...).__name__")
+            if isinstance(node, ast.Compare | ast.MatchValue):
+                consts = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+                bad += [f"fedfuse.fusion.{path.stem}:{node.lineno} compares with {c!r}" for c in consts if c in names]
+    assert not bad, "fusion switches on model names:\n  " + "\n  ".join(bad)
+
+
+class TwoTower(torch.nn.Module):
+    """A user's own module (not a FedModel, not a chain): a residual stream of 8 units fed by ``inp``, updated by
+    ``mid`` (h + relu(mid(h))) and read by ``head``; it declares its unit and permutation groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.head(h + torch.relu(self.mid(h)))
+
+    def unit_groups(self) -> UnitGroups:
+        b = UnitGroupBuilder(self.state_dict())
+        b.group("stream", 8)
+        b.layer("inp", axis("stream"), None)
+        b.layer("mid", axis("stream"), axis("stream"))
+        b.layer("head", None, axis("stream"))
+        return b.build("stream")
+
+    def perm_groups(self) -> list[PermGroup]:
+        members = (Member("inp.weight", 0), Member("inp.bias", 0), Member("mid.weight", 0), Member("mid.bias", 0),
+                   Member("mid.weight", 1, role="out"), Member("head.weight", 1, role="out"))
+        return [PermGroup("stream", 8, members)]
+
+
+def test_a_user_model_declares_its_width_groups_and_fusion_slices_it():
+    from fedfuse.fusion.slicing import build_submodel, slice_spec, slice_state, write_back, zero_unselected
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = TwoTower()
+    spec = slice_spec(model)
+    assert spec.groups == {"stream": 8} and spec.dims["mid.weight"] == (("stream", 1, 1), ("stream", 1, 1))
+    assert spec.dims["inp.weight"] == (("stream", 1, 1), None) and spec.dims["head.bias"] == (None,)
+    sel = {"stream": torch.tensor([1, 4, 6])}
+    full = model.state_dict()
+    sub_state = slice_state(full, spec, sel)
+    assert sub_state["mid.weight"].shape == (3, 3) and sub_state["head.weight"].shape == (3, 3)
+    torch.testing.assert_close(sub_state["mid.weight"], full["mid.weight"][[1, 4, 6]][:, [1, 4, 6]])
+    sub = build_submodel(model, spec, {"stream": 3}, tag="two-tower")
+    sub.load_state_dict(sub_state)
+    silenced = TwoTower()
+    silenced.load_state_dict(zero_unselected(full, spec, sel))
+    x = torch.randn(5, 6, generator=gen)
+    torch.testing.assert_close(sub(x), silenced(x))  # the sub-model is the full model with the rest silenced
+    back = write_back(full, sub_state, spec, sel)
+    assert all(torch.equal(back[k], full[k]) for k in full)
+
+
+def test_a_user_model_declares_its_permutation_groups_and_a_permutation_keeps_its_function():
+    from fedfuse.fusion.permute import chain_spec, perm_spec, permute_all, random_permutations
+
+    torch.manual_seed(1)
+    model = TwoTower()
+    spec = perm_spec(model)
+    assert [g.name for g in spec] == ["stream"]
+    perms = random_permutations(spec, torch.Generator().manual_seed(3))
+    assert sorted(perms["stream"].tolist()) == list(range(8)) and perms["stream"].tolist() != list(range(8))
+    moved = TwoTower()
+    moved.load_state_dict(permute_all(model.state_dict(), spec, perms))
+    x = torch.randn(4, 6)
+    assert not torch.equal(moved.inp.weight, model.inp.weight)
+    torch.testing.assert_close(moved(x), model(x))
+    # read as a plain chain (no declaration), the residual tie is lost and its permutations change the function
+    chain = chain_spec(model)
+    assert [g.name for g in chain] == ["inp", "mid"]
+    wrong = TwoTower()
+    chain_perms = random_permutations(chain, torch.Generator().manual_seed(3))
+    wrong.load_state_dict(permute_all(model.state_dict(), chain, chain_perms))
+    assert not torch.allclose(wrong(x), model(x))
+
+
+def test_a_model_without_a_declaration_is_refused_by_name_of_the_method():
+    from fedfuse.fusion.slicing import slice_spec
+
+    with pytest.raises(TypeError, match="unit_groups"):
+        slice_spec(torch.nn.Sequential(torch.nn.Linear(2, 2)))

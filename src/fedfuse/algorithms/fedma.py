@@ -46,8 +46,9 @@ import torch
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState, state_of
 from fedfuse.engine.client import TrainConfig, train_local
 from fedfuse.fusion.match import MatchingOptions, class_weighted_average, match_group
-from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather, width_options
+from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather
 from fedfuse.models.base import layer_index
+from fedfuse.models.registry import width_options
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed, numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict

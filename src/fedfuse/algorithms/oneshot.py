@@ -32,7 +32,8 @@ from fedfuse.algorithms.fedma import base_sizes, class_counts, initial_state, re
 from fedfuse.engine.client import evaluate_model, train_local
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import MatchingOptions, match_network
-from fedfuse.fusion.permute import chain_spec, width_options
+from fedfuse.fusion.permute import chain_spec
+from fedfuse.models.registry import width_options
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
