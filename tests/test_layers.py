@@ -252,3 +252,39 @@ def test_a_model_without_a_declaration_is_refused_by_name_of_the_method():
 
     with pytest.raises(TypeError, match="unit_groups"):
         slice_spec(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+# ------------------------------------------------------------------------------------------------ algorithms
+
+
+def _algorithm_of(module: str) -> str | None:
+    """The algorithm module ``module`` belongs to (None for the package and its common modules)."""
+    if not _under(module, "fedfuse.algorithms") or module in ALGORITHM_COMMONS:
+        return None
+    return module.split(".")[2]
+
+
+def test_no_algorithm_borrows_from_another():
+    """Each algorithm's math lives in its own file; shared pieces live in fusion/ (tensor operators) or engine/
+    (peers, topology, seeded initialisations, client-side helpers).  A declared variant may import its parent's
+    class, and nothing else from it."""
+    bad = []
+    for a in ARROWS:
+        src, dst = _algorithm_of(a.importer), _algorithm_of(a.module)
+        if src is None or dst is None or src == dst:
+            continue
+        parent = ALLOWED_VARIANTS.get((src, dst))
+        if parent is None or set(a.names) != {parent}:
+            bad.append(a)
+    assert not bad, _report("an algorithm imports another algorithm's module", bad)
+
+
+def test_every_allowed_variant_really_subclasses_its_parent():
+    import importlib
+
+    for (variant, parent), cls_name in ALLOWED_VARIANTS.items():
+        base = getattr(importlib.import_module(f"fedfuse.algorithms.{parent}"), cls_name)
+        mod = importlib.import_module(f"fedfuse.algorithms.{variant}")
+        subclasses = [c for c in vars(mod).values()
+                      if isinstance(c, type) and c.__module__ == mod.__name__ and issubclass(c, base)]
+        assert subclasses, f"{variant} imports {parent}.{cls_name} but defines no subclass of it"

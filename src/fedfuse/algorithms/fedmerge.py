@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.engine.context import init_states, model_params
 from fedfuse.fusion.average import delta
 from fedfuse.fusion.merge import (
     cluster_ari,
@@ -75,17 +76,6 @@ from fedfuse.options import opt
 from fedfuse.rng import derive_seed, numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
 
-
-def init_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
-    """``count`` independently initialised full model states (seeded from the run seed)."""
-    out = []
-    for j in range(count):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(ctx.seed, purpose, j))
-            out.append(state_of(ctx.build()))
-    return out
-
-
 SHARED_LOGIT_STD = 0.1
 
 
@@ -95,10 +85,6 @@ def shared_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
         torch.manual_seed(derive_seed(ctx.seed, purpose, "shared"))
         base = state_of(ctx.build())
     return [{k: v.clone() for k, v in base.items()} for _ in range(count)]
-
-
-def model_params(ctx: Any) -> int:
-    return int(sum(p.numel() for p in ctx.model().parameters()))
 
 
 class FedMerge(Algorithm):
@@ -173,7 +159,7 @@ class FedMerge(Algorithm):
         if o.init == "shared":
             globals_ = shared_globals(self.ctx, o.d, "fedmerge-init")
         else:
-            globals_ = init_globals(self.ctx, o.d, "fedmerge-init")
+            globals_ = init_states(self.ctx, o.d, "fedmerge-init")
         return {"globals": globals_, "logits": logits}
 
     def logit_init_std(self) -> float:

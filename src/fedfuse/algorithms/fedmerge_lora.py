@@ -41,7 +41,6 @@ from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.adapters.evaluate import row_losses
 from fedfuse.adapters.lora import cross_term_gap
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
-from fedfuse.algorithms.fedem import e_step
 from fedfuse.engine.client import make_optimizer, task_loss
 from fedfuse.fusion.average import delta, weighted_average
 from fedfuse.fusion.merge import (
@@ -51,6 +50,7 @@ from fedfuse.fusion.merge import (
     row_softmax,
     server_step,
 )
+from fedfuse.fusion.mixture import e_step
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
-from fedfuse.algorithms.fedma import initial_state
+from fedfuse.engine.context import client_initial_state
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import align_to
 from fedfuse.fusion.permute import PermGroup, perm_spec
@@ -70,7 +70,7 @@ class SimpleFedMA(Algorithm):
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
         if payload.meta.get("init") == "distinct":
-            payload = Message(initial_state(self.ctx, data.cid, "distinct"))
+            payload = Message(client_initial_state(self.ctx, data.cid, "distinct"))
         model, meta = self.train_payload(payload, data, gen)
         return Message(state_of(model), meta), client_state
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fedfuse.engine.client import TrainConfig
+from fedfuse.rng import derive_seed
 from fedfuse.types import TensorDict
 
 ClientState = dict[str, Any] | None
@@ -89,3 +90,35 @@ class RunContext:
 def state_of(model: nn.Module) -> TensorDict:
     """A detached copy of the full state (parameters and buffers)."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def seeded_state(ctx: RunContext, seed: int) -> TensorDict:
+    """A freshly initialised full model state from ``seed`` (the global torch RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return state_of(ctx.build())
+
+
+def init_states(ctx: RunContext, count: int, purpose: str) -> list[TensorDict]:
+    """``count`` independently initialised full model states, model ``j`` seeded from ``(seed, purpose, j)``
+    (FedMerge, IFCA and FedEM start their several global models this way)."""
+    out = []
+    for j in range(count):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(ctx.seed, purpose, j))
+            out.append(state_of(ctx.build()))
+    return out
+
+
+def client_initial_state(ctx: RunContext, cid: int, init: str, purpose: str = "fedma-init") -> TensorDict:
+    """A client's starting model: its own initialisation seeded from ``(seed, purpose, cid)`` (``"distinct"``)
+    or the run's shared one (``"shared"``, seeded by the run seed).  The default purpose is the one FedMA, one-shot
+    matching and Simple-FedMA have always used, so their runs are unchanged."""
+    if init not in ("distinct", "shared"):
+        raise ValueError(f"init={init!r}; choose distinct or shared")
+    return seeded_state(ctx, derive_seed(ctx.seed, purpose, cid) if init == "distinct" else ctx.seed)
+
+
+def model_params(ctx: RunContext) -> int:
+    """Parameters of the configured model."""
+    return int(sum(p.numel() for p in ctx.model().parameters()))
