@@ -45,9 +45,10 @@ Defaults chosen by measurement (``docs/fedmerge.md``; MNIST label-cluster, 20 cl
 ``fixed_k`` > 0 is the Fixed(k/d) ablation (000 Table 4): each client's weights are uniform over k randomly
 chosen global models and frozen.
 
-Diagnostics: ``ari`` (k-means on the weight rows, K = number of true groups, vs ``ctx.client_groups``) and
-``merge_entropy`` per evaluated round; a heat-map PNG every ``heatmap_every`` rounds and at the end; at the
-end ``merge_weights.json``; the ARI of the final/best rounds appears in ``summary.json`` like every diagnostic.
+Diagnostics: ``ari`` (k-means on the weight rows, K = number of true groups, vs ``fed.groups()``, the ground
+truth only diagnostics see) and ``merge_entropy`` per evaluated round; a heat-map PNG every ``heatmap_every``
+rounds and at the end; at the end ``merge_weights.json``; the ARI of the final/best rounds appears in
+``summary.json`` like every diagnostic.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ class FedMerge(Algorithm):
     def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
         w = self.weights(state).numpy()
         out: dict[str, Any] = {"merge_entropy": merge_entropy(w)}
-        groups = self.ctx.client_groups
+        groups = fed.groups()  # ground truth: diagnostics only
         out["ari"] = cluster_ari(w, groups, self.ctx.seed) if groups else None
         every = int(self.opt.heatmap_every)
         if self.ctx.out_dir is not None and every > 0 and (info.index + 1) % every == 0:
@@ -242,7 +243,7 @@ class FedMerge(Algorithm):
             return
         out_dir = Path(out_dir)
         w = self.weights(state).numpy()
-        groups = self.ctx.client_groups
+        groups = fed.groups()  # ground truth: diagnostics only
         plot_weights(w, groups, out_dir / "merge_weights_final.png", f"{self.name} merging weights (final)")
         (out_dir / "merge_weights.json").write_text(json.dumps({"weights": w.tolist(), "groups": groups}))
 

@@ -171,7 +171,7 @@ class FedMergeLoRA(LoraAlgorithm):
         out["merge_entropy"] = merge_entropy(wn)
         out["merge_cross_term"] = float(np.mean([cross_term_gap(state["globals"], w[i].tolist())
                                                  for i in range(w.shape[0])]))
-        groups = self.ctx.client_groups
+        groups = fed.groups()  # ground truth: diagnostics only
         out["ari"] = cluster_ari(wn, groups, self.ctx.seed) if groups else None
         if info.index + 1 == info.total:
             out["merge_weights"] = wn.round(4).tolist()

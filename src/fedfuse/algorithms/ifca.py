@@ -112,7 +112,7 @@ class IFCA(Algorithm):
     def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
         from sklearn.metrics import adjusted_rand_score
 
-        groups = self.ctx.client_groups
+        groups = fed.groups()  # ground truth: diagnostics only
         known = [c for c, a in enumerate(state["assign"]) if a >= 0]
         if not groups or len(known) < 2:
             return {"ari": None}

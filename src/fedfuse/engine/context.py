@@ -36,9 +36,10 @@ class RoundInfo:
 class RunContext:
     """Static facts every hook may read: how to build the model, local training settings, client sizes.
 
-    Holds no data and no mutable server state.  ``model(meta)`` returns a module for the architecture a
-    payload describes (``meta["model_options"]`` may override widths, e.g. FedMA's grown layers); modules
-    are cached per architecture so loading a payload costs a ``load_state_dict``, not a rebuild.
+    Holds no data, no mutable server state and no ground truth (a partition's true clusters reach only
+    ``diagnostics`` / ``finish``, through the Federation they are handed).  ``model(meta)`` returns a module for
+    the architecture a payload describes (``meta["model_options"]`` may override widths, e.g. FedMA's grown
+    layers); modules are cached per architecture so loading a payload costs a ``load_state_dict``, not a rebuild.
     """
 
     model_name: str
@@ -53,7 +54,6 @@ class RunContext:
     seed: int
     device: torch.device
     eval_batch_size: int = 512
-    client_groups: list[int] | None = None
     out_dir: Path | None = None  # where the run writes (diagnostic plots); None when not writing
     eval_every: int = 1  # the loop evaluates every this many rounds (and at the last round)
     _cache: dict[str, nn.Module] = field(default_factory=dict, repr=False)

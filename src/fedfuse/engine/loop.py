@@ -70,7 +70,6 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
         seed=cfg.seed,
         device=device,
         eval_batch_size=cfg.eval_batch_size,
-        client_groups=fed.groups(),
         eval_every=cfg.eval_every,
     )
 
@@ -141,10 +140,11 @@ class Experiment:
         self.algo = build_algorithm(self.cfg, self.ctx, algorithm_lookup)
         setup = getattr(self.algo, "setup", None)
         if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
-            self.fed = setup(self.fed)
+            self.fed = setup(self.fed.blinded()).with_truth_of(self.fed)  # it never sees the ground truth
             self.ctx.client_sizes = self.fed.client_sizes()
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
-        self.executor = executor or make_executor(self.cfg.executor, self.fed.clients, self.cfg.seed,
+        # fit/evaluate get the clients' data without the ground truth; only diagnostics/finish see self.fed
+        self.executor = executor or make_executor(self.cfg.executor, self.fed.blinded().clients, self.cfg.seed,
                                                   threads=self.cfg.threads)
         self.progress = progress
         self.on_round = on_round
