@@ -1,4 +1,5 @@
-"""Client-side building blocks: local training, evaluation and FLOP counting.
+"""Client-side building blocks: local training, evaluation, per-sample losses, FLOP counting, the client's label
+histogram and FedMA-style retraining schedules.
 
 These are plain functions of (model, data, hyper-parameters, generator); algorithms compose them in
 their ``fit`` / ``evaluate`` hooks.  Nothing here knows about server state.

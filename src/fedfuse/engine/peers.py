@@ -3,6 +3,9 @@
 A participant addresses a tensor to peer ``m`` by naming it ``sim/peer/{m}/key`` in its reply; the engine's
 ``exchange`` step delivers it to ``m`` as ``sim/mail/{n}/key`` (``n`` = sender) together with the sender's own
 ``sim/own/`` tensors.  Only the addressed tensors are real traffic: they are counted once, as peer bytes.
+
+Who talks to whom (:func:`peer_graph`: ring, full, random ring, random in-neighbours) is decided here too, so
+D-PSGD and Dis-PFL share it without importing each other.
 """
 
 from __future__ import annotations
