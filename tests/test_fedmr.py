@@ -12,7 +12,7 @@ from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import train_local
 from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.recombine import (
     any_pure,

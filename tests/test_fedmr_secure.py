@@ -22,7 +22,8 @@ from fedfuse.algorithms.fedmr import (
 )
 from fedfuse.config import validate
 from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.engine.loop import strip_timing
+from fedfuse.experiment import Experiment
 from fedfuse.fusion.recombine import assemble, secure_exchange, unit_bytes
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Message

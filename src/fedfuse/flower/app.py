@@ -84,7 +84,8 @@ def prepare_node(cfg: Any, fed: Any = None, *, key: str | None = None) -> NodeRu
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with torch.random.fork_rng(devices=[]):
-        built = NodeRun(*assemble(cfg, resolve_device(cfg.device), fed=fed, lookup=get_algorithm))
+        fed, ctx, algo = assemble(cfg, resolve_device(cfg.device), fed=fed, lookup=get_algorithm)
+        built = NodeRun(fed.blinded(), ctx, algo)  # client hooks never see the partition's ground truth
     _RUNS.clear()  # one run at a time per node process
     _RUNS[key or run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
     return built
