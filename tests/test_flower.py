@@ -18,7 +18,8 @@ pytest.importorskip("flwr")
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.api import make_config
 from fedfuse.config import validate
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.engine.loop import strip_timing
+from fedfuse.experiment import Experiment
 from fedfuse.flower import wire
 from fedfuse.flower.app import client_app, prepare_node
 from fedfuse.flower.executor import FlowerExecutor, LocalGrid
