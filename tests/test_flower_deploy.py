@@ -44,12 +44,12 @@ def _env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)}
 
 
-def _fedfuse_app(tmp_path: Path, round_timeout: float) -> tuple[Path, Path]:
+def _fedfuse_app(tmp_path: Path, round_timeout: float, min_nodes: int = 2) -> tuple[Path, Path]:
     """``fedfuse flower-app``'s project for CONFIG: the ServerApp writes its run into ``out``."""
     cfg = tmp_path / "config.yaml"
     cfg.write_text(CONFIG)
     out = tmp_path / "out"
-    return write_app(tmp_path / "app", cfg, out=out, round_timeout=round_timeout, min_nodes=2), out
+    return write_app(tmp_path / "app", cfg, out=out, round_timeout=round_timeout, min_nodes=min_nodes), out
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -186,7 +186,9 @@ def test_fedfuse_app_survives_a_dead_supernode_in_round_two(federation: LocalFed
     """SIGKILL the SuperNode serving client 1 as round 2 starts: round 2 closes at the round timeout with client 1
     a dropout, rounds 3 and the final evaluation run on the survivor, and the run completes."""
     timeout = 45.0  # a round takes 10-30 s here (a ClientApp process per message on 2 busy cores)
-    app, out = _fedfuse_app(tmp_path, round_timeout=timeout)
+    # min-nodes 1: FlowerExecutor waits for min-nodes before *every* call (up to 120 s), so with 2 it would stall
+    # each call once the dead node is offline.  Both SuperNodes are connected before the run is submitted.
+    app, out = _fedfuse_app(tmp_path, round_timeout=timeout, min_nodes=1)
     run_id = federation.run(app)
     deadline = time.monotonic() + 400
     while not _metrics(out):  # round 1 written: round 2's messages are on their way
