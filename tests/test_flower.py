@@ -87,7 +87,7 @@ def test_a_node_that_dies_is_a_dropout_and_the_run_completes(tmp_path):
     cfg = make_config(algorithm="fedavg", dataset="digits", clients=6, clients_per_round=6, rounds=3,
                       model_options={"widths": [16]}, plots=False, out=str(tmp_path / "run"), checkpoint_every=1)
     # node 2 (clients 1, 3, 5) stops answering from its third call on: round 2's fit
-    exp, grid = _flower_run(cfg, fail={2: lambda call: call >= 3})
+    exp, _ = _flower_run(cfg, fail={2: lambda call: call >= 3})
     hist = exp.history
     # round 2: its clients are dropouts; afterwards the silent node is skipped and node 1 serves everyone
     assert [h["replied"] for h in hist] == [6, 3, 6]
