@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from fedfuse.types import Message, TensorDict
 
+#: name prefix of a tensor addressed to one peer: ``sim/peer/{m}/key``
+PEER_PREFIX = "sim/peer/"
+
 
 def route_peers(results: dict[int, Message]) -> tuple[dict[int, Message], int]:
     """Deliver every ``sim/peer/{m}/key`` of sender n to m's mailbox as ``sim/mail/{n}/key``.
@@ -18,7 +21,7 @@ def route_peers(results: dict[int, Message]) -> tuple[dict[int, Message], int]:
     routed: dict[int, TensorDict] = {c: {} for c in results}
     for n, msg in results.items():
         for k, v in msg.tensors.items():
-            if k.startswith("sim/peer/"):
+            if k.startswith(PEER_PREFIX):
                 _, _, m, key = k.split("/", 3)
                 routed.setdefault(int(m), {})[f"sim/mail/{n}/{key}"] = v
                 moved += v.numel() * v.element_size()
