@@ -50,13 +50,19 @@ def test_cyclic_lr_and_dynamic_overlap():
     assert cyclic_lr(0, 100, 0.001, 0.0012) == pytest.approx(0.001)
     assert cyclic_lr(50, 100, 0.001, 0.0012) == pytest.approx(0.0012)
     assert cyclic_lr(75, 100, 0.001, 0.0012) == pytest.approx(0.0011)
-    exp = Experiment(cfg())
+    exp = Experiment(cfg(algorithm_options={"schedule_rounds": 0}))  # Eq. 6's R = the run's rounds
     algo = exp.algo
     total = 100
     assert algo.overlap_control(0, total) == 1.0
     assert algo.overlap_control(9, total) == 1.0  # updated only when r mod 10 = 0
     assert algo.overlap_control(10, total) == pytest.approx(1 - 0.1 * 0.75)
     assert algo.overlap_control(99, total) == pytest.approx(1 - 0.9 * 0.75)
+    # default: R = the paper's 500 rounds whatever the run's length; past R, c stays at c0·(1 − p)
+    paper = Experiment(cfg()).algo
+    assert paper.overlap_control(10, 20) == pytest.approx(1 - (10 / 500) * 0.75)
+    assert paper.overlap_control(19, 20) == pytest.approx(1 - (10 / 500) * 0.75)
+    assert paper.overlap_control(250, 1000) == pytest.approx(1 - 0.5 * 0.75)
+    assert paper.overlap_control(900, 1000) == pytest.approx(0.25)
     assert expected_overlap(0.5, 10, 1.0) == pytest.approx(0.8)
     assert neighbours(0, 4, "ring") == [1, 3] and neighbours(1, 3, "full") == [0, 2]
 

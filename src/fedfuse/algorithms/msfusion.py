@@ -129,6 +129,11 @@ class MSfusion(Algorithm):
         p: float = opt(0.75, "final-stage parameter p of Eq. 6 (c = c0·(1 − (r/R)·p))", ge=0.0, lt=1.0)
         dynamic: bool = opt(True, "dynamic overlap (Eq. 6); false keeps c = c0")
         update_every: int = opt(10, "c is updated when r mod update_every = 0 (paper: 10)", ge=1)
+        schedule_rounds: int = opt(500, "R of Eq. 6, the round count over which c falls from c0 to c0·(1 − p): "
+                                   "500 = the paper's CIFAR-10 run, so c follows the paper's schedule round by "
+                                   "round (a 20-round run ends at c = 0.97); 0 = the run's own rounds (the whole "
+                                   "schedule compressed into the run; measured worse in short runs, "
+                                   "docs/msfusion.md)", ge=0)
         zeta: int = opt(1, "inter-round shift ζ of the double-shifting window", ge=0)
         contrastive: bool = opt(True, "contrastive term of Eq. 7-8")
         tau: float = opt(0.5, "temperature τ of Eq. 7", gt=0.0)
@@ -155,11 +160,15 @@ class MSfusion(Algorithm):
         return float(mus[n % len(mus)]) if mus else float(self.opt.mu)
 
     def overlap_control(self, r: int, total: int) -> float:
-        """c of Eq. 6, updated every ``update_every`` rounds (held constant in between)."""
+        """c of Eq. 6, updated every ``update_every`` rounds (held constant in between).
+
+        Eq. 6's R is ``schedule_rounds`` (the paper's 500 by default), or the run's ``total`` when that is 0;
+        past R, c stays at its final value c0·(1 − p)."""
         if not self.opt.dynamic:
             return float(self.opt.c0)
         ru = (r // self.opt.update_every) * self.opt.update_every
-        return float(self.opt.c0) * (1.0 - (ru / max(total, 1)) * float(self.opt.p))
+        horizon = int(self.opt.schedule_rounds) or total
+        return float(self.opt.c0) * (1.0 - min(ru / max(horizon, 1), 1.0) * float(self.opt.p))
 
     def selection(self, n: int, r: int, total: int) -> Selection:
         c, num = self.overlap_control(r, total), self.ctx.num_clients
