@@ -170,3 +170,17 @@ def test_peer_messages_of_different_sizes_are_not_quarantined():
     assert len(sizes) > 1  # the setting really sends different shapes under one name
     assert all(r["total_quarantined"] == 0 for r in exp.history)
     assert all(not r["quarantined"] for r in exp.history)
+
+
+def test_heterogeneous_mu_sub_models_are_not_quarantined():
+    """With μ_n = 0.5, 0.25, 0.5 two participants' sub-models share a shape and the third's is smaller; the
+    engine's majority vote used to quarantine the μ = 0.25 participant every round.  Its shapes are now checked
+    against its own selection, and a really wrong shape is still caught."""
+    opts = {"mu": 0.5, "mu_list": [0.5, 0.25, 0.5]}
+    exp = Experiment(cfg(rounds=2, model_options={"widths": [8]}, algorithm_options=opts))
+    exp.run()
+    assert all(not r["quarantined"] for r in exp.history)
+    bad = Experiment(cfg(rounds=2, model_options={"widths": [8]}, algorithm_options=opts, corrupt="shape",
+                         corrupt_clients=[1]))
+    bad.run()
+    assert all("1" in r["quarantined"] and "selection gives" in r["quarantined"]["1"] for r in bad.history)

@@ -66,6 +66,7 @@ from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
     combine,
+    dim_indices,
     dss_indices,
     intersect_selection,
     load_submodel,
@@ -247,6 +248,16 @@ class MSfusion(Algorithm):
             "contrastive_skipped": int(sum(m.get("contrastive_skipped", 0) for m in metas)),
         }
         return {**state, "global": glob, "mailbox": mailbox, "diag": diag}
+
+    def reply_shapes(self, cid: int, reply: Message) -> dict[str, tuple[int, ...]]:
+        """The shapes of a participant's ``sim/own/`` sub-model implied by the selection in its metadata (for the
+        engine's reply check: with heterogeneous μ_n, sub-model shapes differ between participants)."""
+        sel = reply.meta.get("sel")
+        if not isinstance(sel, dict) or set(sel) != set(self.spec.groups):
+            return {}
+        sel_t = {g: torch.as_tensor(v, dtype=torch.long) for g, v in sel.items()}
+        return {f"sim/own/{k}": tuple(int(p.numel()) for p in dim_indices(self.spec, sel_t, k, shape))
+                for k, shape in self.shapes.items()}
 
     def server_parameters(self, state: ServerState) -> int:
         return 0  # no central server: the full model is assembled only for evaluation

@@ -9,7 +9,10 @@ A reply is quarantined, with its reason, when
    sub-models, IFCA's chosen cluster model) — than the shape and dtype that a strict majority of the round's
    replies agree on.  Tensors addressed to a peer (``sim/peer/{m}/…``, see :mod:`fedfuse.engine.peers`) are not
    voted on: their shape depends on the sender as well as the receiver (MSfusion sends each peer exactly the
-   overlap of two windows), so different senders legitimately send different shapes under the same name;
+   overlap of two windows), so different senders legitimately send different shapes under the same name.  An
+   algorithm that knows a reply's shapes from its metadata says so with ``reply_shapes(cid, reply)`` (MSfusion:
+   a participant's sub-model follows its own μ_n, so with heterogeneous μ a majority vote would quarantine the
+   minority's valid sub-models); those tensors are checked against it instead of the vote;
 4. it holds a key that was not sent, in algorithms whose replies are the sent model trained further
    ("state-like": every other reply's keys are a subset of its payload's keys);
 5. its update norm exceeds ``norm_bound`` times the median norm of the round's replies (with >= 3 replies).
@@ -111,12 +114,18 @@ def check_replies(
     for k, cnt in by_key.items():
         sig, n = cnt.most_common(1)[0]
         modal[k] = (sig, n, sum(cnt.values()))
+    declared = getattr(algo, "reply_shapes", None)
     for c, r in replies.items():
         if c in bad:
             continue
         payload = sent.get(c, Message()).tensors if same_space else {}
+        expected = declared(c, r) if callable(declared) else {}
         for k, v in r.tensors.items():
-            if k in payload:
+            if k in expected:
+                if tuple(v.shape) != tuple(expected[k]):
+                    bad[c] = f"{k} has shape {tuple(v.shape)}, its selection gives {tuple(expected[k])}"
+                    break
+            elif k in payload:
                 want = _signature(payload[k])
                 if _signature(v) != want:
                     bad[c] = f"{k} has shape {tuple(v.shape)} {v.dtype}, sent {want[0]} {want[1]}"

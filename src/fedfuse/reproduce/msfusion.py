@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="", help="comma list of msfusion, fedrolex, heterofl, fedet (default: all)")
     p.add_argument("--rounds", type=int, default=0, help="override the CIFAR rounds")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
+    p.add_argument("--mnist-classes", type=int, default=MNIST_CLASSES,
+                   help="classes per participant of the mnist part (the paper's H = 5; the shards default is 2)")
 
 
 def settings(quick: bool) -> dict[str, Any]:
@@ -73,12 +75,12 @@ def settings(quick: bool) -> dict[str, Any]:
 MNIST_CLASSES = 5  # the paper's non-IID split of a 10-class dataset: H = 5 classes per participant (CIFAR-10, §5)
 
 
-def mnist_base(data_dir: str | None, quick: bool = False) -> dict[str, Any]:
-    """MNIST ``shards`` with the paper's H = 5 classes per participant, the MLP, and every other run setting at
-    its default; all 60,000 training and 10,000 test images (quick: a stratified 6,000 / 2,000 subset)."""
+def mnist_base(data_dir: str | None, quick: bool = False, classes: int = MNIST_CLASSES) -> dict[str, Any]:
+    """MNIST ``shards`` with ``classes`` per participant (the paper's H = 5), the MLP, and every other run setting
+    at its default; all 60,000 training and 10,000 test images (quick: a stratified 6,000 / 2,000 subset)."""
     limits = {"train_limit": 6000, "test_limit": 2000} if quick else {}
     return {"dataset": "mnist", "data_dir": data_dir, "partition": "shards",
-            "partition_options": {"classes_per_client": MNIST_CLASSES}, "model": "mlp", "plots": False,
+            "partition_options": {"classes_per_client": int(classes)}, "model": "mlp", "plots": False,
             "checkpoint_every": 10_000, "eval_every": 5, "device": "cpu", "dataset_options": limits}
 
 
@@ -175,8 +177,8 @@ def ordering(rows: list[dict[str, Any]], keys: tuple[str, ...],
 
 
 TITLES = {
-    "mnist": "### MNIST shards (5 classes per participant, as the paper's CIFAR-10 split), MLP, every other setting "
-             "at its default",
+    "mnist": "### MNIST shards (`--mnist-classes` per participant, default the paper's H = 5), MLP, every other "
+             "setting at its default",
     "cifar": "### CIFAR-10, 10 participants, global full-model accuracy",
     "ablation": "### Ablation, CIFAR-10 non-IID, mu = 0.25",
     "ring": "### Topology, CIFAR-10 non-IID, mu = 0.25 (bytes = peer exchange only)",
@@ -248,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
 
     if "mnist" in parts:
         for mu in s["mnist_mus"]:
-            point("mnist", mnist_base(data_dir, args.quick), None, mu, 5, 20)
+            point("mnist", mnist_base(data_dir, args.quick, getattr(args, "mnist_classes", MNIST_CLASSES)), None, mu,
+                  5, 20)
     if "cifar" in parts:
         for mu in s["mus"]:
             point("cifar", cifar_base(s, data_dir, "non-iid"), "non-iid", mu, s["eval_every"], s["rounds"])
