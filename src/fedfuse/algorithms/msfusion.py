@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, cyclic_lr, scheduled_lr, train_local
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
 from fedfuse.fusion.slicing import (
@@ -153,9 +153,16 @@ class MSfusion(Algorithm):
                                choices=LR_SCHEDULES)
         lr_min_ratio: float = opt(CYCLIC_MIN_RATIO, "floor of the cyclic schedule as a fraction of --lr (paper: "
                                   "0.001/0.0012)", gt=0.0, le=1.0)
+        global_model: str = opt("assembled", "assembled: every participant also hands its trained sub-model "
+                                "(sim/own/) to the simulation, which assembles the full model to evaluate on the "
+                                "global test set (the paper's Global Model Combination) | none: serverless — only "
+                                "peer envelopes leave a participant, the relay holds no model and averages "
+                                "nothing, and each participant is evaluated with its own full-size memory",
+                                choices=("assembled", "none"))
 
     def __init__(self, ctx, options=None) -> None:
         super().__init__(ctx, options)
+        self.serverless = self.opt.global_model == "none"
         self._full = ctx.model({})
         self.spec: SliceSpec = slice_spec(self._full)
         self.shapes = {k: tuple(v.shape) for k, v in self._full.state_dict().items()}
@@ -190,8 +197,18 @@ class MSfusion(Algorithm):
         return self._w0
 
     # ---- server-side bookkeeping -----------------------------------------------------------------
+    @property
+    def node_private(self) -> tuple[str, ...]:
+        """Serverless: a participant's sub-model and full-size memory stay on its Flower node."""
+        return ("sub", "known") if self.serverless else ()
+
     def init_state(self) -> ServerState:
+        if self.serverless:  # the relay's state: undelivered envelopes and diagnostics, no model
+            return {"mailbox": {}, "diag": {}}
         return {"global": {k: v.clone() for k, v in self.initial_state().items()}, "mailbox": {}, "diag": {}}
+
+    def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]] | None:
+        return None if self.serverless else (state["global"], {})
 
     def select_clients(self, info: RoundInfo, rng: np.random.Generator) -> list[int]:
         return list(range(self.ctx.num_clients))  # every participant is active every round
@@ -216,12 +233,12 @@ class MSfusion(Algorithm):
         subs, sels = [], {}
         mailbox: dict[int, TensorDict] = {}
         for c, msg in results.items():
-            own = own_tensors(msg)
             sel = {g: torch.tensor(v, dtype=torch.long) for g, v in msg.meta["sel"].items()}
-            subs.append((own, sel))
+            if not self.serverless:
+                subs.append((own_tensors(msg), sel))
             sels[c] = sel
             mailbox[c] = mail_of(msg)
-        glob, _ = combine(state["global"], full_sel, self.spec, self.shapes, subs)
+        glob = None if self.serverless else combine(state["global"], full_sel, self.spec, self.shapes, subs)[0]
         n = len(results)
         order = sorted(results)
         cover, adj = [], []
@@ -247,13 +264,15 @@ class MSfusion(Algorithm):
             "fallback_elements": int(sum(m["fallback_elements"] for m in metas)),
             "contrastive_skipped": int(sum(m.get("contrastive_skipped", 0) for m in metas)),
         }
+        if self.serverless:  # the relay only keeps the envelopes for their next delivery
+            return {"mailbox": mailbox, "diag": diag}
         return {**state, "global": glob, "mailbox": mailbox, "diag": diag}
 
     def reply_shapes(self, cid: int, reply: Message) -> dict[str, tuple[int, ...]]:
         """The shapes of a participant's ``sim/own/`` sub-model implied by the selection in its metadata (for the
         engine's reply check: with heterogeneous μ_n, sub-model shapes differ between participants)."""
         sel = reply.meta.get("sel")
-        if not isinstance(sel, dict) or set(sel) != set(self.spec.groups):
+        if self.serverless or not isinstance(sel, dict) or set(sel) != set(self.spec.groups):
             return {}
         sel_t = {g: torch.as_tensor(v, dtype=torch.long) for g, v in sel.items()}
         return {f"sim/own/{k}": tuple(int(p.numel()) for p in dim_indices(self.spec, sel_t, k, shape))
@@ -332,13 +351,24 @@ class MSfusion(Algorithm):
         })
         return Message(tensors, meta), new_state
 
+    def evaluate(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> dict[str, float]:
+        """Assembled: the full model the simulation assembled, on the participant's splits.  Serverless: the
+        participant's own full-size memory (its latest trained value of every element, W⁰ where it never trained
+        one) — what it would deploy without a server."""
+        if not self.serverless:
+            return super().evaluate(payload, client_state, data, gen)
+        known = self.initial_state() if not client_state else client_state.get("known", self.initial_state())
+        return evaluate_splits(self.ctx.load(known), data, self.ctx.eval_batch_size)
+
     def publish(
         self, n: int, r: int, total: int, new: TensorDict, sel: Selection, client_state: ClientState
     ) -> tuple[TensorDict, int, dict[str, Any]]:
         """After local training: n's outgoing tensors (``sim/own/...`` and, per connected peer m, the elements
         of its trained sub-model that lie in m's round-(r+1) sub-model), their bytes, and n's new state
         (trained sub-model, its selection, and the full-size memory of n's latest trained values)."""
-        tensors = {f"sim/own/{k}": v for k, v in new.items()}
+        tensors = {} if self.serverless else {f"sim/own/{k}": v for k, v in new.items()}
         peer = 0
         if r + 1 < total:
             for m in neighbours(n, self.ctx.num_clients, self.opt.topology):

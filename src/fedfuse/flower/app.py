@@ -103,12 +103,12 @@ def handle(msg: Message, context: Context) -> Message:
         run.ctx.train = TrainConfig(**train)
     body = wire.unpack(msg.content)
     data = run.fed.clients[cid]
-    private = tuple(getattr(run.algo, "node_private", ())) if method == "fit" else ()
+    private = tuple(getattr(run.algo, "node_private", ()))
     state = restore_private(body["state"], private, context, cid)
     job = Job(cid, body["payload"].to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
     seed_global(seed, job)
     result = getattr(run.algo, method)(job.payload, job.state, data, job_generator(seed, job))
-    if private:
+    if private and method == "fit":  # evaluation reads the kept entries but leaves them as they are
         result = (result[0], keep_private(result[1], private, context, cid))
     content = wire.pack({"result": result})
     content[JOB] = ConfigRecord({"cid": cid, "method": method})
