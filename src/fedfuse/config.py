@@ -52,7 +52,7 @@ class RunConfig:
     data_dir: str | None = opt(None, "data directory (default: $FEDFUSE_DATA)")
     out: str | None = opt(None, "run directory")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
-    executor: str = opt("sequential", "how clients run: sequential | batched | processes | auto "
+    executor: str = opt("sequential", "how clients run: sequential | batched | processes | auto | flower "
                                       "(engine/executor.py)")
     threads: int = opt(0, "torch intra-op threads; 0 = PyTorch's default", ge=0)
     val_fraction: float = opt(0.1, "fraction of each client's samples held out for validation", ge=0.0, lt=1.0)
@@ -90,7 +90,7 @@ class RunConfig:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("sgd", "adam"),
-    "executor": ("sequential", "batched", "processes", "auto"),
+    "executor": ("sequential", "batched", "processes", "auto", "flower"),
     "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size"),
 }
 

@@ -11,7 +11,8 @@ Executors (``executor`` config key / ``--executor``):
 - ``sequential`` — one client after another in this process (the reference);
 - ``batched`` — clients of a declared program trained together with ``torch.func`` (``engine/batched.py``);
 - ``processes`` — a pool of worker processes (``engine/processes.py``);
-- ``auto`` — a short probe picks one of the above (``engine/auto.py``).
+- ``auto`` — a short probe picks one of the above (``engine/auto.py``);
+- ``flower`` — Flower's simulation runtime, one message per job (``fedfuse/flower/``, ``pip install fedfuse[flower]``).
 
 The engine imports no algorithm: ``fit`` only needs an object with ``fit`` and, optionally,
 ``client_program`` (:class:`~fedfuse.engine.program.ProgramSource`).
@@ -81,11 +82,13 @@ class SequentialExecutor:
         return self.name
 
 
-EXECUTOR_NAMES = ("sequential", "batched", "processes", "auto")
+EXECUTOR_NAMES = ("sequential", "batched", "processes", "auto", "flower")
 
 
-def make_executor(name: str, clients: Sequence[ClientData], seed: int, *, threads: int = 0) -> Any:
-    """The executor called ``name`` (one of :data:`EXECUTOR_NAMES`)."""
+def make_executor(name: str, clients: Sequence[ClientData], seed: int, *, threads: int = 0,
+                  config: Any = None) -> Any:
+    """The executor called ``name`` (one of :data:`EXECUTOR_NAMES`); ``config`` (the run's RunConfig) is
+    needed by ``flower``, whose nodes rebuild the run from it."""
     if name == "sequential":
         return SequentialExecutor(clients, seed)
     if name == "batched":
@@ -100,6 +103,14 @@ def make_executor(name: str, clients: Sequence[ClientData], seed: int, *, thread
         from fedfuse.engine.auto import AutoExecutor
 
         return AutoExecutor(clients, seed, threads=threads or 1)
+    if name == "flower":
+        try:
+            from fedfuse.flower.executor import SimulationExecutor
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ValueError("executor 'flower' needs Flower: pip install 'fedfuse[flower]'") from e
+        if config is None:
+            raise ValueError("executor 'flower' needs the run's config")
+        return SimulationExecutor(config, seed, num_nodes=len(clients), threads=threads or 1)
     raise ValueError(f"unknown executor {name!r}; choose one of: {', '.join(EXECUTOR_NAMES)}")
 
 

@@ -100,6 +100,20 @@ def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | N
     return algo
 
 
+def assemble(cfg: RunConfig, device: torch.device, *, fed: Federation | None = None,
+             lookup: AlgorithmLookup | None = None) -> tuple[Federation, RunContext, Any]:
+    """The federation, run context and algorithm of a validated config, exactly as every engine builds them
+    (the in-process loop, and a Flower node rebuilding the run from the config it is sent)."""
+    fed = fed if fed is not None else build_federation(cfg, device)
+    ctx = build_context(cfg, fed, device)
+    algo = build_algorithm(cfg, ctx, lookup)
+    setup = getattr(algo, "setup", None)
+    if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
+        fed = setup(fed)
+        ctx.client_sizes = fed.client_sizes()
+    return fed, ctx, algo
+
+
 @dataclass
 class Totals:
     bytes_down: int = 0
@@ -130,17 +144,14 @@ class Experiment:
         self.device = resolve_device(self.cfg.device)
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
-        self.fed = fed if fed is not None else build_federation(self.cfg, self.device)
-        self.ctx = build_context(self.cfg, self.fed, self.device)
+        self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, fed=fed, lookup=algorithm_lookup)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
-        self.algo = build_algorithm(self.cfg, self.ctx, algorithm_lookup)
-        setup = getattr(self.algo, "setup", None)
-        if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
-            self.fed = setup(self.fed)
-            self.ctx.client_sizes = self.fed.client_sizes()
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
         self.executor = executor or make_executor(self.cfg.executor, self.fed.clients, self.cfg.seed,
-                                                  threads=self.cfg.threads)
+                                                  threads=self.cfg.threads, config=self.cfg)
+        bind = getattr(self.executor, "bind", None)  # executors that send the local-training settings along
+        if bind is not None:
+            bind(self.ctx)
         self.progress = progress
         self.on_round = on_round
         self.out = Path(self.cfg.out) if self.cfg.out else None
@@ -328,6 +339,9 @@ class Experiment:
                     for c in payloads if fates.get(c) != DROPOUT]
             fit = getattr(self.executor, "fit", None)  # executors that own the loop run declared programs
             outs = fit(algo, jobs) if fit is not None else self.executor.map(algo.fit, jobs)
+            for job in jobs:  # a job without a reply (a Flower node died, a reply timed out) is a dropout
+                if job.cid not in outs and job.cid not in dropped:
+                    dropped.append(job.cid)
             results: dict[int, Message] = {}
             state_like = is_state_like(algo, payloads, outs_results(outs))
             for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent

@@ -1,0 +1,246 @@
+"""The Flower executor: fedfuse's ``for_each_client`` seam over a Flower ``Grid``.
+
+:class:`FlowerExecutor` turns each client job of a round into one Flower ``Message`` (``message_type``
+``"train"`` for the client step, ``"evaluate"`` for personal evaluation), sends the whole round with
+``grid.send_and_receive`` and decodes the replies.  The round loop, the algorithm's server hooks, fusion,
+accounting and checkpoints stay in fedfuse's :class:`~fedfuse.engine.loop.Experiment`, which runs inside the
+``ServerApp``; the ``ClientApp`` (:mod:`fedfuse.flower.app`) runs the algorithm's client hook on the node.  A
+reply that never arrives (node gone, ``round_timeout`` passed) or that carries an error is left out, and the loop
+treats that client as a dropout of the round — the same policy as ``--dropout`` in the in-process engine.
+
+Grids:
+
+- a real ``Grid`` (``flwr run`` against a SuperLink, or Flower's simulation runtime);
+- :class:`LocalGrid`: calls the ``ClientApp`` in this process, but every message still goes through Flower's
+  protobuf serialisation both ways (the equality tests use it: the same wire, no Ray start-up);
+- :class:`SimulationExecutor` (``--executor flower``): starts Flower's simulation runtime (Ray) in a
+  background thread on first use and forwards each batch of jobs to the ``ServerApp``'s grid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from fedfuse.engine.executor import ClientFn, Job
+from fedfuse.flower import wire
+
+log = logging.getLogger("fedfuse")
+
+#: client hooks that run on the nodes, and the Flower message type each travels as
+METHODS = {"fit": "train", "evaluate": "evaluate"}
+JOB = "fedfuse.job"
+
+
+class FlowerExecutor:
+    """Runs client jobs on the SuperNodes of a Flower ``grid`` (see the module docstring).
+
+    ``config`` is the run's resolved :class:`~fedfuse.config.RunConfig` (sent with every message, so a node
+    builds the same federation and algorithm); ``train`` returns the current local-training settings (the
+    loop may halve the lr on rollback).  Client ``cid`` is served by node ``nodes[cid % len(nodes)]``.
+    """
+
+    name = "flower"
+
+    def __init__(self, grid: Any, config: Any, seed: int, *, round_timeout: float | None = None,
+                 min_nodes: int = 1, node_wait: float = 120.0) -> None:
+        self.grid = grid
+        self.seed = seed
+        self.run_json = json.dumps(config.to_dict(), sort_keys=True, default=str)  # as node_run keys it
+        self.round_timeout = round_timeout or None
+        self.min_nodes = max(1, min_nodes)
+        self.node_wait = node_wait
+        self.train: Any = None  # set by bind(): the loop's RunContext.train at send time
+        self._ctx: Any = None
+        self.lost: dict[int, str] = {}  # the last call's jobs without a usable reply, with the reason
+
+    def bind(self, ctx: Any) -> None:
+        """Follow ``ctx.train`` (the run's local-training settings) when building messages."""
+        self._ctx = ctx
+
+    def nodes(self) -> list[int]:
+        """The connected node ids (waits up to ``node_wait`` s for ``min_nodes`` to connect)."""
+        deadline = time.monotonic() + self.node_wait
+        while True:
+            ids = sorted(self.grid.get_node_ids())
+            if len(ids) >= self.min_nodes or time.monotonic() > deadline:
+                if not ids:
+                    raise RuntimeError(f"no Flower SuperNode connected within {self.node_wait:.0f} s")
+                return ids
+            time.sleep(0.05)
+
+    def message(self, method: str, job: Job, node: int) -> Any:
+        from flwr.app import ConfigRecord, Message
+
+        content = wire.pack({"payload": job.payload, "state": job.state})
+        train = asdict(self._ctx.train) if self._ctx is not None else {}
+        content[JOB] = ConfigRecord({
+            "method": method, "cid": int(job.cid), "keys": json.dumps(list(job.keys)), "seed": int(self.seed),
+            "run": self.run_json, "train": json.dumps(train, default=str),
+        })
+        return Message(content=content, message_type=METHODS[method], dst_node_id=node)
+
+    def map(self, fn: ClientFn, jobs: Sequence[Job]) -> dict[int, Any]:
+        method = getattr(fn, "__name__", "")
+        if getattr(fn, "__self__", None) is None or method not in METHODS:
+            raise ValueError(f"the Flower executor runs the algorithm's {'/'.join(METHODS)} hooks, not {fn!r}")
+        jobs = list(jobs)
+        self.lost = {}
+        if not jobs:
+            return {}
+        nodes = self.nodes()
+        sent = {}
+        for job in jobs:
+            msg = self.message(method, job, nodes[job.cid % len(nodes)])
+            sent[job.cid] = msg
+        replies = list(self.grid.send_and_receive(list(sent.values()), timeout=self.round_timeout))
+        by_message = {m.metadata.message_id: cid for cid, m in sent.items() if m.metadata.message_id}
+        out: dict[int, Any] = {}
+        for rep in replies:
+            if rep.has_error():
+                cid = by_message.get(rep.metadata.reply_to_message_id)
+                if cid is not None:
+                    reason = (rep.error.reason or "").strip().splitlines()
+                    self.lost[cid] = f"error from node {rep.metadata.src_node_id}: {reason[-1][:300] if reason else ''}"
+                continue
+            cid = int(rep.content[JOB]["cid"])
+            out[cid] = wire.unpack(rep.content)["result"]
+        for cid in sent:
+            if cid not in out and cid not in self.lost:
+                self.lost[cid] = "no reply (node gone or round timeout)"
+        for cid, reason in sorted(self.lost.items()):
+            log.warning("flower: client %d did not reply: %s", cid, reason)
+        return out
+
+    def fit(self, target: Any, jobs: Sequence[Job]) -> dict[int, Any]:
+        return self.map(target.fit, jobs)
+
+    def close(self) -> None:
+        """Nothing to release (the grid belongs to the ServerApp)."""
+
+    def describe(self) -> str:
+        return "flower"
+
+
+class LocalGrid:
+    """A Flower ``Grid`` whose nodes are ``ClientApp`` calls in this process.
+
+    Every message is serialised to Flower's protobuf and parsed back on the way out and on the way back, so
+    what a node receives is exactly what would cross the network.  ``fail`` maps node ids to a callable
+    ``(round_of_calls) -> bool`` that drops the node's replies (simulated node failure).
+    """
+
+    def __init__(self, client_app: Any, num_nodes: int, *, fail: dict[int, Any] | None = None) -> None:
+        from flwr.app import Context, RecordDict
+
+        self.client_app = client_app
+        self.node_ids = list(range(1, num_nodes + 1))
+        self.contexts = {n: Context(run_id=1, node_id=n, node_config={"partition-id": i, "num-partitions": num_nodes},
+                                    state=RecordDict(), run_config={})
+                         for i, n in enumerate(self.node_ids)}
+        self.fail = fail or {}
+        self.calls = 0
+        from flwr.supercore.task_identity import TaskIdentity
+
+        for attr, value in (("run_id", 1), ("task_id", 1), ("node_id", 0)):  # what a ServerApp runtime sets
+            if getattr(TaskIdentity, "_" + attr) is None:
+                setattr(TaskIdentity, attr, value)
+        self.bytes_sent = 0  # serialised message sizes, both directions
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_ids)
+
+    def _wire(self, msg: Any) -> Any:
+        from flwr.common.serde import message_from_proto, message_to_proto
+        from flwr.proto.message_pb2 import Message as ProtoMessage
+
+        raw = message_to_proto(msg).SerializeToString()
+        self.bytes_sent += len(raw)
+        proto = ProtoMessage()
+        proto.ParseFromString(raw)
+        return message_from_proto(proto)
+
+    def send_and_receive(self, messages: Sequence[Any], *, timeout: float | None = None) -> list[Any]:
+        self.calls += 1
+        out = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            if node in self.fail and self.fail[node](self.calls):
+                continue
+            received = self._wire(msg)
+            out.append(self._wire(self.client_app(received, self.contexts[node])))
+        return out
+
+
+class SimulationExecutor(FlowerExecutor):
+    """``--executor flower``: Flower's simulation runtime, started on first use in a background thread.
+
+    The ServerApp of the simulation serves this executor: each ``map`` call is handed to it through a queue
+    and sent with its grid; ``close`` ends the ServerApp and the simulation.  ``num_nodes`` virtual
+    SuperNodes (default: one per client), ``workers`` Ray actors with ``threads`` torch threads each.
+    """
+
+    def __init__(self, config: Any, seed: int, *, num_nodes: int, workers: int = 0, threads: int = 1,
+                 round_timeout: float | None = None) -> None:
+        super().__init__(None, config, seed, round_timeout=round_timeout, min_nodes=num_nodes)
+        self.num_nodes = num_nodes
+        self.workers = workers
+        self.threads = threads
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._replies: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _start(self) -> None:
+        from fedfuse.engine.processes import available_cores
+        from fedfuse.flower.app import client_app, quiet_flower, serving_app
+
+        quiet_flower()
+        server = serving_app(self._requests, self._replies)
+        cores = self.workers or available_cores()
+        backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                   "init_args": {"num_cpus": cores, "logging_level": logging.ERROR, "log_to_driver": False,
+                                 "include_dashboard": False}}
+
+        def target() -> None:
+            from flwr.simulation import run_simulation
+
+            try:
+                run_simulation(server, client_app, num_supernodes=self.num_nodes, backend_config=backend)
+            except BaseException as e:  # surfaced on the next map call
+                self._error = e
+                self._replies.put(e)
+
+        self._thread = threading.Thread(target=target, name="flower-simulation", daemon=True)
+        self._thread.start()
+
+    def map(self, fn: ClientFn, jobs: Sequence[Job]) -> dict[int, Any]:
+        if self._thread is None:
+            self._start()
+        if self._error is not None:
+            raise RuntimeError(f"the Flower simulation stopped: {self._error}") from self._error
+        self._requests.put((self, fn, list(jobs)))
+        reply = self._replies.get()
+        if isinstance(reply, BaseException):
+            raise RuntimeError(f"the Flower simulation failed: {reply}") from reply
+        return reply
+
+    def serve(self, grid: Any, fn: ClientFn, jobs: list[Job]) -> dict[int, Any]:
+        """Called in the ServerApp's thread with its grid."""
+        self.grid = grid
+        return FlowerExecutor.map(self, fn, jobs)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._requests.put(None)
+            self._thread.join(timeout=120)
+            self._thread = None
+
+    def describe(self) -> str:
+        return f"flower(simulation, {self.num_nodes} nodes)"
