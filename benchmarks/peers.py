@@ -7,14 +7,15 @@ every variant once, so machine noise hits all alike) in this one process tree:
 
 - ``fedfuse-<executor>``: ``fedfuse.engine.loop.Experiment`` with an in-process executor (default: sequential
   and batched; the faster one is "fedfuse" in the ratios);
-- ``flower-plain``: a Flower app as Flower's tutorials write one (flwr 1.4x Message API): a ``ServerApp``
-  running ``flwr.serverapp.strategy.FedAvg.start`` and a ``ClientApp`` whose ``@app.train()`` loads the global
-  model from the ``ArrayRecord``, trains with a plain torch loop on its partition (cached in the node's process,
-  read once from a tensor file) and replies with the new ``ArrayRecord`` and ``num-examples``; run with
-  ``flwr.simulation.run_simulation`` on the Ray backend;
+- ``flower-plain``: a Flower app as Flower's tutorials write one (flwr 1.4x Message API,
+  benchmarks/flower_plain_app.py): a ``ServerApp`` running ``flwr.serverapp.strategy.FedAvg.start`` and a
+  ``ClientApp`` whose ``@app.train()`` loads the global model from the ``ArrayRecord``, trains with a plain torch
+  loop on its partition (cached in the node's process, read once from a tensor file) and replies with the new
+  ``ArrayRecord`` and ``num-examples``; run with ``flwr.simulation.run_simulation`` on the Ray backend;
 - ``fedfuse-flower``: the same fedfuse run with ``executor=flower`` (fedfuse/flower/, Flower's simulation
   runtime), when this checkout has it.
 
+The order of the variants rotates between repeats; imports and the MNIST cache are warmed before any timing.
 Both Flower variants get ``--actors`` Ray actors (1 CPU each; default 1, as the in-process engine uses one core)
 and every process ``--threads`` torch threads.  Timing (wall clock, ``time.perf_counter`` in this process):
 ``t_r`` = end of round r (fedfuse: the engine's round callback; Flower: FedAvg's ``evaluate_fn`` hook, which
@@ -45,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 N_CLIENTS, PER_CLIENT, PER_ROUND, EPOCHS, BATCH, LR = 100, 600, 10, 1, 50, 0.05
 MODELS = {  # variant -> (label, fedfuse registry model, options)
@@ -56,114 +56,26 @@ DEFAULT_VARIANTS = "fedfuse-sequential,fedfuse-batched,flower-plain,fedfuse-flow
 QUIET_RAY = {"logging_level": logging.ERROR, "log_to_driver": False, "include_dashboard": False}
 
 
-# ------------------------------------------------------------------------------ the plain Flower app
-
-
-class Net(nn.Module):
-    """The tutorial's ``Net``: here MLP 784-200-200-10 or the McMahan CNN ('same' padding), as in fedfuse."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        if kind == "mlp":
-            self.body = nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
-                                      nn.Linear(200, 10))
-        else:
-            self.body = nn.Sequential(
-                nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-                nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-                nn.Flatten(), nn.Linear(64 * 7 * 7, 512), nn.ReLU(), nn.Linear(512, 10),
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
-
-
-_partitions: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def load_partition(partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The node's 600 images, read once per process (tutorials cache their FederatedDataset the same way)."""
-    if partition_id not in _partitions:
-        x, y = torch.load(os.environ["PEERS_DATA"])
-        for c in range(N_CLIENTS):
-            _partitions[c] = (x[c * PER_CLIENT : (c + 1) * PER_CLIENT], y[c * PER_CLIENT : (c + 1) * PER_CLIENT])
-    return _partitions[partition_id]
-
-
-def train_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float) -> float:
-    """Plain torch SGD: shuffled mini-batches of BATCH, cross-entropy; the mean loss of the last epoch."""
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    total = 0.0
-    for _ in range(epochs):
-        total = 0.0
-        perm = torch.randperm(len(x))
-        for s in range(0, len(x), BATCH):
-            idx = perm[s : s + BATCH]
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += float(loss) * len(idx)
-    return total / len(x)
-
-
-def make_client_app() -> Any:
-    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
-
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        torch.set_num_threads(int(os.environ.get("PEERS_THREADS", "1")))
-        config = msg.content["config"]
-        model = Net(str(config["model"]))
-        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        x, y = load_partition(int(context.node_config["partition-id"]))
-        loss = train_loop(model, x, y, int(config["local-epochs"]), float(config["lr"]))
-        content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                              "metrics": MetricRecord({"train_loss": loss, "num-examples": len(x)})})
-        return Message(content=content, reply_to=msg)
-
-    return app
-
-
-def make_server_app(kind: str, rounds: int, stamps: list[float]) -> Any:
-    from flwr.app import ArrayRecord, ConfigRecord, Context
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.serverapp.strategy import FedAvg
-
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        torch.manual_seed(0)
-        strategy = FedAvg(fraction_train=PER_ROUND / N_CLIENTS, fraction_evaluate=0.0, min_available_nodes=N_CLIENTS)
-
-        def stamp(server_round: int, arrays: ArrayRecord) -> None:
-            if server_round > 0:
-                stamps.append(time.perf_counter())
-
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(kind).state_dict()), num_rounds=rounds,
-                       train_config=ConfigRecord({"lr": LR, "local-epochs": EPOCHS, "model": kind}),
-                       evaluate_fn=stamp)
-
-    return app
-
-
 def quiet_flower() -> None:
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run_plain_flower(kind: str, rounds: int, actors: int) -> Timing:
+    """The plain Flower app (benchmarks/flower_plain_app.py) in Flower's simulation runtime."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if here not in paths:  # the Ray actors import the app module by name
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, paths)])
+    from flower_plain_app import app, make_server_app
     from flwr.simulation import run_simulation
 
     quiet_flower()
     stamps: list[float] = []
     launch = time.perf_counter()
-    run_simulation(make_server_app(kind, rounds, stamps), make_client_app(), num_supernodes=N_CLIENTS,
+    run_simulation(make_server_app(kind, rounds, stamps), app, num_supernodes=N_CLIENTS,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                    "init_args": {"num_cpus": actors, **QUIET_RAY}})
     end = time.perf_counter()
@@ -186,14 +98,21 @@ def fedfuse_config(model: str, opts: dict, rounds: int, executor: str, data_dir:
     )))
 
 
-def run_fedfuse(model: str, opts: dict, rounds: int, executor: str, data_dir: str, threads: int) -> Timing:
-    """A whole fedfuse run (config, MNIST from the data dir, contiguous 100 × 600 partition, model, rounds)."""
+def run_fedfuse(model: str, opts: dict, rounds: int, executor: str, data_dir: str, threads: int,
+                actors: int = 1) -> Timing:
+    """A whole fedfuse run (config, MNIST from the data dir, contiguous 100 × 600 partition, model, rounds);
+    ``executor="flower"`` with ``actors`` Ray actors."""
     from fedfuse.engine.loop import Experiment
 
     stamps: list[float] = []
     launch = time.perf_counter()
     cfg = fedfuse_config(model, opts, rounds, executor, data_dir, threads)
-    exp = Experiment(cfg, on_round=lambda rec: stamps.append(time.perf_counter()))
+    ex = None
+    if executor == "flower":  # as make_executor builds it, with the actor count of the plain Flower app
+        from fedfuse.flower.executor import SimulationExecutor
+
+        ex = SimulationExecutor(cfg, cfg.seed, num_nodes=N_CLIENTS, workers=actors, threads=threads)
+    exp = Experiment(cfg, executor=ex, on_round=lambda rec: stamps.append(time.perf_counter()))
     exp.run()
     end = time.perf_counter()
     acc = exp.history[-1].get("global_accuracy")
@@ -258,10 +177,18 @@ def load() -> str:
         return "load average " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def prepare_data(data_dir: str, path: Path) -> None:
-    """Warm fedfuse's MNIST cache and write the 60,000 normalised training tensors for the plain Flower nodes."""
+def prepare(data_dir: str, path: Path, threads: int) -> None:
+    """Imports and caches every variant needs (so no variant pays them for the others): fedfuse's modules and
+    MNIST cache, Flower's simulation modules; then the 60,000 normalised training tensors for the plain Flower
+    nodes."""
+    import flwr.simulation  # noqa: F401
+
+    import fedfuse.engine.loop
     from fedfuse.data.datasets import load_dataset
 
+    if flower_executor_available():
+        import fedfuse.flower.app  # noqa: F401
+    fedfuse_config("mlp", {}, 3, "sequential", data_dir, threads)
     ds = load_dataset("mnist", data_dir)
     n = N_CLIENTS * PER_CLIENT
     torch.save((ds.train_x[:n].contiguous(), ds.train_y[:n].contiguous()), path)
@@ -297,19 +224,19 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="peers-"))
     os.environ["PEERS_DATA"] = str(tmp / "mnist-100x600.pt")
-    prepare_data(args.data_dir, tmp / "mnist-100x600.pt")
+    prepare(args.data_dir, tmp / "mnist-100x600.pt", args.threads)
     print(f"start: {load()}")
     print(f"{os.cpu_count()} cores; torch {torch.__version__}, flwr {flwr.__version__}; threads {args.threads}, "
           f"Flower actors {args.actors}; {args.rounds} rounds × {args.repeats} repeats; real MNIST")
     for kind in [m for m in args.models.split(",") if m]:
         label, model, opts = MODELS[kind]
         rows = {v: Row() for v in variants}
-        for _ in range(args.repeats):
-            for v in variants:
+        for rep in range(args.repeats):  # interleaved; the order rotates so no variant always goes first
+            for v in variants[rep % len(variants):] + variants[: rep % len(variants)]:
                 if v == "flower-plain":
                     t = run_plain_flower(kind, args.rounds, args.actors)
                 elif v == "fedfuse-flower":
-                    t = run_fedfuse(model, opts, args.rounds, "flower", args.data_dir, args.threads)
+                    t = run_fedfuse(model, opts, args.rounds, "flower", args.data_dir, args.threads, args.actors)
                 else:
                     t = run_fedfuse(model, opts, args.rounds, v.removeprefix("fedfuse-"), args.data_dir,
                                     args.threads)
