@@ -167,6 +167,10 @@ def test_export_round_trip_rebuilds_the_same_federation(tmp_path: Path, partitio
     assert main(argv) == 0
     assert (out / "README.md").is_file() and "NaturalIdPartitioner" in (out / "README.md").read_text()
     assert main(argv) != 0  # refuses to overwrite without --overwrite
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    assert main([*argv[:-1], str(other), "--overwrite"]) != 0 and (other / "keep.txt").is_file()
 
     ds = load_dataset("digits")
     part = make_partition(partition, ds, 10, 7)

@@ -489,8 +489,12 @@ def write_partitions(ds: Dataset, part: Partition, out: str | os.PathLike[str], 
         raise ValueError(f"export-partitions writes classification datasets; {ds.name!r} is a {ds.task} dataset")
     hf = _need("datasets")
     target = Path(out)
-    if target.exists() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(f"{target} is not empty; choose another --out or pass --overwrite")
+    if target.exists() and any(target.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{target} is not empty; choose another --out or pass --overwrite")
+        if not (target / "fedfuse_partition.json").is_file():
+            raise FileExistsError(f"{target} is not empty and not an earlier export (no fedfuse_partition.json); "
+                                  "--overwrite replaces only earlier exports")
     idx = [np.asarray(i, dtype=np.int64) for i in part.train_indices]
     order = np.concatenate(idx) if idx else np.zeros(0, np.int64)
     pid = np.concatenate([np.full(len(i), c, dtype=np.int64) for c, i in enumerate(idx)]) if idx else order
@@ -505,7 +509,7 @@ def write_partitions(ds: Dataset, part: Partition, out: str | os.PathLike[str], 
     )
     test = hf.Dataset.from_dict({"x": ds.test_x.numpy(), "label": ds.test_y.numpy()},
                                 features=hf.Features({"x": x_feat, "label": label}))
-    if target.exists() and overwrite:
+    if target.exists() and overwrite and (target / "fedfuse_partition.json").is_file():
         import shutil
 
         shutil.rmtree(target)
