@@ -20,7 +20,7 @@ import torch
 
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.config import RunConfig, apply, validate
-from fedfuse.engine.loop import Experiment
+from fedfuse.experiment import Experiment
 from fedfuse.types import ClientData, Federation, Split
 
 LM_ALGORITHMS = ("simple-fedma", "fedit", "fedlora", "fedmerge-lora", "fedem-lora", "local-lora")

@@ -37,8 +37,8 @@ import torch
 
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.executor import make_executor
-from fedfuse.engine.loop import Experiment
 from fedfuse.engine.processes import ProcessExecutor
+from fedfuse.experiment import Experiment
 from fedfuse.models import build_model
 from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Federation, Split

@@ -12,11 +12,14 @@ Inputs: ``J`` clients hold noisy, independently permuted copies of one layer of 
 inputs + bias, ``w_j = P_j (θ + ε_j)``, ``θ ~ N(0, 0.3²)``, ``ε_j ~ N(0, 0.1²)`` (one seed).  Both run the
 code's hyper-parameters (σ = σ0 = 1, γ = 7, 5 passes, cap 700, prior mean 0 / 0.1 for the bias) with the same
 client order.  Times are CPU seconds of this process (``time.process_time``, one BLAS thread), so a busy
-machine inflates both sides alike.  Cases: the report's SimpleMLP layers as matched layer by layer (20×785,
+machine inflates both sides alike; each repeat runs the port, then fedfuse, then fedfuse with
+``skip_settled=False`` (every pass's scores computed, no skipping once the grouping has settled), and the table
+gives the best of the repeats and the median of the per-repeat ratios.  Both fedfuse runs must give the port's
+assignments.  Cases: the report's SimpleMLP layers as matched layer by layer (20×785,
 100×21, 120×101, 84×121; 2 and 10 clients), its widest first layer (270×785, 5 clients), the 400-unit ×
 10-client case, and VGG-9-sized conv layers with 16 clients (128 channels × 64·3·3 inputs, 256 × 256·3·3).
 
-    python benchmarks/matching.py                       # all cases, one thread
+    python benchmarks/matching.py                       # all cases, one thread, repeats chosen per case
     python benchmarks/matching.py --cases 400x785x10 --repeat 3
 """
 
@@ -135,13 +138,16 @@ def make_inputs(units: int, dim: int, clients: int, seed: int = 0) -> list[np.nd
 
 
 def run_case(units: int, dim: int, clients: int, repeat: int = 1, iters: int = 5) -> dict:
+    """Time the IBM port and fedfuse (default, and with every pass computed) on the same inputs, interleaved."""
     from fedfuse.fusion.match import bbp_map
 
     atoms = make_inputs(units, dim, clients)
     mu0 = np.r_[np.zeros(dim - 1), 0.1]  # weights 0, bias 0.1 (the code's prior mean)
     ones = np.ones(dim)
-    t_ibm, t_ff = [], []
-    for _ in range(repeat):
+    t_ibm: list[float] = []
+    t_ff: list[float] = []
+    t_all: list[float] = []
+    while len(t_ibm) < max(repeat, 1):
         t0 = time.process_time()
         a_ibm, g_ibm, s_ibm = ibm_match_layer(atoms, [ones] * clients, mu0, ones, 7.0, iters, np.random.default_rng(1))
         t_ibm.append(time.process_time() - t0)
@@ -149,16 +155,26 @@ def run_case(units: int, dim: int, clients: int, repeat: int = 1, iters: int = 5
         res = bbp_map(atoms, sigma=1.0, sigma0=1.0, gamma=7.0, mu0=mu0, iters=iters, cap=700,
                       rng=np.random.default_rng(1))
         t_ff.append(time.process_time() - t0)
+        t0 = time.process_time()
+        every = bbp_map(atoms, sigma=1.0, sigma0=1.0, gamma=7.0, mu0=mu0, iters=iters, cap=700,
+                        rng=np.random.default_rng(1), skip_settled=False)
+        t_all.append(time.process_time() - t0)
+        if repeat <= 0 and len(t_ibm) == 1:  # auto: about 2 s of the port's time, 1 to 51 repeats
+            repeat = max(1, min(51, int(2.0 / max(t_ibm[0], 1e-6))))
     same = all(np.array_equal(np.asarray(a, dtype=np.int64), b) for a, b in zip(a_ibm, res.assign))
-    atoms_close = g_ibm.shape == res.g.shape and bool(np.allclose(g_ibm / s_ibm, res.atoms, rtol=1e-9, atol=1e-9))
-    return {"ibm_s": min(t_ibm), "fedfuse_s": min(t_ff), "same": same, "atoms_close": atoms_close,
-            "width": res.atoms.shape[0]}
+    same &= all(np.array_equal(np.asarray(a, dtype=np.int64), b) for a, b in zip(a_ibm, every.assign))
+    atoms_close = all(g_ibm.shape == r.g.shape and bool(np.allclose(g_ibm / s_ibm, r.atoms, rtol=1e-9, atol=1e-9))
+                      for r in (res, every))
+    return {"ibm_s": min(t_ibm), "fedfuse_s": min(t_ff), "every_s": min(t_all), "same": same, "repeats": len(t_ibm),
+            "atoms_close": atoms_close, "width": res.atoms.shape[0],
+            "median_ratio": float(np.median(np.array(t_ibm) / np.maximum(t_ff, 1e-9)))}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), help=f"case names (default all): {', '.join(CASES)}")
-    p.add_argument("--repeat", type=int, default=1, help="timings are the best of this many runs")
+    p.add_argument("--repeat", type=int, default=0,
+                   help="timings are the best of this many interleaved runs (0 = auto: ≈ 2 s of the port's time)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="BLAS/torch threads (default 1)")
     args = p.parse_args()
@@ -170,9 +186,11 @@ def main() -> None:
         threadpool_limits(args.threads)
     except ImportError:  # pragma: no cover - threadpoolctl ships with scikit-learn
         pass
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| case | units | D | clients | global width | identical assignments | same atoms | IBM port s "
-          "| fedfuse s | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| fedfuse s | speed-up | median of paired ratios | fedfuse, every pass computed s | its speed-up "
+          "| repeats |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst = float("inf")
     all_same = True
     for name in args.cases:
@@ -182,9 +200,11 @@ def main() -> None:
         worst = min(worst, ratio)
         all_same &= r["same"]
         print(f"| {name} | {n} | {d} | {j} | {r['width']} | {'yes' if r['same'] else 'NO'} | "
-              f"{'yes' if r['atoms_close'] else 'NO'} | {r['ibm_s']:.3f} | {r['fedfuse_s']:.4f} | {ratio:.1f}× |",
+              f"{'yes' if r['atoms_close'] else 'NO'} | {r['ibm_s']:.4f} | {r['fedfuse_s']:.5f} | {ratio:.1f}× | "
+              f"{r['median_ratio']:.1f}× | {r['every_s']:.5f} | {r['ibm_s'] / r['every_s']:.1f}× | {r['repeats']} |",
               flush=True)
     print(f"\nidentical assignments in every case: {'yes' if all_same else 'NO'}; smallest speed-up {worst:.1f}×")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.batched import BatchedExecutor
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.types import ClientData, Federation, Split
 
 LOSS_RTOL = 1e-4

@@ -378,7 +378,7 @@ def test_cifar10_jpeg_folder_and_cache(tmp_path: Path, monkeypatch: pytest.Monke
     _check_jpeg_dataset(ds, 3, 1)
     cache = tmp_path / "cache"
     assert [p.suffix for p in cache.iterdir()] == [".npz"]  # atomic write: no temp file left behind
-    monkeypatch.setattr(D, "_decode_images", lambda *a: pytest.fail("cache not used"))
+    monkeypatch.setattr(D.cifar, "_decode_images", lambda *a: pytest.fail("cache not used"))
     again = load_dataset("cifar10", tmp_path / "data")
     assert torch.equal(again.train_x, ds.train_x) and again.info["cache"] == ds.info["cache"]
 
@@ -434,7 +434,7 @@ def test_femnist_leaf_groups_and_cache(tmp_path: Path, monkeypatch: pytest.Monke
     assert ds.train_groups.tolist() == [0, 0, 1, 2]  # type: ignore[union-attr]
     assert ds.test_groups.tolist() == [3, 1]  # type: ignore[union-attr]
     assert ds.train_y.tolist() == [1, 61, 0, 5] and ds.num_classes == 62
-    monkeypatch.setattr(D, "_read_leaf", lambda *a: pytest.fail("cache not used"))
+    monkeypatch.setattr(D.leaf, "_read_leaf", lambda *a: pytest.fail("cache not used"))
     again = load_dataset("femnist", tmp_path)
     assert torch.equal(again.train_x, ds.train_x) and again.group_names == ds.group_names
 
@@ -599,7 +599,7 @@ def test_femnist_real(monkeypatch: pytest.MonkeyPatch) -> None:
     assert float(ds.train_x.mean()) < -0.5  # mostly background, which the authors' scaling maps to -1
     assert set(ds.test_groups.tolist()) == set(range(105))  # type: ignore[union-attr]
     assert set(ds.info["checksums"].values()) == {"ok"}
-    monkeypatch.setattr(D, "_read_leaf", lambda *a: pytest.fail("cache not used"))
+    monkeypatch.setattr(D.leaf, "_read_leaf", lambda *a: pytest.fail("cache not used"))
     again = _load_with_shared_cache("femnist")
     assert torch.equal(again.test_x, ds.test_x)
 
@@ -614,6 +614,6 @@ def test_cifar10_jpeg_tarball_real(monkeypatch: pytest.MonkeyPatch) -> None:
     assert np.bincount(ds.test_labels).tolist() == [1000] * 10
     assert ds.info["checksums"] == {"CIFAR-10-images-d7d0561.tar.gz": "ok"}
     assert abs(float(ds.train_x.mean())) < 0.05 and abs(float(ds.train_x.std()) - 1) < 0.05
-    monkeypatch.setattr(D, "_decode_images", lambda *a: pytest.fail("cache not used"))
+    monkeypatch.setattr(D.cifar, "_decode_images", lambda *a: pytest.fail("cache not used"))
     again = _load_with_shared_cache("cifar10")
     assert torch.equal(again.test_x, ds.test_x)

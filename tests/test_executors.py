@@ -14,8 +14,8 @@ from fedfuse.engine.auto import AutoExecutor
 from fedfuse.engine.batched import BatchedExecutor, batch_coupled, unbatchable_reason
 from fedfuse.engine.client import TrainConfig, train_local
 from fedfuse.engine.executor import Job, SequentialExecutor, job_generator, make_executor
-from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.types import ClientData, Message, Split
 
 EMPTY = Split(torch.zeros(0, 1, 6, 6), torch.zeros(0, dtype=torch.long))
@@ -276,22 +276,3 @@ def test_executor_is_a_validated_config_key():
         validate(apply(RunConfig(), {"executor": "gpu-magic"}))
     with pytest.raises(ValueError, match="unknown executor"):
         make_executor("nope", [], 0)
-
-
-def test_engine_has_no_import_time_dependency_on_algorithms():
-    """One-way layers: no module of ``fedfuse.engine`` imports ``fedfuse.algorithms`` at import time (the
-    loop's default algorithm lookup is a call-time import inside ``build_algorithm``)."""
-    import ast
-    from pathlib import Path
-
-    import fedfuse.engine as engine
-
-    for path in sorted(Path(engine.__file__).parent.glob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in tree.body:  # module level only
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            assert not any(n.startswith("fedfuse.algorithms") for n in names), (path.name, names)

@@ -12,9 +12,9 @@ import torch
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.config import ConfigError, RunConfig, apply, validate
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan, update_norm
-from fedfuse.engine.loop import Experiment, build_federation, strip_timing
 from fedfuse.engine.validate import check_replies
 from fedfuse.errors import DivergenceError
+from fedfuse.experiment import Experiment, build_federation, strip_timing
 from fedfuse.fusion.average import clip_updates, robust_average
 from fedfuse.types import ClientData, Federation, Message, Split
 

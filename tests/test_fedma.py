@@ -8,7 +8,7 @@ from fedfuse.algorithms.base import RoundInfo, RunContext
 from fedfuse.algorithms.simple_fedma import SimpleFedMA
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.permute import permute_all, random_permutations, transformer_spec
 from fedfuse.types import Message
 

@@ -12,7 +12,7 @@ from torch.func import functional_call
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import task_loss, train_flops_per_sample
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.merge import (
     cluster_ari,
     column_normalised,

@@ -12,7 +12,7 @@ from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import train_local
 from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.recombine import (
     any_pure,
@@ -181,15 +181,28 @@ def test_secure_exchange_mixes_and_preserves_multiset(k, n_units):
             assert s != r and 0 <= u < n_units
 
 
-def test_secure_exchange_through_the_algorithm_hook(tmp_path):
+def test_secure_exchange_through_the_algorithm_hooks():
+    """The three secure stages driven hook by hook on a BN model (units carry running stats and the 0-d
+    ``num_batches_tracked``): the server's hands hold metadata, ciphertext and mixed models only."""
+    from fedfuse.algorithms.fedmr import ENVELOPE_OVERHEAD, new_key_pair
+
     exp = Experiment(cfg_for(clients=8, clients_per_round=5, algorithm_options={"secure": True}, **BN_MODEL))
     algo = exp.algo
     inputs = random_states(exp.ctx.model(), 5, seed=11)
     cids = [0, 2, 3, 5, 7]
-    results = {c: Message(s, {"num_examples": 10}) for c, s in zip(cids, inputs)}
-    info = RoundInfo(index=0, total=1)
-    received, moved = algo.exchange(info, results)
-    assert sorted(received) == cids
+    keys = {c: new_key_pair() for c in cids}
+    states = {c: {"secure": {"round": 0, "model": s, "secret": keys[c][0]}} for c, s in zip(cids, inputs)}
+    state = algo.init_state()
+    stage0 = {c: Message({}, {"num_examples": 10, "slot": i, "public_key": keys[c][1]}) for i, c in enumerate(cids)}
+    state = algo.aggregate_fit(state, RoundInfo(index=0, total=1, stage=0), stage0)
+    info1 = RoundInfo(index=0, total=1, stage=1)
+    sent = algo.configure_fit(state, info1, cids)
+    replies = {c: algo.secure_send(sent[c], states[c], c)[0] for c in cids}
+    routed, moved = algo.exchange(info1, replies)
+    state = algo.aggregate_fit(state, info1, routed)
+    info2 = RoundInfo(index=0, total=1, stage=2)
+    mail = algo.configure_fit(state, info2, cids)
+    received = {c: algo.secure_assemble(mail[c], states[c], c)[0] for c in cids}
     units = algo.units()
     for c in cids:
         out = received[c].tensors
@@ -198,7 +211,8 @@ def test_secure_exchange_through_the_algorithm_hook(tmp_path):
     for unit in units:  # ... yet the layer multiset is preserved
         assert sorted(source_of(unit, received[c].tensors, inputs) for c in cids) == list(range(5))
     ex = secure_exchange(5, len(units), numpy_rng(exp.cfg.seed, "fedmr-secure", 0, 0))
-    assert moved == sum(unit_bytes(inputs[0], units[u]) for _, _, u in ex.messages) > 0
+    changes = [(j, u) for j in range(5) for u in range(len(units)) if ex.sources[j, u] != j]
+    assert moved == sum(unit_bytes(inputs[0], units[u]) + ENVELOPE_OVERHEAD for _, u in changes) > 0
     expected = assemble(inputs, units, ex.sources)
     for j, c in enumerate(cids):
         assert all(same(received[c].tensors[k], expected[j][k]) for k in expected[j])

@@ -13,7 +13,7 @@ from fedfuse.algorithms.fedmut import mutate, mutation_coefficients, mutation_ra
 from fedfuse.algorithms.fedsam import sam_perturbation, train_sam
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig, train_local
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.models import build_model
 from fedfuse.rng import numpy_rng

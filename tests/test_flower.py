@@ -18,7 +18,8 @@ pytest.importorskip("flwr")
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.api import make_config
 from fedfuse.config import validate
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.engine.loop import strip_timing
+from fedfuse.experiment import Experiment
 from fedfuse.flower import wire
 from fedfuse.flower.app import client_app, prepare_node
 from fedfuse.flower.executor import FlowerExecutor, LocalGrid
@@ -119,3 +120,20 @@ def test_executor_flower_runs_in_flowers_simulation_runtime():
     flw = run(**opts, executor="flower")
     assert flw.summary["executor"].startswith("flower")
     assert [strip_timing(h) for h in flw.history] == [strip_timing(h) for h in ref.history]
+
+
+def test_a_node_reads_data_from_its_own_data_dir(tmp_path, monkeypatch):
+    """``--node-config "data-dir=..."`` replaces the server's data path on that node only."""
+    import fedfuse.flower.app as app
+
+    seen = []
+    real = app.prepare_node
+    monkeypatch.setattr(app, "prepare_node", lambda cfg, fed=None, key=None: seen.append(cfg.data_dir) or real(
+        cfg, fed, key=key))
+    cfg = make_config(algorithm="fedavg", dataset="digits", clients=2, clients_per_round=2, rounds=1, plots=False,
+                      model_options={"widths": [8]})
+    grid = LocalGrid(client_app, 1)
+    grid.contexts[1].node_config["data-dir"] = str(tmp_path)
+    app._RUNS.clear()
+    Experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed)).run()
+    assert seen == [str(tmp_path)]

@@ -7,7 +7,7 @@ import torch
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.heterofl import bn_statistics
 from fedfuse.config import RunConfig, apply
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.slicing import _SKELETONS, slice_state
 from fedfuse.models import build_model
 from fedfuse.types import Message

@@ -19,7 +19,7 @@ from fedfuse.adapters.text import CharTokenizer
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply, validate
 from fedfuse.data.lm_clients import encode_pairs, make_federation, windows
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.models.transformer import TransformerModel
 from fedfuse.types import Message
 

@@ -16,7 +16,7 @@ from fedfuse.adapters.lora import LoraSpec, adapter_model  # noqa: E402
 from fedfuse.adapters.text import CharTokenizer  # noqa: E402
 from fedfuse.config import RunConfig, apply, validate  # noqa: E402
 from fedfuse.data.instructions import instruction_federation  # noqa: E402
-from fedfuse.engine.loop import Experiment  # noqa: E402
+from fedfuse.experiment import Experiment  # noqa: E402
 
 TOK = CharTokenizer()
 

@@ -247,3 +247,67 @@ def test_certified_assignment_hand_cases():
     assert _certified_assignment(tie, np.zeros(2), c) is None
     two_new = np.array([[0.0, 0.0], [0.0, 0.0]])
     assert _certified_assignment(two_new, np.array([3.0, 2.5]), c).tolist() == [2, 3]  # 3 > 0 and 2.5 - 1 > 0
+
+
+@pytest.mark.parametrize("dim", [6, 40])
+def test_bbp_skipping_settled_passes_equals_computing_every_pass(dim):
+    """Once every client re-matches without changing the grouping, the remaining passes are skipped (only the
+    atoms' order is kept up to date): assignments, counts and atoms equal the run that computes every pass, and
+    the caller's generator ends in the same state."""
+    rng = np.random.default_rng(21)
+    theta = rng.normal(0, 0.3, size=(30, dim))
+    clients = [(theta + rng.normal(0, 0.1, size=theta.shape))[rng.permutation(30)] for _ in range(6)]
+    clients.append(rng.normal(0, 0.3, size=(9, dim)))  # unrelated units: atoms of their own
+    mu0 = np.r_[np.zeros(dim - 1), 0.1]
+    g1, g2 = np.random.default_rng(4), np.random.default_rng(4)
+    fast = bbp_map(clients, mu0=mu0, iters=6, rng=g1)
+    full = bbp_map(clients, mu0=mu0, iters=6, rng=g2, skip_settled=False)
+    assert fast.solver_stats["settled"] > 0 and full.solver_stats["settled"] == 0
+    assert (fast.counts == 1).any()  # some atoms hold one client's unit alone: they move to the end every pass
+    for a, b in zip(fast.assign, full.assign):
+        assert np.array_equal(a, b)
+    np.testing.assert_array_equal(fast.counts, full.counts)
+    np.testing.assert_allclose(fast.atoms, full.atoms, rtol=1e-12, atol=1e-12)
+    assert g1.random() == g2.random()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bbp_two_clients_are_settled_after_the_first_match(seed):
+    """Two equal-size clients: re-matching either one is the first match with the roles swapped (the objectives
+    differ by a constant), so no pass is recomputed — and every pass computed agrees."""
+    rng = np.random.default_rng(seed)
+    dim = 5 + 10 * (seed % 3)
+    theta = rng.normal(0, 0.3, size=(16, dim))
+    noise = 0.1 + 0.1 * (seed % 2)
+    clients = [(theta + rng.normal(0, noise, size=theta.shape))[rng.permutation(16)] for _ in range(2)]
+    clients[1][:4] = rng.normal(0, 0.3, size=(4, dim))  # units the other client does not have: new atoms
+    mu0 = np.r_[np.zeros(dim - 1), 0.1]
+    fast = bbp_map(clients, mu0=mu0, rng=np.random.default_rng(seed))
+    full = bbp_map(clients, mu0=mu0, rng=np.random.default_rng(seed), skip_settled=False, certify=False)
+    assert fast.solver_stats["settled"] == 10 and fast.solver_stats["unchanged"] == 0
+    for a, b in zip(fast.assign, full.assign):
+        assert np.array_equal(a, b)
+    np.testing.assert_array_equal(fast.counts, full.counts)
+    np.testing.assert_allclose(fast.atoms, full.atoms, rtol=1e-12, atol=1e-12)
+
+
+def test_bbp_settled_skipping_on_random_problems():
+    """Random sizes, noise, σ, σ0, γ, caps and pass counts: skipping settled passes never changes the result
+    of computing every pass with the solver (and it does skip in most problems)."""
+    skipped = 0
+    for seed in range(40):
+        rng = np.random.default_rng(700 + seed)
+        L, dim, J = int(rng.integers(1, 20)), int(rng.integers(2, 30)), int(rng.integers(1, 7))
+        theta = rng.normal(0, 0.3, size=(L, dim))
+        noise = rng.uniform(0.02, 0.5)
+        sizes = [max(1, L - int(rng.integers(0, 3))) for _ in range(J)]
+        clients = [(theta + rng.normal(0, noise, size=theta.shape))[rng.permutation(L)][:n] for n in sizes]
+        kw = dict(sigma=float(rng.uniform(0.3, 2)), sigma0=float(rng.uniform(0.3, 2)), gamma=float(rng.uniform(1, 10)),
+                  mu0=np.r_[np.zeros(dim - 1), 0.1], cap=int(rng.integers(L, 3 * L + 2)), iters=int(rng.integers(0, 7)))
+        fast = bbp_map(clients, rng=np.random.default_rng(seed), **kw)
+        full = bbp_map(clients, rng=np.random.default_rng(seed), skip_settled=False, certify=False, **kw)
+        skipped += fast.solver_stats["settled"] > 0
+        for a, b in zip(fast.assign, full.assign):
+            assert np.array_equal(a, b), seed
+        np.testing.assert_allclose(fast.atoms, full.atoms, rtol=1e-10, atol=1e-10)
+    assert skipped >= 20

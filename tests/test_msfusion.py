@@ -8,7 +8,7 @@ import torch
 
 from fedfuse.algorithms.msfusion import contrastive_loss, cyclic_lr, expected_overlap, neighbours
 from fedfuse.config import RunConfig, apply
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.slicing import state_bytes
 
 

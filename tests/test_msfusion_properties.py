@@ -18,7 +18,7 @@ from fedfuse.algorithms.base import RoundInfo, RunContext
 from fedfuse.algorithms.msfusion import MSfusion, contrastive_loss, neighbours
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig, cyclic_lr, scheduled_lr
-from fedfuse.engine.loop import Experiment
+from fedfuse.experiment import Experiment
 from fedfuse.fusion.slicing import split_size, write_back
 from fedfuse.types import Message
 

@@ -8,7 +8,7 @@ from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedem import e_step
 from fedfuse.algorithms.ifca import pack, per_sample_losses, pick_cluster, unpack
 from fedfuse.config import RunConfig, apply
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.rng import torch_generator
 from fedfuse.types import Message

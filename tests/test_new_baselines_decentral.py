@@ -14,7 +14,7 @@ from fedfuse.algorithms.dispfl import (
 )
 from fedfuse.algorithms.dpsgd import gossip_matrix, mix_states, peer_graph
 from fedfuse.config import RunConfig, apply
-from fedfuse.engine.loop import Experiment
+from fedfuse.experiment import Experiment
 
 NPARAMS = 64 * 16 + 16 + 16 * 10 + 10  # mlp widths [16] on digits
 

@@ -8,7 +8,7 @@ import torch
 
 from fedfuse.algorithms.fedet import consensus_targets
 from fedfuse.config import RunConfig, apply
-from fedfuse.engine.loop import Experiment
+from fedfuse.experiment import Experiment
 
 
 def _cfg(**kw) -> RunConfig:

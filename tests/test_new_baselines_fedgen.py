@@ -9,7 +9,7 @@ import torch
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedgen import Generator, decayed, diversity_loss, label_weights
 from fedfuse.config import RunConfig, apply
-from fedfuse.engine.loop import Experiment
+from fedfuse.experiment import Experiment
 from fedfuse.types import Message
 
 

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from fedfuse.config import ConfigError, RunConfig, apply, validate
-from fedfuse.engine.loop import Experiment
 from fedfuse.engine.sampling import (
     ClusteredSampler,
     angle_matrix,
@@ -15,6 +14,7 @@ from fedfuse.engine.sampling import (
     draw,
     size_distributions,
 )
+from fedfuse.experiment import Experiment
 
 
 def _cfg(tmp_path, **kw) -> RunConfig:

@@ -13,9 +13,8 @@ from fedfuse.fusion.permute import (
     permute_all,
     random_permutations,
     transformer_spec,
-    width_options,
 )
-from fedfuse.models import build_model
+from fedfuse.models import build_model, width_options
 
 
 def _randomise_bn(model: torch.nn.Module, gen: torch.Generator) -> None:

@@ -226,7 +226,7 @@ def run(config: ConfigLike = None, /, *, progress: bool = False, callbacks: Sequ
 def _execute(cfg: RunConfig, *, progress: bool = False, callbacks: Sequence[Callback] = (),
              log: Sequence[str] = (), resume: bool = False, fed: Any = None) -> Result:
     from fedfuse.engine.callbacks import CallbackList, make_loggers
-    from fedfuse.engine.loop import Experiment
+    from fedfuse.experiment import Experiment
 
     cbs = CallbackList([*callbacks, *make_loggers(log, cfg)])
     exp = Experiment(cfg, fed=fed, progress=progress, on_round=cbs.on_round)

@@ -311,7 +311,7 @@ def _run_parallel(todo: list[tuple[int, str, RunConfig, bool]], jobs: int, log: 
     # already run torch threads); spawn where forkserver does not exist.
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["fedfuse.sweep", "fedfuse.engine.loop", "fedfuse.algorithms"])
+        ctx.set_forkserver_preload(["fedfuse.sweep", "fedfuse.engine.loop", "fedfuse.experiment", "fedfuse.algorithms"])
     else:
         ctx = mp.get_context("spawn")
     out: dict[int, Result] = {}

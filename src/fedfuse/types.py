@@ -7,6 +7,7 @@ Flower) move them without knowing which algorithm produced them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -65,7 +66,7 @@ class ClientData:
     train: Split
     val: Split
     test: Split
-    group: int | None = None  # ground-truth cluster/domain when the partition defines one
+    group: int | None = None  # ground truth (the partition's true cluster/domain): for diagnostics only
 
     @property
     def num_train(self) -> int:
@@ -73,6 +74,16 @@ class ClientData:
 
     def to(self, device: torch.device | str) -> ClientData:
         return ClientData(self.cid, self.train.to(device), self.val.to(device), self.test.to(device), self.group)
+
+    def blinded(self) -> ClientData:
+        """The client's data without the ground truth (``group`` None; the tensors are shared, not copied).
+        This is what the engine hands to an algorithm's ``fit`` / ``evaluate``."""
+        return self if self.group is None else dataclasses.replace(self, group=None)
+
+
+#: :attr:`Federation.info` entries that are a partition's ground truth (true clusters, their classes, domains,
+#: group sizes of consecutive client ids): diagnostics may read them, algorithm hooks never see them.
+GROUND_TRUTH_INFO = ("client_classes", "clusters_classes", "group_sizes", "domains", "domain_names")
 
 
 @dataclass
@@ -97,5 +108,21 @@ class Federation:
         return np.array([c.num_train for c in self.clients], dtype=np.int64)
 
     def groups(self) -> list[int] | None:
+        """The partition's true client clusters (ground truth: only diagnostics are handed a Federation that
+        has them), or None when the partition defines none."""
         g = [c.group for c in self.clients]
         return None if any(x is None for x in g) else [int(x) for x in g]  # type: ignore[arg-type]
+
+    def blinded(self) -> Federation:
+        """What the server side of an algorithm may know: the same clients and data without the ground truth
+        (every client's ``group`` and the :data:`GROUND_TRUTH_INFO` entries removed)."""
+        return dataclasses.replace(self, clients=[c.blinded() for c in self.clients],
+                                   info={k: v for k, v in self.info.items() if k not in GROUND_TRUTH_INFO})
+
+    def with_truth_of(self, truth: Federation) -> Federation:
+        """This federation (e.g. what an algorithm's ``setup`` returned from a blinded one) with the ground truth
+        of ``truth`` put back: each client's ``group`` (by client id) and the ground-truth ``info`` entries."""
+        groups = {c.cid: c.group for c in truth.clients}
+        info = {**self.info, **{k: v for k, v in truth.info.items() if k in GROUND_TRUTH_INFO}}
+        clients = [dataclasses.replace(c, group=groups.get(c.cid)) for c in self.clients]
+        return dataclasses.replace(self, clients=clients, info=info)

@@ -78,6 +78,12 @@ class Algorithm:
     def num_stages(self, state: ServerState, info: RoundInfo) -> int:
         return 1
 
+    @property
+    def selects_own_clients(self) -> bool:
+        """Whether this algorithm overrides :meth:`select_clients` with its own participation rule (the engine's
+        samplers then stand aside; read by :func:`fedfuse.engine.sampling.make_sampler`)."""
+        return type(self).select_clients is not Algorithm.select_clients
+
     def select_clients(self, info: RoundInfo, rng: np.random.Generator) -> list[int]:
         """Uniform sampling without replacement of ``clients_per_round`` clients (sorted)."""
         n, k = self.ctx.num_clients, min(self.ctx.clients_per_round, self.ctx.num_clients)

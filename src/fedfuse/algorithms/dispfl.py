@@ -43,8 +43,9 @@ import torch
 from torch import nn
 
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState, state_of
-from fedfuse.algorithms.dpsgd import DPSGD, TOPOLOGIES, unpack_mail
+from fedfuse.algorithms.dpsgd import DPSGD
 from fedfuse.engine.client import task_loss, train_local
+from fedfuse.engine.peers import TOPOLOGIES, unpack_mail
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
 from fedfuse.types import ClientData, Message, TensorDict

@@ -38,35 +38,9 @@ import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import train_local
-from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
+from fedfuse.engine.peers import TOPOLOGIES, deliver, mail_of, own_tensors, peer_graph, route_peers, unpack_mail
 from fedfuse.options import opt
-from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
-
-TOPOLOGIES = ("ring", "full", "random-ring", "random")
-
-
-def peer_graph(num: int, topology: str, r: int = 0, seed: int = 0, degree: int = 2) -> np.ndarray:
-    """Boolean (N, N) matrix A with A[i, j] = participant i receives participant j's model (no self loops)."""
-    a = np.zeros((num, num), dtype=bool)
-    if num < 2:
-        return a
-    if topology == "full":
-        a[:] = True
-    elif topology in ("ring", "random-ring"):
-        order = np.arange(num) if topology == "ring" else numpy_rng(seed, "topology", r).permutation(num)
-        for pos, i in enumerate(order):
-            a[i, order[(pos - 1) % num]] = a[i, order[(pos + 1) % num]] = True
-    elif topology == "random":
-        rng = numpy_rng(seed, "topology", r)
-        k = min(int(degree), num - 1)
-        for i in range(num):
-            others = np.delete(np.arange(num), i)
-            a[i, rng.choice(others, size=k, replace=False)] = True
-    else:
-        raise ValueError(f"topology={topology!r}; choose one of {', '.join(TOPOLOGIES)}")
-    np.fill_diagonal(a, False)
-    return a
 
 
 def gossip_matrix(adj: np.ndarray, mixing: str = "metropolis") -> np.ndarray:
@@ -101,16 +75,6 @@ def mix_states(states: Mapping[int, Mapping[str, torch.Tensor]], weights: Mappin
         else:
             out[k] = torch.stack([states[j][k] for j in order]).max(0).values.clone()
     return out
-
-
-def unpack_mail(tensors: Mapping[str, torch.Tensor], prefix: str = "sim/") -> dict[int, TensorDict]:
-    """``{prefix}{sender}/key`` tensors grouped by sender."""
-    box: dict[int, TensorDict] = {}
-    for k, v in tensors.items():
-        if k.startswith(prefix):
-            s, key = k[len(prefix):].split("/", 1)
-            box.setdefault(int(s), {})[key] = v
-    return box
 
 
 class DPSGD(Algorithm):

@@ -26,19 +26,18 @@ from dataclasses import dataclass
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.algorithms.fedmerge import init_globals, model_params
-from fedfuse.algorithms.ifca import forward_flops_per_sample, pack, per_sample_losses, unpack
-from fedfuse.engine.client import make_optimizer, task_loss, train_flops_per_sample
+from fedfuse.engine.client import (
+    forward_flops_per_sample,
+    make_optimizer,
+    per_sample_losses,
+    task_loss,
+    train_flops_per_sample,
+)
+from fedfuse.engine.context import init_states, model_params
 from fedfuse.fusion.average import weighted_average
+from fedfuse.fusion.mixture import e_step, pack, unpack
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message
-
-
-def e_step(losses: torch.Tensor, pi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Responsibilities q (n × M, rows sum to 1) from per-sample losses (M × n) and priors π; new π = mean q."""
-    logq = torch.log(pi.to(torch.float64).clamp_min(1e-300))[None, :] - losses.to(torch.float64).T
-    q = torch.softmax(logq, dim=1)
-    return q, q.mean(0) if q.shape[0] else pi.to(torch.float64)
 
 
 class FedEM(Algorithm):
@@ -55,7 +54,7 @@ class FedEM(Algorithm):
     def init_state(self) -> ServerState:
         if self.opt.m < 1:
             raise ValueError(f"m must be >= 1, got {self.opt.m}")
-        return {"learners": init_globals(self.ctx, self.opt.m, "fedem-init")}
+        return {"learners": init_states(self.ctx, self.opt.m, "fedem-init")}
 
     def init_client_state(self, cid: int) -> ClientState:
         return {"pi": torch.full((self.opt.m,), 1.0 / self.opt.m, dtype=torch.float64)}

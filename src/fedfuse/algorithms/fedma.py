@@ -36,7 +36,6 @@ Models: ``mlp``, ``simple-mlp``, ``cnn``, ``cnn-cifar`` (chains with per-layer w
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,59 +43,19 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState, state_of
-from fedfuse.engine.client import TrainConfig, train_local
+from fedfuse.engine.client import TrainConfig, class_counts, retrain_config, train_local
+from fedfuse.engine.context import client_initial_state
 from fedfuse.fusion.match import MatchingOptions, class_weighted_average, match_group
-from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather, width_options
+from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather
 from fedfuse.models.base import layer_index
+from fedfuse.models.registry import width_options
 from fedfuse.options import opt
-from fedfuse.rng import derive_seed, numpy_rng
+from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
-
-
-def initial_state(ctx: RunContext, cid: int, init: str) -> TensorDict:
-    """A client's starting model: its own seeded initialisation (``"distinct"``) or the shared one."""
-    if init not in ("distinct", "shared"):
-        raise ValueError(f"init={init!r}; choose distinct or shared")
-    seed = derive_seed(ctx.seed, "fedma-init", cid) if init == "distinct" else ctx.seed
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return state_of(ctx.build())
-
-
-def class_counts(data: ClientData, num_classes: int) -> list[int]:
-    y = data.train.y
-    if not len(y):
-        return [0] * num_classes
-    return torch.bincount(y.reshape(-1).cpu(), minlength=num_classes)[:num_classes].tolist()
 
 
 def base_sizes(ctx: RunContext) -> list[int]:
     return [g.size for g in chain_spec(ctx.model())]
-
-
-def retrain_config(base: TrainConfig, schedule: str, epochs: int, lr: float = 0.0, last: bool = False,
-                   weight_decay: float = 0.0, last_layer_schedule: bool = True) -> tuple[TrainConfig, int]:
-    """The optimiser settings and epochs of one FedMA retraining step.
-
-    ``schedule="code"``: ``IBM/FedMA``'s ``local_retrain`` — SGD, momentum 0.9, ``lr`` (0 = the run's lr),
-    ``weight_decay``; ``last=True`` (only the head is trained): lr/10, weight decay 1e-4, 3× epochs.
-    ``schedule="run"``: the run's optimiser settings; ``last`` applies the same head schedule only when
-    ``last_layer_schedule`` is set.
-    """
-    epochs = max(int(epochs), 0)
-    if schedule == "code":
-        cfg = dataclasses.replace(base, optimizer="sgd", momentum=0.9, lr=lr if lr > 0 else base.lr,
-                                  weight_decay=weight_decay)
-    elif schedule == "run":
-        cfg = base
-        if not last_layer_schedule:
-            return cfg, epochs
-    else:
-        raise ValueError(f"retrain_schedule={schedule!r}; choose code or run")
-    if last:
-        cfg = dataclasses.replace(cfg, lr=cfg.lr / 10, weight_decay=1e-4)
-        epochs *= 3
-    return cfg, epochs
 
 
 def train_above(
@@ -228,7 +187,7 @@ class FedMA(Algorithm):
         if s == 0:
             if payload.meta.get("init") or payload.meta.get("own"):
                 own = payload.meta.get("own") and client_state is not None and "base" in client_state
-                start = client_state["base"] if own else initial_state(self.ctx, cid, self.opt.init)
+                start = client_state["base"] if own else client_initial_state(self.ctx, cid, self.opt.init)
                 sizes = base_sizes(self.ctx)
             else:  # rebuild the original-size model from the global one through this client's assignments
                 start = dict(payload.tensors)

@@ -45,9 +45,10 @@ Defaults chosen by measurement (``docs/fedmerge.md``; MNIST label-cluster, 20 cl
 ``fixed_k`` > 0 is the Fixed(k/d) ablation (000 Table 4): each client's weights are uniform over k randomly
 chosen global models and frozen.
 
-Diagnostics: ``ari`` (k-means on the weight rows, K = number of true groups, vs ``ctx.client_groups``) and
-``merge_entropy`` per evaluated round; a heat-map PNG every ``heatmap_every`` rounds and at the end; at the
-end ``merge_weights.json``; the ARI of the final/best rounds appears in ``summary.json`` like every diagnostic.
+Diagnostics: ``ari`` (k-means on the weight rows, K = number of true groups, vs ``fed.groups()``, the ground
+truth only diagnostics see) and ``merge_entropy`` per evaluated round; a heat-map PNG every ``heatmap_every``
+rounds and at the end; at the end ``merge_weights.json``; the ARI of the final/best rounds appears in
+``summary.json`` like every diagnostic.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.engine.context import init_states, model_params
 from fedfuse.fusion.average import delta
 from fedfuse.fusion.merge import (
     cluster_ari,
@@ -75,17 +77,6 @@ from fedfuse.options import opt
 from fedfuse.rng import derive_seed, numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
 
-
-def init_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
-    """``count`` independently initialised full model states (seeded from the run seed)."""
-    out = []
-    for j in range(count):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(ctx.seed, purpose, j))
-            out.append(state_of(ctx.build()))
-    return out
-
-
 SHARED_LOGIT_STD = 0.1
 
 
@@ -95,10 +86,6 @@ def shared_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
         torch.manual_seed(derive_seed(ctx.seed, purpose, "shared"))
         base = state_of(ctx.build())
     return [{k: v.clone() for k, v in base.items()} for _ in range(count)]
-
-
-def model_params(ctx: Any) -> int:
-    return int(sum(p.numel() for p in ctx.model().parameters()))
 
 
 class FedMerge(Algorithm):
@@ -173,7 +160,7 @@ class FedMerge(Algorithm):
         if o.init == "shared":
             globals_ = shared_globals(self.ctx, o.d, "fedmerge-init")
         else:
-            globals_ = init_globals(self.ctx, o.d, "fedmerge-init")
+            globals_ = init_states(self.ctx, o.d, "fedmerge-init")
         return {"globals": globals_, "logits": logits}
 
     def logit_init_std(self) -> float:
@@ -243,7 +230,7 @@ class FedMerge(Algorithm):
     def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
         w = self.weights(state).numpy()
         out: dict[str, Any] = {"merge_entropy": merge_entropy(w)}
-        groups = self.ctx.client_groups
+        groups = fed.groups()  # ground truth: diagnostics only
         out["ari"] = cluster_ari(w, groups, self.ctx.seed) if groups else None
         every = int(self.opt.heatmap_every)
         if self.ctx.out_dir is not None and every > 0 and (info.index + 1) % every == 0:
@@ -256,7 +243,7 @@ class FedMerge(Algorithm):
             return
         out_dir = Path(out_dir)
         w = self.weights(state).numpy()
-        groups = self.ctx.client_groups
+        groups = fed.groups()  # ground truth: diagnostics only
         plot_weights(w, groups, out_dir / "merge_weights_final.png", f"{self.name} merging weights (final)")
         (out_dir / "merge_weights.json").write_text(json.dumps({"weights": w.tolist(), "groups": groups}))
 

@@ -41,7 +41,6 @@ from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.adapters.evaluate import row_losses
 from fedfuse.adapters.lora import cross_term_gap
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
-from fedfuse.algorithms.fedem import e_step
 from fedfuse.engine.client import make_optimizer, task_loss
 from fedfuse.fusion.average import delta, weighted_average
 from fedfuse.fusion.merge import (
@@ -51,6 +50,7 @@ from fedfuse.fusion.merge import (
     row_softmax,
     server_step,
 )
+from fedfuse.fusion.mixture import e_step
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
 
@@ -171,7 +171,7 @@ class FedMergeLoRA(LoraAlgorithm):
         out["merge_entropy"] = merge_entropy(wn)
         out["merge_cross_term"] = float(np.mean([cross_term_gap(state["globals"], w[i].tolist())
                                                  for i in range(w.shape[0])]))
-        groups = self.ctx.client_groups
+        groups = fed.groups()  # ground truth: diagnostics only
         out["ari"] = cluster_ari(wn, groups, self.ctx.seed) if groups else None
         if info.index + 1 == info.total:
             out["merge_weights"] = wn.round(4).tolist()

@@ -16,57 +16,19 @@ are left out).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.algorithms.fedmerge import init_globals, model_params
-from fedfuse.engine.client import task_loss
+from fedfuse.engine.client import forward_flops_per_sample, per_sample_losses
+from fedfuse.engine.context import init_states, model_params
 from fedfuse.fusion.average import weighted_average
+from fedfuse.fusion.mixture import pack, unpack
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Split, TensorDict
-
-_FWD_CACHE: dict[tuple, float] = {}
-
-
-def pack(states: Sequence[Mapping[str, torch.Tensor]]) -> TensorDict:
-    """Several state dicts in one message: key ``m{j}/{name}``."""
-    return {f"m{j}/{k}": v for j, s in enumerate(states) for k, v in s.items()}
-
-
-def unpack(tensors: Mapping[str, torch.Tensor], count: int) -> list[TensorDict]:
-    out: list[TensorDict] = [{} for _ in range(count)]
-    for key, v in tensors.items():
-        j, _, name = key.partition("/")
-        out[int(j[1:])][name] = v
-    return out
-
-
-def forward_flops_per_sample(model: nn.Module, x: torch.Tensor, key: tuple = ()) -> float:
-    """Forward-only FLOPs of one sample (``torch.utils.flop_counter``), memoised per architecture/shape."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    xb = x[:8]
-    ck = (key, type(model).__name__, tuple(xb.shape[1:]), sum(p.numel() for p in model.parameters()))
-    if ck not in _FWD_CACHE:
-        counter = FlopCounterMode(display=False)
-        with torch.no_grad(), counter:
-            model(xb)
-        _FWD_CACHE[ck] = counter.get_total_flops() / max(int(xb.shape[0]), 1)
-    return _FWD_CACHE[ck]
-
-
-@torch.no_grad()
-def per_sample_losses(model: nn.Module, split: Split, batch_size: int = 512) -> torch.Tensor:
-    """Cross-entropy of every sample of ``split`` under ``model`` in eval mode (float64 vector)."""
-    model.eval()
-    parts = [task_loss(model(split.x[s : s + batch_size]), split.y[s : s + batch_size], reduction="none")
-             for s in range(0, len(split), batch_size)]
-    return torch.cat(parts).to(torch.float64) if parts else torch.zeros(0, dtype=torch.float64)
+from fedfuse.types import ClientData, Message, TensorDict
 
 
 def pick_cluster(losses: Sequence[float]) -> int:
@@ -90,7 +52,7 @@ class IFCA(Algorithm):
             raise ValueError(f"k must be >= 1, got {self.opt.k}")
         if self.opt.weighting not in ("uniform", "samples"):
             raise ValueError(f"weighting={self.opt.weighting!r}; choose uniform or samples")
-        return {"models": init_globals(self.ctx, self.opt.k, "ifca-init"), "assign": [-1] * self.ctx.num_clients}
+        return {"models": init_states(self.ctx, self.opt.k, "ifca-init"), "assign": [-1] * self.ctx.num_clients}
 
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
         msg = Message(pack(state["models"]), {"k": len(state["models"])})
@@ -150,7 +112,7 @@ class IFCA(Algorithm):
     def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
         from sklearn.metrics import adjusted_rand_score
 
-        groups = self.ctx.client_groups
+        groups = fed.groups()  # ground truth: diagnostics only
         known = [c for c, a in enumerate(state["assign"]) if a >= 0]
         if not groups or len(known) < 2:
             return {"ari": None}

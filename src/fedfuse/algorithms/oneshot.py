@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.algorithms.fedma import base_sizes, class_counts, initial_state, retrain_config
-from fedfuse.engine.client import evaluate_model, train_local
+from fedfuse.engine.client import class_counts, evaluate_model, retrain_config, train_local
+from fedfuse.engine.context import client_initial_state
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import MatchingOptions, match_network
-from fedfuse.fusion.permute import chain_spec, width_options
+from fedfuse.fusion.permute import chain_spec, group_sizes
+from fedfuse.models.registry import width_options
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Message, TensorDict
@@ -55,7 +56,7 @@ class _LocalModels(Algorithm):
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
-        start = client_state["model"] if client_state else initial_state(self.ctx, data.cid, self.opt.init)
+        start = client_state["model"] if client_state else client_initial_state(self.ctx, data.cid, self.opt.init)
         model = self.ctx.load(start)
         stats = train_local(model, data.train, self.ctx.train, gen)
         meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
@@ -120,7 +121,7 @@ class OneShotMatching(_LocalModels):
         pass
 
     def init_state(self) -> ServerState:
-        return {**super().init_state(), "sizes": base_sizes(self.ctx)}
+        return {**super().init_state(), "sizes": group_sizes(chain_spec(self.ctx.model()))}
 
     def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]]:
         return state["global"], {"model_options": width_options(self.ctx.model_name, state["sizes"])}

@@ -4,9 +4,9 @@ Each round the clients train the global model (FedAvg-style; round 0 from the sh
 their own with ``init="distinct"`` as in the report's distinct-initialisation experiment).  The server takes
 the first client (lowest id) as the reference, permutes every other client's model onto it with hard
 permutations (no growth, no retraining) and averages (``weighting="uniform"`` as in the report, or by
-samples).  Permutation groups and their order follow the report
-(:func:`~fedfuse.fusion.permute.transformer_spec`): residual stream (determined by the embedding columns),
-per block Q/K together, V, MLP hidden; the cost is the L1 distance between the determining rows (report's
+samples).  Permutation groups and their order follow the report (the groups the transformer declares,
+:meth:`~fedfuse.models.transformer.TransformerModel.perm_groups`): residual stream (determined by the embedding
+columns), per block Q/K together, V, MLP hidden; the cost is the L1 distance between the determining rows (report's
 code) and the assignment is solved by ``linear_sum_assignment`` (:func:`~fedfuse.fusion.match.align_to`).
 Extensions beyond the report: several heads (whole heads first, then within each head, Q/K and V sharing the
 head order), several blocks, N clients (all aligned to the reference), ``metric="l2"``.
@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
-from fedfuse.algorithms.fedma import initial_state
+from fedfuse.engine.context import client_initial_state
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import align_to
-from fedfuse.fusion.permute import PermGroup, transformer_spec
+from fedfuse.fusion.permute import PermGroup, perm_spec
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
 
@@ -49,13 +49,13 @@ class SimpleFedMA(Algorithm):
 
     def __init__(self, ctx, options=None) -> None:
         super().__init__(ctx, options)
-        if not hasattr(ctx.model(), "d_model"):
+        if getattr(ctx.model(), "perm_groups", None) is None:  # the model declares its permutation groups
             raise ValueError(f"simple-fedma permutes transformer layers; model {ctx.model_name!r} is not a "
                              "transformer (use --model transformer, or fedma / oneshot-match for MLPs and CNNs)")
 
     def _spec(self):
         flag = {"auto": None, "yes": True, "no": False}[self.opt.residual]
-        return transformer_spec(self.ctx.model(), residual=flag)
+        return perm_spec(self.ctx.model(), residual=flag)
 
     def init_state(self) -> ServerState:
         return {**super().init_state(), "moved": {}}
@@ -70,7 +70,7 @@ class SimpleFedMA(Algorithm):
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
         if payload.meta.get("init") == "distinct":
-            payload = Message(initial_state(self.ctx, data.cid, "distinct"))
+            payload = Message(client_initial_state(self.ctx, data.cid, "distinct"))
         model, meta = self.train_payload(payload, data, gen)
         return Message(state_of(model), meta), client_state
 

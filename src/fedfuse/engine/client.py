@@ -1,4 +1,5 @@
-"""Client-side building blocks: local training, evaluation and FLOP counting.
+"""Client-side building blocks: local training, evaluation, per-sample losses, FLOP counting, the client's label
+histogram and FedMA-style retraining schedules.
 
 These are plain functions of (model, data, hyper-parameters, generator); algorithms compose them in
 their ``fit`` / ``evaluate`` hooks.  Nothing here knows about server state.
@@ -7,6 +8,7 @@ their ``fit`` / ``evaluate`` hooks.  Nothing here knows about server state.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.types import Split
+from fedfuse.types import ClientData, Split
 
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 GradHook = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
@@ -226,6 +228,65 @@ def train_flops_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k
         total = counter.get_total_flops() + sum(3 * _rnn_forward_flops(m) * t for m, t in rnn_tokens)
         _FLOP_CACHE[ck] = total / max(int(xb.shape[0]), 1)
     return _FLOP_CACHE[ck]
+
+
+_FWD_CACHE: dict[tuple, float] = {}
+
+
+def forward_flops_per_sample(model: nn.Module, x: torch.Tensor, key: tuple = ()) -> float:
+    """Forward-only FLOPs of one sample (``torch.utils.flop_counter``), memoised per architecture/shape."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    xb = x[:8]
+    ck = (key, type(model).__name__, tuple(xb.shape[1:]), sum(p.numel() for p in model.parameters()))
+    if ck not in _FWD_CACHE:
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            model(xb)
+        _FWD_CACHE[ck] = counter.get_total_flops() / max(int(xb.shape[0]), 1)
+    return _FWD_CACHE[ck]
+
+
+@torch.no_grad()
+def per_sample_losses(model: nn.Module, split: Split, batch_size: int = 512) -> torch.Tensor:
+    """Cross-entropy of every sample of ``split`` under ``model`` in eval mode (float64 vector)."""
+    model.eval()
+    parts = [task_loss(model(split.x[s : s + batch_size]), split.y[s : s + batch_size], reduction="none")
+             for s in range(0, len(split), batch_size)]
+    return torch.cat(parts).to(torch.float64) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def class_counts(data: ClientData, num_classes: int) -> list[int]:
+    """How many training samples of each class the client holds (its own data: a client may report it)."""
+    y = data.train.y
+    if not len(y):
+        return [0] * num_classes
+    return torch.bincount(y.reshape(-1).cpu(), minlength=num_classes)[:num_classes].tolist()
+
+
+def retrain_config(base: TrainConfig, schedule: str, epochs: int, lr: float = 0.0, last: bool = False,
+                   weight_decay: float = 0.0, last_layer_schedule: bool = True) -> tuple[TrainConfig, int]:
+    """The optimiser settings and epochs of one FedMA-style retraining step (FedMA, one-shot matching).
+
+    ``schedule="code"``: ``IBM/FedMA``'s ``local_retrain`` — SGD, momentum 0.9, ``lr`` (0 = the run's lr),
+    ``weight_decay``; ``last=True`` (only the head is trained): lr/10, weight decay 1e-4, 3× epochs.
+    ``schedule="run"``: the run's optimiser settings; ``last`` applies the same head schedule only when
+    ``last_layer_schedule`` is set.
+    """
+    epochs = max(int(epochs), 0)
+    if schedule == "code":
+        cfg = dataclasses.replace(base, optimizer="sgd", momentum=0.9, lr=lr if lr > 0 else base.lr,
+                                  weight_decay=weight_decay)
+    elif schedule == "run":
+        cfg = base
+        if not last_layer_schedule:
+            return cfg, epochs
+    else:
+        raise ValueError(f"retrain_schedule={schedule!r}; choose code or run")
+    if last:
+        cfg = dataclasses.replace(cfg, lr=cfg.lr / 10, weight_decay=1e-4)
+        epochs *= 3
+    return cfg, epochs
 
 
 def _tokens(rnn: nn.Module, x: torch.Tensor) -> int:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fedfuse.engine.client import TrainConfig
+from fedfuse.rng import derive_seed
 from fedfuse.types import TensorDict
 
 ClientState = dict[str, Any] | None
@@ -35,9 +36,10 @@ class RoundInfo:
 class RunContext:
     """Static facts every hook may read: how to build the model, local training settings, client sizes.
 
-    Holds no data and no mutable server state.  ``model(meta)`` returns a module for the architecture a
-    payload describes (``meta["model_options"]`` may override widths, e.g. FedMA's grown layers); modules
-    are cached per architecture so loading a payload costs a ``load_state_dict``, not a rebuild.
+    Holds no data, no mutable server state and no ground truth (a partition's true clusters reach only
+    ``diagnostics`` / ``finish``, through the Federation they are handed).  ``model(meta)`` returns a module for
+    the architecture a payload describes (``meta["model_options"]`` may override widths, e.g. FedMA's grown
+    layers); modules are cached per architecture so loading a payload costs a ``load_state_dict``, not a rebuild.
     """
 
     model_name: str
@@ -52,7 +54,6 @@ class RunContext:
     seed: int
     device: torch.device
     eval_batch_size: int = 512
-    client_groups: list[int] | None = None
     out_dir: Path | None = None  # where the run writes (diagnostic plots); None when not writing
     eval_every: int = 1  # the loop evaluates every this many rounds (and at the last round)
     _cache: dict[str, nn.Module] = field(default_factory=dict, repr=False)
@@ -89,3 +90,35 @@ class RunContext:
 def state_of(model: nn.Module) -> TensorDict:
     """A detached copy of the full state (parameters and buffers)."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def seeded_state(ctx: RunContext, seed: int) -> TensorDict:
+    """A freshly initialised full model state from ``seed`` (the global torch RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return state_of(ctx.build())
+
+
+def init_states(ctx: RunContext, count: int, purpose: str) -> list[TensorDict]:
+    """``count`` independently initialised full model states, model ``j`` seeded from ``(seed, purpose, j)``
+    (FedMerge, IFCA and FedEM start their several global models this way)."""
+    out = []
+    for j in range(count):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(ctx.seed, purpose, j))
+            out.append(state_of(ctx.build()))
+    return out
+
+
+def client_initial_state(ctx: RunContext, cid: int, init: str, purpose: str = "fedma-init") -> TensorDict:
+    """A client's starting model: its own initialisation seeded from ``(seed, purpose, cid)`` (``"distinct"``)
+    or the run's shared one (``"shared"``, seeded by the run seed).  The default purpose is the one FedMA, one-shot
+    matching and Simple-FedMA have always used, so their runs are unchanged."""
+    if init not in ("distinct", "shared"):
+        raise ValueError(f"init={init!r}; choose distinct or shared")
+    return seeded_state(ctx, derive_seed(ctx.seed, purpose, cid) if init == "distinct" else ctx.seed)
+
+
+def model_params(ctx: RunContext) -> int:
+    """Parameters of the configured model."""
+    return int(sum(p.numel() for p in ctx.model().parameters()))

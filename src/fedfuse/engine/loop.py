@@ -70,23 +70,24 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
         seed=cfg.seed,
         device=device,
         eval_batch_size=cfg.eval_batch_size,
-        client_groups=fed.groups(),
         eval_every=cfg.eval_every,
     )
 
 
 AlgorithmLookup = Callable[[str], Any]
+NO_LOOKUP = ("the engine does not know fedfuse's algorithms (one-way layers: engine -> algorithms is not an arrow); "
+             "pass algorithm_lookup=fedfuse.algorithms.get_algorithm, or use fedfuse.experiment.Experiment / "
+             "fedfuse.experiment.run, which bind the registry")
 
 
-def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | None = None) -> Any:
-    """The configured algorithm.  ``lookup(name) -> class`` resolves the name; the default is fedfuse's
-    registry, imported here at call time (the engine has no import-time dependency on ``fedfuse.algorithms``;
-    callers that assemble runs themselves pass ``lookup`` or an ``algorithm`` to :class:`Experiment`).
+def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup) -> Any:
+    """The configured algorithm.  ``lookup(name) -> class`` resolves the name (the api/cli layer passes fedfuse's
+    registry, :func:`fedfuse.algorithms.get_algorithm`; the engine never imports ``fedfuse.algorithms``).
 
     An option or model the algorithm cannot work with is a :class:`ConfigError` naming both: the algorithm is
     constructed and initialised once as a dry run (algorithms inspect the model's structure there)."""
     if lookup is None:
-        from fedfuse.algorithms import get_algorithm as lookup
+        raise TypeError(NO_LOOKUP)
     cls = lookup(cfg.algorithm)
     try:
         algo = cls(ctx, cls.Options(**cfg.algorithm_options))
@@ -109,7 +110,7 @@ def assemble(cfg: RunConfig, device: torch.device, *, fed: Federation | None = N
     algo = build_algorithm(cfg, ctx, lookup)
     setup = getattr(algo, "setup", None)
     if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
-        fed = setup(fed)
+        fed = setup(fed.blinded()).with_truth_of(fed)  # it never sees the ground truth
         ctx.client_sizes = fed.client_sizes()
     return fed, ctx, algo
 
@@ -140,6 +141,9 @@ class Experiment:
         on_round: Callable[[dict[str, Any]], None] | None = None,
         algorithm_lookup: AlgorithmLookup | None = None,
     ) -> None:
+        """``algorithm_lookup(name) -> class`` resolves ``cfg.algorithm`` (required: see :data:`NO_LOOKUP`)."""
+        if algorithm_lookup is None:
+            raise TypeError(NO_LOOKUP)
         self.cfg = validate(cfg)
         self.device = resolve_device(self.cfg.device)
         if self.cfg.threads:
@@ -147,7 +151,8 @@ class Experiment:
         self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, fed=fed, lookup=algorithm_lookup)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
-        self.executor = executor or make_executor(self.cfg.executor, self.fed.clients, self.cfg.seed,
+        # fit/evaluate get the clients' data without the ground truth; only diagnostics/finish see self.fed
+        self.executor = executor or make_executor(self.cfg.executor, self.fed.blinded().clients, self.cfg.seed,
                                                   threads=self.cfg.threads, config=self.cfg)
         bind = getattr(self.executor, "bind", None)  # executors that send the local-training settings along
         if bind is not None:
@@ -623,6 +628,7 @@ def strip_timing(rec: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in rec.items() if k not in TIMING_KEYS}
 
 
-def run(cfg: RunConfig, *, resume: bool = False, progress: bool = False) -> dict[str, Any]:
-    """Convenience wrapper: build an :class:`Experiment` and run it."""
-    return Experiment(cfg, progress=progress).run(resume=resume)
+def run(cfg: RunConfig, *, lookup: AlgorithmLookup | None = None, resume: bool = False,
+        progress: bool = False) -> dict[str, Any]:
+    """Convenience wrapper: build an :class:`Experiment` (algorithms resolved by ``lookup``) and run it."""
+    return Experiment(cfg, progress=progress, algorithm_lookup=lookup).run(resume=resume)

@@ -251,15 +251,16 @@ SAMPLERS: dict[str, type[Sampler]] = {
 
 
 def make_sampler(name: str, algo: Any) -> Sampler:
-    """The sampler named ``name`` (``auto`` → the algorithm's ``default_sampling``) for ``algo``'s run."""
-    from fedfuse.algorithms.base import Algorithm
+    """The sampler named ``name`` (``auto`` → the algorithm's ``default_sampling``) for ``algo``'s run.
 
+    An algorithm with its own participation rule says so in ``selects_own_clients`` (the engine does not
+    inspect algorithm classes)."""
     if name == "auto":
         name = str(getattr(algo, "default_sampling", "uniform"))
     if name not in SAMPLERS:
         raise ValueError(f"sampling={name!r}; choose one of: {', '.join(SAMPLINGS)}")
     ctx = algo.ctx
-    own = type(algo).select_clients is not Algorithm.select_clients
+    own = bool(getattr(algo, "selects_own_clients", False))
     if name != "uniform" and own and ctx.clients_per_round < ctx.num_clients:
         raise ValueError(
             f"sampling={name!r}: algorithm {algo.name!r} chooses its own participants; use sampling=uniform "

@@ -59,17 +59,22 @@ def run_key(run_json: str) -> str:
     return hashlib.sha256(run_json.encode()).hexdigest()
 
 
-def node_run(run_json: str) -> NodeRun:
-    """The node-side federation and algorithm of a run (built once per config, then cached)."""
+def node_run(run_json: str, node_config: Any = None) -> NodeRun:
+    """The node-side federation and algorithm of a run (built once per config, then cached).
+
+    A SuperNode started with ``--node-config "data-dir='/path'"`` reads the dataset files from its own
+    directory instead of the path in the server's config (the files must be the same for the same run)."""
     key = run_key(run_json)
     if key not in _RUNS:
         from fedfuse.api import make_config
 
-        prepare_node(make_config(json.loads(run_json)))
+        cfg = make_config(json.loads(run_json))
+        data_dir = (node_config or {}).get("data-dir")
+        prepare_node(dataclasses.replace(cfg, data_dir=str(data_dir)) if data_dir else cfg, key=key)
     return _RUNS[key]
 
 
-def prepare_node(cfg: Any, fed: Any = None) -> NodeRun:
+def prepare_node(cfg: Any, fed: Any = None, *, key: str | None = None) -> NodeRun:
     """Build (and cache) this node's side of run ``cfg``.  ``fed`` gives the federation instead of building it
     from the config — for a federation assembled in code, as ``Experiment(cfg, fed=...)`` accepts in process."""
     from fedfuse.algorithms import get_algorithm
@@ -79,9 +84,10 @@ def prepare_node(cfg: Any, fed: Any = None) -> NodeRun:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with torch.random.fork_rng(devices=[]):
-        built = NodeRun(*assemble(cfg, resolve_device(cfg.device), fed=fed, lookup=get_algorithm))
+        fed, ctx, algo = assemble(cfg, resolve_device(cfg.device), fed=fed, lookup=get_algorithm)
+        built = NodeRun(fed.blinded(), ctx, algo)  # client hooks never see the partition's ground truth
     _RUNS.clear()  # one run at a time per node process
-    _RUNS[run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
+    _RUNS[key or run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
     return built
 
 
@@ -90,20 +96,70 @@ def handle(msg: Message, context: Context) -> Message:
     from fedfuse.engine.client import TrainConfig
 
     job_rec = msg.content[JOB]
-    run = node_run(str(job_rec["run"]))
+    run = node_run(str(job_rec["run"]), context.node_config)
     method, cid, seed = str(job_rec["method"]), int(job_rec["cid"]), int(job_rec["seed"])
     train = json.loads(str(job_rec["train"]))
     if train:
         run.ctx.train = TrainConfig(**train)
     body = wire.unpack(msg.content)
     data = run.fed.clients[cid]
-    job = Job(cid, body["payload"].to(data.train.x.device), body["state"], tuple(json.loads(str(job_rec["keys"]))))
+    private = tuple(getattr(run.algo, "node_private", ())) if method == "fit" else ()
+    state = restore_private(body["state"], private, context, cid)
+    job = Job(cid, body["payload"].to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
     seed_global(seed, job)
     result = getattr(run.algo, method)(job.payload, job.state, data, job_generator(seed, job))
+    if private:
+        result = (result[0], keep_private(result[1], private, context, cid))
     content = wire.pack({"result": result})
     content[JOB] = ConfigRecord({"cid": cid, "method": method})
     content["metrics"] = MetricRecord(_metrics(result))
     return Message(content=content, reply_to=msg)
+
+
+KEPT = "fedfuse:kept-on-node"  # what the server holds in place of a node-private client-state entry
+
+
+def _private_key(cid: int, name: str) -> str:
+    return f"fedfuse.private.{cid}.{name}"
+
+
+def keep_private(state: Any, private: tuple[str, ...], context: Context, cid: int) -> Any:
+    """Move the client-state entries an algorithm declares ``node_private`` into the node's ``context.state``
+    (Flower's per-node store for the run); the reply carries only the :data:`KEPT` marker in their place.
+
+    This is how secure FedMR's trained model and private key stay on the client under Flower, although the
+    ClientApp is otherwise stateless (every other client-state entry travels with the messages)."""
+    for name in private:
+        base = _private_key(cid, name)
+        for part in (".arrays", ".skeleton"):
+            if base + part in context.state:
+                del context.state[base + part]
+    if not isinstance(state, dict):
+        return state
+    out = dict(state)
+    for name in private:
+        if out.get(name) is not None:
+            base = _private_key(cid, name)
+            context.state[base + ".arrays"], context.state[base + ".skeleton"] = wire.to_records(out[name])
+            out[name] = KEPT
+    return out
+
+
+def restore_private(state: Any, private: tuple[str, ...], context: Context, cid: int) -> Any:
+    """Inverse of :func:`keep_private`: the node's kept entries back in place of their markers (an entry the
+    node no longer holds — it restarted — is left out, and the algorithm sees a client without it)."""
+    if not private or not isinstance(state, dict):
+        return state
+    out = dict(state)
+    for name in private:
+        if out.get(name) != KEPT:
+            continue
+        base = _private_key(cid, name)
+        if base + ".arrays" in context.state:
+            out[name] = wire.from_records(context.state[base + ".arrays"], context.state[base + ".skeleton"])
+        else:
+            del out[name]
+    return out
 
 
 def _metrics(result: Any) -> dict[str, float]:

@@ -23,8 +23,9 @@ assignment maximising the total is solved by ``scipy.optimize.linear_sum_assignm
 largest first, then ``iters`` passes each remove and re-match every client in a random order.  The global
 unit is the posterior mean ``g_i / p_i`` (paper and code agree); ``estimator="mean"`` gives the plain
 (client-weighted) mean of the matched units instead.  With scalar σ, σ0 (the code's setting) each client
-update costs one float32 matrix product; per-client terms are reused across passes, and the assignment solver
-is skipped when a dual certificate proves the greedy assignment is the unique optimum (:func:`bbp_map`).
+update costs one float32 matrix product; per-client terms are reused across passes, the assignment solver
+is skipped when a dual certificate proves the greedy assignment is the unique optimum, and passes after the
+grouping of units has settled are not recomputed (:func:`bbp_map`).
 ``benchmarks/matching.py`` checks the assignments against a port of the code's matching and times both.
 
 **Hungarian** weight matching: each client's atoms are aligned to a reference client (the first) by
@@ -139,7 +140,7 @@ class BBPResult:
 
     atoms: np.ndarray  # (L, D) posterior means g / p
     g: np.ndarray  # (L, D) precision-weighted sums
-    p: np.ndarray  # (L, D) precisions
+    p: np.ndarray  # (L, D) precisions (scalar σ: a read-only broadcast of one value per atom)
     counts: np.ndarray  # (L,) number of local units matched to each global atom
     assign: list[np.ndarray]  # per client: local unit l -> global atom
     solver_stats: dict[str, int] | None = None  # assignment problems solved by the solver / by certificate
@@ -199,6 +200,7 @@ def bbp_map(
     rng: np.random.Generator | None = None,
     precision: str = "float32",
     certify: bool = True,
+    skip_settled: bool = True,
 ) -> BBPResult:
     """FedMA's BBP-MAP matching of ``J`` clients' atoms ((L_j, D) arrays); see the module docstring.
 
@@ -209,6 +211,13 @@ def bbp_map(
     natural parameters ``g`` are accumulated in float64, and each client's ``|x_l|²`` and new-atom scores are
     computed once and reused across the passes.  Per-dimension ``sigma``/``sigma0`` arrays use the general
     (elementwise) formula of :func:`bbp_cost`.
+
+    ``skip_settled`` (scalar path): once every client has been re-matched without changing which units share an
+    atom, the remaining passes cannot change it either (a client's choice depends only on the other clients'
+    atoms, which are then fixed), so they only redo the index bookkeeping (a client's atoms that hold only its
+    own units are deleted and re-appended, as the code does) without computing scores.  The client added last
+    counts as re-matched, and with two clients of one size both do (see the code).  Assignments and counts
+    are those of computing every pass; ``g`` differs by rounding only.
     """
     J = len(atoms)
     if J == 0:
@@ -218,10 +227,12 @@ def bbp_map(
     rng = rng if rng is not None else np.random.default_rng(0)
     D = atoms[0].shape[1]
     sig, sig0 = np.asarray(sigma, dtype=np.float64), np.asarray(sigma0, dtype=np.float64)
-    prior_norm = np.broadcast_to(np.asarray(mu0, dtype=np.float64), (D,)) / np.broadcast_to(sig0, (D,))
+    mu = np.asarray(mu0, dtype=np.float64)
     if sig.ndim == 0 and sig0.ndim == 0:
-        return _bbp_map_scalar([np.asarray(a, dtype=np.float64) for a in atoms], 1.0 / float(sig), 1.0 / float(sig0),
-                               prior_norm, gamma, iters, cap, popularity_cap, rng, np.dtype(precision), certify)
+        prior_norm = mu / float(sig0) if mu.ndim else np.full(D, float(mu) / float(sig0))
+        return _bbp_map_scalar(atoms, 1.0 / float(sig), 1.0 / float(sig0), prior_norm, gamma, iters, cap,
+                               popularity_cap, rng, np.dtype(precision), certify, skip_settled)
+    prior_norm = np.broadcast_to(mu, (D,)) / np.broadcast_to(sig0, (D,))
     s = np.broadcast_to(1.0 / sig, (D,)).copy()
     s0 = np.broadcast_to(1.0 / sig0, (D,)).copy()
     sw = [np.asarray(a, dtype=np.float64) * s for a in atoms]
@@ -256,7 +267,8 @@ def bbp_map(
     return BBPResult(g / p, g, p, counts, [np.asarray(a) for a in assign])
 
 
-def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype, certify) -> BBPResult:
+def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype, certify,
+                    skip_settled=True) -> BBPResult:
     """BBP-MAP with scalar precisions (see :func:`bbp_map`): the same schedule, scores by one product each.
 
     Reused across the passes: each client's ``|x_l|²``, Gram matrix ``x_j x_jᵀ`` and new-atom scores; the
@@ -264,38 +276,77 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
     that depends only on a count ``n_i ∈ 0..J`` (precisions, the popularity term) is tabulated once.  Removing
     client ``j`` before re-matching it is done on the score matrix (subtracting its Gram matrix from the
     products with the current atoms), so when ``j``'s assignment does not change no atom row is touched.
+    ``settled`` holds the clients whose re-match would change nothing (see ``skip_settled`` in
+    :func:`bbp_map`); when it holds every client only the atoms' order is tracked from then on.
     """
-    J, D = len(w), w[0].shape[1]
-    x = [a * s for a in w]
-    xc = [np.ascontiguousarray(a, dtype=dtype) for a in x]
-    xxh = [0.5 * (a * a).sum(1) for a in x]
-    gram = [a @ a.T for a in x]
-    m2 = float((prior_norm**2).sum() / s0)
-    new_score = [((a + prior_norm) ** 2).sum(1) / (s0 + s) - m2 for a in x]
-    n = np.arange(J + 1)
-    inv_p = 1.0 / (s0 + n * s)  # 1/p_i for an atom holding n units
-    inv_ps2 = 2.0 / (s0 + (n + 1) * s)  # 2/(p_i + s)
-    gap = 0.5 * inv_ps2 - inv_p  # |g|² (1/(p+s) − 1/p)
-    cnt = np.minimum(n, pop_cap).astype(np.float64)
-    with np.errstate(divide="ignore"):
-        pop = np.log(cnt / np.maximum(J - cnt, 1e-12))  # count 0 never occurs for a live atom
+    J = len(w)
+    # Per client, not stacked: large temporaries cost page faults, and each client's arrays are small.
+    x = [np.asarray(a, dtype=np.float64) for a in w]
+    sizes = [a.shape[0] for a in x]
+    if s != 1.0:
+        x = [a * s for a in x]
+    # A unit's score for opening a new atom (before the offsets c_k): |x + μ0 s0|²/(s0 + s) − |μ0 s0|²/s0
+    # = |x|² k + x·(2 μ0 s0 k) + |μ0 s0|² (k − 1/s0) with k = 1/(s0 + s).
+    k_new = 1.0 / (s0 + s)
+    pn2 = (2.0 * k_new) * prior_norm
+    m2 = float(prior_norm @ prior_norm)
+    c_new = m2 * k_new - m2 / s0
+    # Per client, computed when the client is first matched (a client that never is needs none of them):
+    # its units in ``dtype``, half squared norms, new-atom scores and Gram matrix x_j x_jᵀ (in ``dtype``).
+    xc: list[np.ndarray | None] = [None] * J
+    xxh: list[np.ndarray | None] = [None] * J
+    new_score: list[np.ndarray | None] = [None] * J
+    gram: dict[int, np.ndarray] = {}
+
+    def prep(j: int) -> np.ndarray:
+        """Client ``j``'s per-client terms (computed once); returns its units in ``dtype``."""
+        if xc[j] is None:
+            a = x[j]
+            xc[j] = a if dtype == np.float64 else a.astype(dtype)
+            sq = _sqnorms(a)
+            xxh[j] = 0.5 * sq
+            new_score[j] = sq * k_new + (a @ pn2 + c_new)
+        return xc[j]
+    # Everything that depends only on an atom's count n = 0..J, in one table (one gather per update):
+    # 2/(p + s), |g|²(1/(p + s) − 1/p) per |g|², and the popularity term log(min(n,10)/(J − min(n,10))).
+    rows_tab = []
+    for n in range(J + 1):
+        inv_ps2 = 2.0 / (s0 + (n + 1) * s)
+        c_n = min(n, pop_cap)
+        pop_n = math.log(c_n / max(J - c_n, 1e-12)) if c_n else -math.inf  # count 0: never a live atom
+        rows_tab.append((inv_ps2, 0.5 * inv_ps2 - 1.0 / (s0 + n * s), pop_n))
+    table = np.array(rows_tab).T.copy()  # (3, J + 1)
     log_new = 2.0 * math.log(gamma / J)
     new_block: dict[tuple[int, int], np.ndarray] = {}
     new_offsets: dict[int, np.ndarray] = {}
-    aranges = {Lj: np.arange(Lj) for Lj in {a.shape[0] for a in x}}
-    stats = {"solver": 0, "certified": 0, "unchanged": 0}
-    order = sorted(range(J), key=lambda j: -x[j].shape[0])  # stable: ties keep client order
+    aranges = {Lj: np.arange(Lj) for Lj in set(sizes)}
+    stats = {"solver": 0, "certified": 0, "unchanged": 0, "settled": 0}
+    order = sorted(range(J), key=lambda j: -sizes[j])  # stable: ties keep client order
     first = order[0]
-    g = prior_norm[None, :] + x[first]
+    g = prior_norm + x[first]
     g32 = g.astype(dtype)
-    gg = np.einsum("ij,ij->i", g, g)
+    gg = _sqnorms(g)
     counts = np.ones(g.shape[0], dtype=np.int64)
     assign: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * J
     assign[first] = np.arange(g.shape[0])
 
+    remap_last = np.empty(0, dtype=np.int64)
+
+    def arange_L(n_: int) -> np.ndarray:
+        r = aranges.get(n_)
+        if r is None:
+            r = aranges[n_] = np.arange(n_)
+        return r
+
     def refresh(rows_: np.ndarray) -> None:
-        g32[rows_] = g[rows_]
-        gg[rows_] = np.einsum("ij,ij->i", g[rows_], g[rows_])
+        """Bring the low-precision copy and squared norms of the atoms ``rows_`` (distinct) up to date."""
+        if len(rows_) == len(gg):  # every atom (a permutation): no gathers
+            g32[...] = g
+            gg[...] = _sqnorms(g)
+            return
+        gr = g[rows_]
+        g32[rows_] = gr
+        gg[rows_] = _sqnorms(gr)
 
     def solve(j: int, dot: np.ndarray, gg_: np.ndarray, cnt_: np.ndarray) -> np.ndarray:
         """Scores of client ``j`` against the atoms (``dot`` = products, already without ``j``), then the
@@ -304,10 +355,10 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         K = min(Lj, max(cap - L, Lj - L, 1))
         full = np.empty((Lj, L + K))
         score = full[:, :L]
-        a2 = inv_ps2[cnt_]
-        np.multiply(dot, a2, out=score)
-        score += np.multiply.outer(xxh[j], a2)
-        score += gg_ * gap[cnt_] + pop[cnt_]
+        a2, gap, pop = table[:, cnt_]
+        np.add(dot, xxh[j][:, None], out=score)
+        score *= a2
+        score += gg_ * gap + pop
         c = new_offsets.get(K)
         if c is None:
             c = new_offsets[K] = log_new - 2.0 * np.log(np.arange(1, K + 1))  # k-th new atom: new_score + c_k
@@ -352,51 +403,116 @@ def _bbp_map_scalar(w, s, s0, prior_norm, gamma, iters, cap, pop_cap, rng, dtype
         fresh = prior_norm[None, :] + x[j][new_rows]
         g = np.vstack([g, fresh])
         g32 = np.vstack([g32, fresh.astype(dtype)])
-        gg = np.concatenate([gg, np.einsum("ij,ij->i", fresh, fresh)])
+        gg = np.concatenate([gg, _sqnorms(fresh)])
         counts = np.concatenate([counts, np.ones(len(new_rows), dtype=np.int64)])
         assign[j] = a
 
     def remove(j: int) -> None:
-        nonlocal g, g32, gg, counts
+        """Take client ``j``'s units out of their atoms; atoms left empty are deleted (``remap_last``: old → new)."""
+        nonlocal g, g32, gg, counts, remap_last
         a = assign[j]
         counts[a] -= 1
         g[a] -= x[j]
         keep = counts > 0
         if keep.all():
             refresh(a)
+            remap_last = arange_L(len(keep))
             return
-        remap = np.cumsum(keep) - 1
+        remap = remap_last = np.cumsum(keep) - 1
         for k in range(J):
             if k != j:
                 assign[k] = remap[assign[k]]
         g, counts = g[keep], counts[keep]
-        g32, gg = g.astype(dtype), np.einsum("ij,ij->i", g, g)
+        g32, gg = g.astype(dtype), _sqnorms(g)
 
     for j in order[1:]:
-        add(j, solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts))
+        add(j, solve(j, (prep(j) @ g32.T).astype(np.float64), gg, counts))
+    # Clients whose re-match would change nothing: those re-matched since the grouping of units into atoms last
+    # changed, and the client added last (it was matched against all the others' atoms as they still are).
+    settled: set[int] = {order[-1]} if J > 1 else set()
+    if J == 2 and sizes[0] == sizes[1]:
+        # Two clients of one size: re-matching the first into the second's atoms is the problem just solved
+        # with the roles swapped.  With all counts 1 its objective, Σ_matched [|μ0s0 + x_i + y_l|²/(s0 + 2s)
+        # − |μ0s0 + y_l|²/(s0 + s) + pop] + Σ_unmatched i [|μ0s0 + x_i|²/(s0 + s) − |μ0s0|²/s0] + Σ c_k, differs
+        # from the one just maximised by Σ_l |μ0s0 + y_l|²/(s0 + s) − Σ_i |μ0s0 + x_i|²/(s0 + s), a constant:
+        # the same matching is optimal, so neither client's re-match can change the grouping.
+        settled = {0, 1}
+    # Once every client is settled only the atoms' order still changes: ``atom_order[p]`` (the atom now at
+    # position p) is tracked instead of moving rows, and applied once at the end.
+    atom_order: np.ndarray | None = None
+    reordered = False
+    alone_ids: list[np.ndarray] = []
+    alone_mask: list[np.ndarray] = []
     for _ in range(iters):
         for j in rng.permutation(J):
             j = int(j)
+            if skip_settled and atom_order is None and len(settled) == J:
+                atom_order = np.arange(len(counts))
+                single = counts == 1
+                for k in range(J if single.any() else 0):
+                    alone_ids.append(assign[k][single[assign[k]]])
+                    alone_mask.append(single)  # unused unless k has atoms of its own (then replaced)
+                    if len(alone_ids[k]):
+                        alone_mask[k] = np.zeros(len(counts), dtype=bool)
+                        alone_mask[k][alone_ids[k]] = True
+            if atom_order is not None:
+                stats["settled"] += 1
+                if alone_ids and len(alone_ids[j]):  # j's own atoms are deleted and re-appended in unit order
+                    atom_order = np.concatenate([atom_order[~alone_mask[j][atom_order]], alone_ids[j]])
+                    reordered = True
+                continue
             a = assign[j]
             cnt_ = counts.copy()
             cnt_[a] -= 1
-            if cnt_[a].min() == 0:  # j held atoms alone: they are deleted first, as the code does
-                remove(j)
-                add(j, solve(j, (xc[j] @ g32.T).astype(np.float64), gg, counts))
+            alone = cnt_[a] == 0
+            if skip_settled and j in settled:  # re-matching j would change nothing: only the index bookkeeping
+                stats["settled"] += 1
+                if alone.any():
+                    kept = a[~alone]
+                    remove(j)
+                    picked = np.empty(len(a), dtype=np.int64)
+                    picked[~alone] = remap_last[kept]
+                    picked[alone] = g.shape[0] + np.arange(int(alone.sum()))
+                    add(j, picked)
                 continue
-            dot = (xc[j] @ g32.T).astype(np.float64)
+            if alone.any():  # j held atoms alone: they are deleted first, as the code does
+                kept = a[~alone]
+                remove(j)
+                L = g.shape[0]
+                picked = solve(j, (prep(j) @ g32.T).astype(np.float64), gg, counts)
+                same = bool((picked[alone] >= L).all()) and np.array_equal(picked[~alone], remap_last[kept])
+                add(j, picked)
+                settled = settled | {j} if same else {j}
+                continue
+            xj = prep(j)
+            dot = (xj @ g32.T).astype(np.float64)
             rows = aranges[len(a)]
             gg_ = gg.copy()
             gg_[a] += 2.0 * (xxh[j] - dot[rows, a])  # |g_i − x_l|² for the atoms j contributed to
-            dot[:, a] -= gram[j]  # products with the atoms without j
+            gj = gram.get(j)
+            if gj is None:
+                gj = gram[j] = xj @ xj.copy().T  # (a copy: numpy's x xᵀ path is slower here)
+            dot[:, a] -= gj  # products with the atoms without j
             picked = solve(j, dot, gg_, cnt_)
             if np.array_equal(picked, a):
                 stats["unchanged"] += 1
+                settled.add(j)
                 continue
             remove(j)
             add(j, picked)
-    p = np.repeat((s0 + counts * s)[:, None], D, axis=1)
+            settled = {j}  # j's choice depends only on the others' atoms, which it did not change
+    if reordered:
+        where = np.empty_like(atom_order)
+        where[atom_order] = np.arange(len(atom_order))
+        g, counts = g[atom_order], counts[atom_order]
+        assign = [where[a] for a in assign]
+    p = np.broadcast_to((s0 + counts * s)[:, None], g.shape)  # read-only: the same precision in every dimension
     return BBPResult(g / p, g, p, counts, [np.asarray(a) for a in assign], stats)
+
+
+def _sqnorms(a: np.ndarray) -> np.ndarray:
+    """Squared norm of every row (no temporary array)."""
+    return np.vecdot(a, a)
 
 
 def _certified_assignment(score: np.ndarray, new: np.ndarray, c: np.ndarray) -> np.ndarray | None:
@@ -415,19 +531,13 @@ def _certified_assignment(score: np.ndarray, new: np.ndarray, c: np.ndarray) -> 
     Lj, L = score.shape
     if L == 0:  # every unit opens an atom (which new column each takes does not matter)
         return np.arange(Lj) if len(c) >= Lj else None
-    rows = np.arange(Lj)
     best = score.argmax(1)
-    b = score[rows, best]
+    b = score.max(1)
     delta = b - new
     if delta.min() > c[0]:  # the common case: no unit prefers a new atom (m = 0)
-        if np.bincount(best, minlength=L).max() > 1:
+        top = score >= b[:, None]  # each row's best entries
+        if top.sum(1).max() > 1 or top.sum(0).max() > 1:  # a tie in a row, or two rows with the same best atom
             return None
-        if L > 1:
-            score[rows, best] = -np.inf
-            ok = bool((score.max(1) < b).all())
-            score[rows, best] = b
-            if not ok:
-                return None
         return best
     order = np.argsort(delta, kind="stable")
     ds = delta[order]

@@ -17,58 +17,25 @@ BatchNorm: a conv channel's BN ``weight``, ``bias``, ``running_mean`` and ``runn
 channel's group; ``num_batches_tracked`` is a scalar and never permuted.  :func:`expand` fills the running
 variance of absent units with 1 (a neutral BN), every other absent entry with 0.
 
-Specs: :func:`chain_spec` (MLP, CNN, CIFAR CNN, VGG: a chain of linear/conv layers, BN attached to its conv)
-and :func:`transformer_spec` (residual stream, per-head Q/K, V and MLP hidden; heads as whole blocks).
-ResNets are not chains (the residual stream ties every block of a stage); they are not covered here.
+Specs: :func:`chain_spec` derives the groups of any feed-forward chain of linear/conv layers (MLP, CNN, CIFAR
+CNN, VGG; BN attached to its conv) from the torch module types alone; any other model declares its own
+(``perm_groups()``, a list of :class:`~fedfuse.structure.PermGroup`: fedfuse's transformer does, with the
+residual stream, per-head Q/K, V and MLP hidden, heads as whole blocks).  :func:`perm_spec` takes the
+declaration when there is one.  ResNets are not chains (the residual stream ties every block of a stage); they
+are not covered here.  This module never looks at a model's class or name.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedfuse.structure import Member, PermGroup
 from fedfuse.types import TensorDict
-
-
-@dataclass(frozen=True)
-class Member:
-    """One tensor axis carried by a permutation group.
-
-    ``role``: ``"in"`` (the producing layer's own rows, e.g. weight/bias/BN affine: FedMA's atom),
-    ``"stat"`` (running statistics, permuted and averaged but not part of the atom) or ``"out"`` (the
-    consuming layer's input axis).
-    """
-
-    key: str
-    axis: int
-    block: int = 1
-    role: str = "in"
-
-
-@dataclass(frozen=True)
-class PermGroup:
-    """Tensors that share one permutation of ``size`` units (``head_dim`` > 0: units are grouped in heads)."""
-
-    name: str
-    size: int
-    members: tuple[Member, ...]
-    head_dim: int = 0
-    by: tuple[str, ...] = ()  # keys whose unit axis determines the permutation (default: the "in" members)
-    tags: dict = field(default_factory=dict, compare=False)
-
-    def keys(self, role: str | None = None) -> list[str]:
-        return [m.key for m in self.members if role is None or m.role == role]
-
-    def determining(self) -> list[Member]:
-        """Members used to compute a matching cost: ``by`` if given, else the ``in`` members."""
-        if self.by:
-            return [m for m in self.members if m.key in self.by]
-        return [m for m in self.members if m.role == "in"]
 
 
 def _index(perm: torch.Tensor, block: int) -> torch.Tensor:
@@ -181,56 +148,25 @@ def chain_spec(model: nn.Module) -> list[PermGroup]:
     return groups
 
 
+def perm_spec(model: nn.Module, **options) -> list[PermGroup]:
+    """The permutation groups of ``model``: its own declaration (``model.perm_groups(**options)``, e.g. fedfuse's
+    transformer) when it has one, else the groups of a feed-forward chain (:func:`chain_spec`)."""
+    declare = getattr(model, "perm_groups", None)
+    if declare is not None:
+        return list(declare(**options))
+    if options:
+        raise ValueError(f"{type(model).__name__} declares no perm_groups(); options {sorted(options)} do not apply")
+    return chain_spec(model)
+
+
 def transformer_spec(model: nn.Module, residual: bool | None = None) -> list[PermGroup]:
-    """Permutation groups of a fedfuse ``transformer``, in the order Simple-FedMA determines them.
-
-    * ``residual`` (d_model): embedding columns, positional table (needs ``persistent_pe=True``), Q/K/V and
-      ``fc1`` input columns, ``out_proj``/``fc2`` rows and biases, every LayerNorm, decoder columns.
-      ``residual=None`` includes it exactly when the positional table is in the state dict.
-    * per block ``blocks.{i}.qk``: Q and K rows (and biases) share one permutation within each head;
-    * ``blocks.{i}.v``: V rows and bias, ``out_proj`` input columns;
-    * ``blocks.{i}.mlp``: ``fc1`` rows and bias, ``fc2`` input columns.
-
-    ``qk`` and ``v`` have ``head_dim`` set: a valid permutation moves whole heads (the same head order for
-    Q/K and V) and permutes within heads; see :func:`head_structured`.
-    """
-    state = model.state_dict()
-    has_pe = "pos_encoding.pe" in state
-    if residual is None:
-        residual = has_pe
-    if residual and not has_pe:
-        raise ValueError("permuting the residual stream needs the positional table in the state "
-                         "(build the transformer with persistent_pe=True)")
-    d = int(model.d_model)
-    n_heads = int(model.n_heads)
-    groups: list[PermGroup] = []
-    if residual:
-        res = [Member("embed.weight", 1), Member("pos_encoding.pe", 1)]
-        for i, _ in enumerate(model.blocks):
-            b = f"blocks.{i}"
-            res += [Member(f"{b}.attn.{p}_proj.weight", 1, role="out") for p in ("q", "k", "v")]
-            res += [Member(f"{b}.attn.out_proj.weight", 0), Member(f"{b}.attn.out_proj.bias", 0)]
-            res += [Member(f"{b}.norm1.weight", 0), Member(f"{b}.norm1.bias", 0)]
-            res += [Member(f"{b}.fc1.weight", 1, role="out")]
-            res += [Member(f"{b}.fc2.weight", 0), Member(f"{b}.fc2.bias", 0)]
-            res += [Member(f"{b}.norm2.weight", 0), Member(f"{b}.norm2.bias", 0)]
-        if "final_norm.weight" in state:
-            res += [Member("final_norm.weight", 0), Member("final_norm.bias", 0)]
-        res.append(Member("decoder.weight", 1, role="out"))
-        groups.append(PermGroup("residual", d, tuple(res), by=("embed.weight",)))
-    hd = d // n_heads
-    for i, blk in enumerate(model.blocks):
-        b = f"blocks.{i}"
-        qk = tuple(Member(f"{b}.attn.{p}_proj.{t}", 0) for p in ("q", "k") for t in ("weight", "bias"))
-        v = (Member(f"{b}.attn.v_proj.weight", 0), Member(f"{b}.attn.v_proj.bias", 0),
-             Member(f"{b}.attn.out_proj.weight", 1, role="out"))
-        mlp = (Member(f"{b}.fc1.weight", 0), Member(f"{b}.fc1.bias", 0), Member(f"{b}.fc2.weight", 1, role="out"))
-        groups += [
-            PermGroup(f"{b}.qk", d, qk, head_dim=hd),
-            PermGroup(f"{b}.v", d, v, head_dim=hd),
-            PermGroup(f"{b}.mlp", int(blk.fc1.weight.shape[0]), mlp),
-        ]
-    return groups
+    """The permutation groups a transformer declares (``model.perm_groups(residual=...)``; fedfuse's
+    :meth:`~fedfuse.models.transformer.TransformerModel.perm_groups` documents them).  Raises ``ValueError`` for
+    a model that declares none."""
+    declare = getattr(model, "perm_groups", None)
+    if declare is None:
+        raise ValueError(f"{type(model).__name__} declares no permutation groups (a perm_groups() method)")
+    return list(declare(residual=residual))
 
 
 def head_structured(head_perm: Sequence[int], within: Sequence[Sequence[int]], head_dim: int) -> np.ndarray:
@@ -262,20 +198,3 @@ def random_permutations(spec: Sequence[PermGroup], gen: torch.Generator) -> dict
 
 def group_sizes(spec: Sequence[PermGroup]) -> list[int]:
     return [g.size for g in spec]
-
-
-def width_options(model_name: str, sizes: Sequence[int]) -> dict:
-    """``model_options`` that build ``model_name`` with the hidden widths ``sizes`` (one per :func:`chain_spec` group).
-
-    Supported: ``mlp``/``simple-mlp`` (``widths``), ``cnn`` (``channels`` + ``hidden``) and ``cnn-cifar``
-    (``channels`` + two ``hidden``).  Other models have no per-layer width option.
-    """
-    sizes = [int(s) for s in sizes]
-    if model_name in ("mlp", "simple-mlp"):
-        return {"widths": sizes}
-    if model_name == "cnn" and len(sizes) == 3:
-        return {"channels": sizes[:2], "hidden": sizes[2]}
-    if model_name == "cnn-cifar" and len(sizes) == 4:
-        return {"channels": sizes[:2], "hidden": sizes[2:]}
-    raise ValueError(f"model {model_name!r} has no per-layer width options; FedMA supports mlp, simple-mlp, "
-                     "cnn and cnn-cifar")

@@ -7,8 +7,11 @@ attention layer (the same within-head positions in every head of Q, K, V and the
 projection), or the hidden units of a transformer feed-forward net.  Input and output layers are never split;
 a layer's input dimension follows the previous group's selection.
 
-:func:`slice_spec` describes, for every state-dict key (parameters *and* buffers), which group indexes each
-tensor dimension.  A selection is ``{group: LongTensor of global unit indices}``; from it
+:func:`slice_spec` returns the model's own declaration (``model.unit_groups()``, a
+:class:`fedfuse.structure.UnitGroups`): for every state-dict key (parameters *and* buffers), which group indexes
+each tensor dimension.  This module never looks at a model's class; fedfuse's ``MLP``, ``CNN`` (McMahan),
+``ResNet`` (incl. resnet18) and ``TransformerModel`` declare their groups, and so can any user model.
+A selection is ``{group: LongTensor of global unit indices}``; from it
 :func:`dim_indices` gives the global index list of every dimension of every tensor (unsliced dimensions get
 ``arange``).  All fusion operators below are pure functions on named tensors built on one primitive,
 :func:`accumulate`, which scatters a source tensor (with its global index lists) into a target tensor
@@ -21,8 +24,7 @@ the holders (never an average of integers); an element nobody holds keeps its pr
 Sub-models are real, smaller ``nn.Module`` s (:func:`build_submodel`): the FLOPs and memory of local training
 shrink.  The model classes have no per-layer width option, so the builder here deep-copies a full model once
 per width signature and swaps every tensor for one of the sliced shape (the cached skeleton is then only
-``load_state_dict``-ed).  Supported: ``MLP``, ``CNN`` (McMahan), ``ResNet`` (incl. resnet18) and
-``TransformerModel``.
+``load_state_dict``-ed).
 """
 
 from __future__ import annotations
@@ -31,29 +33,14 @@ import copy
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from fedfuse.structure import DimSpec, Selection, UnitGroups
 from fedfuse.types import TensorDict
 
-# A tensor dimension is either unsliced (None) or (group, outer, inner): the dimension is laid out as
-# [outer][K_group][inner] (heads: outer = n_heads; a conv output flattened into a linear layer: inner = H·W).
-DimSpec = tuple[str, int, int] | None
-Selection = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class SliceSpec:
-    """Unit groups (name -> size K) and, for every state key, the group of each dimension."""
-
-    groups: dict[str, int]
-    dims: dict[str, tuple[DimSpec, ...]]
-    feature_group: str | None  # the group of the penultimate representation (None: not sliced, e.g. LMs)
-
-    def full_selection(self) -> Selection:
-        return {g: torch.arange(k) for g, k in self.groups.items()}
+SliceSpec = UnitGroups  # the declaration a sliceable model returns from ``unit_groups()``
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -102,90 +89,16 @@ def widths_of(sel: Mapping[str, torch.Tensor]) -> dict[str, int]:
 
 
 def slice_spec(model: nn.Module) -> SliceSpec:
-    """The unit groups of a sliceable fedfuse model (MLP, CNN, ResNet, TransformerModel)."""
-    from fedfuse.models.cnn import CNN
-    from fedfuse.models.mlp import MLP
-    from fedfuse.models.resnet import ResNet
-    from fedfuse.models.transformer import TransformerModel
-
-    groups: dict[str, int] = {}
-    dims: dict[str, tuple[DimSpec, ...]] = {}
-    state = model.state_dict()
-
-    def g(name: str, outer: int = 1, inner: int = 1) -> DimSpec:
-        return (name, outer, inner)
-
-    def add(prefix: str, out: DimSpec, inp: DimSpec) -> None:
-        """A linear/conv module: weight (out, in, ...), bias (out,)."""
-        w = state[prefix + ".weight"]
-        dims[prefix + ".weight"] = (out, inp) + (None,) * (w.dim() - 2)
-        if prefix + ".bias" in state:
-            dims[prefix + ".bias"] = (out,)
-
-    def add_norm(prefix: str, ch: DimSpec) -> None:
-        for key in state:
-            if key.startswith(prefix + ".") and key.count(".") == prefix.count(".") + 1:
-                dims[key] = () if key.endswith("num_batches_tracked") else (ch,)
-
-    if isinstance(model, MLP):
-        prev: DimSpec = None
-        for i, lin in enumerate(model.hidden):
-            groups[f"hidden.{i}"] = lin.out_features
-            add(f"hidden.{i}", g(f"hidden.{i}"), prev)
-            prev = g(f"hidden.{i}")
-        add("fc", None, prev)
-        feat = f"hidden.{len(model.hidden) - 1}"
-    elif isinstance(model, CNN):
-        c1, c2, hid = model.conv1.out_channels, model.conv2.out_channels, model.fc1.out_features
-        groups.update({"conv1": c1, "conv2": c2, "fc1": hid})
-        add("conv1", g("conv1"), None)
-        add("conv2", g("conv2"), g("conv1"))
-        add("fc1", g("fc1"), g("conv2", 1, model.fc1.in_features // c2))
-        add("fc", None, g("fc1"))
-        feat = "fc1"
-    elif isinstance(model, ResNet):
-        stem = model.conv1.out_channels
-        groups["stem"] = stem
-        add("conv1", g("stem"), None)
-        add_norm("bn1", g("stem"))
-        stream, stream_w = "stem", stem
-        for s in range(1, model.num_stages + 1):
-            stage = model.get_submodule(f"layer{s}")
-            width = stage[0].conv2.out_channels
-            # a stage keeps the stem's group when the stem feeds it without a projection
-            cur = stream if (width == stream_w and len(stage[0].shortcut) == 0) else f"layer{s}"
-            groups.setdefault(cur, width)
-            for b, block in enumerate(stage):
-                p = f"layer{s}.{b}"
-                mid = f"{p}.mid"
-                groups[mid] = block.conv1.out_channels
-                add(f"{p}.conv1", g(mid), g(stream))
-                add_norm(f"{p}.bn1", g(mid))
-                add(f"{p}.conv2", g(cur), g(mid))
-                add_norm(f"{p}.bn2", g(cur))
-                if len(block.shortcut):
-                    add(f"{p}.shortcut.0", g(cur), g(stream))
-                    add_norm(f"{p}.shortcut.1", g(cur))
-                stream, stream_w = cur, width
-        add("fc", None, g(stream))
-        feat = stream
-    elif isinstance(model, TransformerModel):
-        for b, block in enumerate(model.blocks):
-            att, ff = f"blocks.{b}.attn", f"blocks.{b}.ff"
-            h = block.attn.n_heads
-            groups[att] = block.attn.q_proj.out_features // h
-            groups[ff] = block.fc1.out_features
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                add(f"blocks.{b}.attn.{proj}", g(att, h), None)
-            add(f"blocks.{b}.attn.out_proj", None, g(att, h))
-            add(f"blocks.{b}.fc1", g(ff), None)
-            add(f"blocks.{b}.fc2", None, g(ff))
-        feat = None
-    else:
-        raise TypeError(f"width slicing supports MLP, CNN, ResNet and TransformerModel, not {type(model).__name__}")
-    for key in state:  # everything else (input layer, head, norms of the residual stream...) is unsliced
-        dims.setdefault(key, (None,) * state[key].dim())
-    return SliceSpec(groups, dims, feat)
+    """The unit groups ``model`` declares (its ``unit_groups()`` method; see :mod:`fedfuse.structure`)."""
+    declare = getattr(model, "unit_groups", None)
+    if declare is None:
+        raise TypeError(f"width slicing needs a model that declares its unit groups (a unit_groups() method, see "
+                        f"fedfuse.structure); {type(model).__name__} does not (fedfuse's MLP, CNN, ResNet and "
+                        "TransformerModel do)")
+    spec = declare()
+    if not isinstance(spec, UnitGroups):
+        raise TypeError(f"{type(model).__name__}.unit_groups() must return a fedfuse.structure.UnitGroups")
+    return spec
 
 
 def expand(dim: DimSpec, sel: Mapping[str, torch.Tensor], size: int) -> torch.Tensor:
@@ -394,8 +307,9 @@ def build_submodel(full_model: nn.Module, spec: SliceSpec, widths: Mapping[str, 
     Its state has exactly the shapes of :func:`slice_state`; load a sliced state into it with
     ``load_state_dict``.  ``tag`` separates caches of different full architectures.
     """
-    sig = json.dumps([tag, type(full_model).__name__, getattr(full_model, "options", {}),
-                      sorted(widths.items())], default=str)
+    cls = type(full_model)  # a cache key only: which class it is never changes what is built
+    sig = json.dumps([tag, f"{cls.__module__}.{cls.__qualname__}", getattr(full_model, "options", {}),
+                      sorted(spec.groups.items()), sorted(widths.items())], default=str)
     if sig not in _SKELETONS:
         sub = copy.deepcopy(full_model)
         sel = {g: torch.arange(w) for g, w in widths.items()}

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.models.base import FedModel, as_images
+from fedfuse.structure import UnitGroupBuilder, UnitGroups, axis
 
 
 def _conv_pool_size(size: int, kernel: int, padding: int) -> int:
@@ -74,6 +75,24 @@ class CNN(FedModel):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return F.relu(self.fc1(x.flatten(1)))
 
+    def unit_groups(self) -> UnitGroups:
+        """Width slicing: conv1 and conv2 filters, fc1 neurons (a conv2 filter feeds H·W inputs of fc1)."""
+        c1, c2, hid = self.conv1.out_channels, self.conv2.out_channels, self.fc1.out_features
+        b = UnitGroupBuilder(self.state_dict())
+        for name, size in (("conv1", c1), ("conv2", c2), ("fc1", hid)):
+            b.group(name, size)
+        b.layer("conv1", axis("conv1"), None)
+        b.layer("conv2", axis("conv2"), axis("conv1"))
+        b.layer("fc1", axis("fc1"), axis("conv2", 1, self.fc1.in_features // c2))
+        b.layer("fc", None, axis("fc1"))
+        return b.build("fc1")
+
+    @staticmethod
+    def width_options(sizes: Sequence[int]) -> dict | None:
+        """``model_options`` for conv widths ``sizes[:2]`` and hidden width ``sizes[2]`` (None: not 3 sizes)."""
+        sizes = [int(s) for s in sizes]
+        return {"channels": sizes[:2], "hidden": sizes[2]} if len(sizes) == 3 else None
+
 
 class CifarCNN(FedModel):
     """FedMR's CIFAR CNN (LeNet-5 style): conv5x5 6 -> pool -> conv5x5 16 -> pool -> fc 120 -> fc 84 -> fc C.
@@ -108,6 +127,12 @@ class CifarCNN(FedModel):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.fc1(x.flatten(1)))
         return F.relu(self.fc2(x))
+
+    @staticmethod
+    def width_options(sizes: Sequence[int]) -> dict | None:
+        """``model_options`` for conv widths ``sizes[:2]`` and hidden widths ``sizes[2:]`` (None: not 4 sizes)."""
+        sizes = [int(s) for s in sizes]
+        return {"channels": sizes[:2], "hidden": sizes[2:]} if len(sizes) == 4 else None
 
 
 class FemnistCNN(FedModel):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.models.base import FedModel
+from fedfuse.structure import UnitGroupBuilder, UnitGroups, axis
 
 
 class MLP(FedModel):
@@ -28,3 +29,19 @@ class MLP(FedModel):
         for linear in self.hidden:
             x = F.relu(linear(x))
         return x
+
+    def unit_groups(self) -> UnitGroups:
+        """Width slicing: one group per hidden layer (``hidden.{i}``); input and head are not split."""
+        b = UnitGroupBuilder(self.state_dict())
+        prev = None
+        for i, lin in enumerate(self.hidden):
+            b.group(f"hidden.{i}", lin.out_features)
+            b.layer(f"hidden.{i}", axis(f"hidden.{i}"), prev)
+            prev = axis(f"hidden.{i}")
+        b.layer("fc", None, prev)
+        return b.build(f"hidden.{len(self.hidden) - 1}")
+
+    @staticmethod
+    def width_options(sizes: Sequence[int]) -> dict | None:
+        """``model_options`` rebuilding the MLP with hidden widths ``sizes`` (one per permutation group)."""
+        return {"widths": [int(s) for s in sizes]}

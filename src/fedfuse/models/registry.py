@@ -20,12 +20,16 @@ CLS = ("classification",)
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A registered model: ``builder(input_shape, num_classes, task, **options)``, default task first."""
+    """A registered model: ``builder(input_shape, num_classes, task, **options)``, default task first.
+
+    ``widths(sizes)``: the model's declared ``model_options`` for other hidden widths (one per permutation group;
+    None when the model has no per-layer width options or ``sizes`` do not fit it)."""
 
     name: str
     description: str
     builder: Callable[..., FedModel]
     tasks: tuple[str, ...]
+    widths: Callable[[Sequence[int]], dict | None] | None = None
 
 
 def _flat(input_shape: Shape) -> int:
@@ -199,10 +203,14 @@ def _rnn(cell: str):
 MODELS: dict[str, ModelInfo] = {
     info.name: info
     for info in (
-        ModelInfo("mlp", "MLP: flatten, ReLU hidden layers `widths` (default 200-200), linear", _mlp, CLS),
-        ModelInfo("simple-mlp", "FedMA's SimpleMLP: MLP with widths 20-100-120-84", _simple_mlp, CLS),
-        ModelInfo("cnn", "McMahan et al. 2017 CNN: conv5x5 32, conv5x5 64 ('same'), fc 512, fc", _cnn, CLS),
-        ModelInfo("cnn-cifar", "FedMR's CIFAR CNN: conv 6, conv 16, fc 120, fc 84, fc", _cnn_cifar, CLS),
+        ModelInfo("mlp", "MLP: flatten, ReLU hidden layers `widths` (default 200-200), linear", _mlp, CLS,
+                  MLP.width_options),
+        ModelInfo("simple-mlp", "FedMA's SimpleMLP: MLP with widths 20-100-120-84", _simple_mlp, CLS,
+                  MLP.width_options),
+        ModelInfo("cnn", "McMahan et al. 2017 CNN: conv5x5 32, conv5x5 64 ('same'), fc 512, fc", _cnn, CLS,
+                  CNN.width_options),
+        ModelInfo("cnn-cifar", "FedMR's CIFAR CNN: conv 6, conv 16, fc 120, fc 84, fc", _cnn_cifar, CLS,
+                  CifarCNN.width_options),
         ModelInfo("cnn-femnist", "FedMR authors' FEMNIST/Fashion-MNIST CNN: conv 16, conv 32, fc 256, fc",
                   _cnn_femnist, CLS),
         ModelInfo(
@@ -285,6 +293,17 @@ def build_model(
     model.input_shape = shape
     model.num_classes = int(num_classes)
     return model
+
+
+def width_options(name: str, sizes: Sequence[int]) -> dict:
+    """``model_options`` that build model ``name`` with the hidden widths ``sizes`` (one per
+    :func:`~fedfuse.fusion.permute.chain_spec` group), as the model class declares (``width_options``)."""
+    info = _info(name)
+    opts = info.widths(sizes) if info.widths is not None else None
+    if opts is None:
+        raise ValueError(f"model {name!r} has no per-layer width options; FedMA supports mlp, simple-mlp, "
+                         "cnn and cnn-cifar")
+    return opts
 
 
 DEFAULT_MODELS: dict[str, str] = {

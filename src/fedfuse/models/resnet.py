@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.models.base import FedModel, as_images, norm2d
+from fedfuse.structure import UnitGroupBuilder, UnitGroups, axis
 
 
 class BasicBlock(nn.Module):
@@ -71,3 +72,32 @@ class ResNet(FedModel):
         for i in range(1, self.num_stages + 1):
             x = self.get_submodule(f"layer{i}")(x)
         return F.adaptive_avg_pool2d(x, 1).flatten(1)
+
+    def unit_groups(self) -> UnitGroups:
+        """Width slicing: the stem, every block's inner width (``layer{s}.{b}.mid``) and each stage's residual
+        stream; the stem, every block output and every shortcut of a stage share one group so the additions stay
+        consistent (a stage keeps the stem's group when the stem feeds it without a projection)."""
+        b = UnitGroupBuilder(self.state_dict())
+        stem = self.conv1.out_channels
+        b.group("stem", stem)
+        b.layer("conv1", axis("stem"), None)
+        b.norm("bn1", axis("stem"))
+        stream, stream_w = "stem", stem
+        for s in range(1, self.num_stages + 1):
+            stage = self.get_submodule(f"layer{s}")
+            width = stage[0].conv2.out_channels
+            cur = stream if (width == stream_w and len(stage[0].shortcut) == 0) else f"layer{s}"
+            b.groups.setdefault(cur, width)
+            for i, block in enumerate(stage):
+                p = f"layer{s}.{i}"
+                mid = b.group(f"{p}.mid", block.conv1.out_channels)
+                b.layer(f"{p}.conv1", axis(mid), axis(stream))
+                b.norm(f"{p}.bn1", axis(mid))
+                b.layer(f"{p}.conv2", axis(cur), axis(mid))
+                b.norm(f"{p}.bn2", axis(cur))
+                if len(block.shortcut):
+                    b.layer(f"{p}.shortcut.0", axis(cur), axis(stream))
+                    b.norm(f"{p}.shortcut.1", axis(cur))
+                stream, stream_w = cur, width
+        b.layer("fc", None, axis(stream))
+        return b.build(stream)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.models.base import FedModel
+from fedfuse.structure import Member, PermGroup, UnitGroupBuilder, UnitGroups, axis
 
 
 def sinusoid_table(length: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
@@ -170,3 +171,71 @@ class TransformerModel(FedModel):
             h = block(h, causal=True)
         h = self.final_norm(h)
         return h if self.task == "lm" else h[:, -1]
+
+    def unit_groups(self) -> UnitGroups:
+        """Width slicing: per block, the within-head units of attention (``blocks.{i}.attn``: the same positions
+        in every head of Q, K, V and the input columns of ``out_proj``) and the feed-forward hidden units
+        (``blocks.{i}.ff``).  The residual stream, embedding and decoder are not split (no feature group)."""
+        b = UnitGroupBuilder(self.state_dict())
+        for i, block in enumerate(self.blocks):
+            att, ff = f"blocks.{i}.attn", f"blocks.{i}.ff"
+            h = block.attn.n_heads
+            b.group(att, block.attn.q_proj.out_features // h)
+            b.group(ff, block.fc1.out_features)
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                b.layer(f"blocks.{i}.attn.{proj}", axis(att, h), None)
+            b.layer(f"blocks.{i}.attn.out_proj", None, axis(att, h))
+            b.layer(f"blocks.{i}.fc1", axis(ff), None)
+            b.layer(f"blocks.{i}.fc2", None, axis(ff))
+        return b.build(None)
+
+    def perm_groups(self, residual: bool | None = None) -> list[PermGroup]:
+        """Permutation groups, in the order Simple-FedMA determines them.
+
+        * ``residual`` (d_model): embedding columns, positional table (needs ``persistent_pe=True``), Q/K/V and
+          ``fc1`` input columns, ``out_proj``/``fc2`` rows and biases, every LayerNorm, decoder columns.
+          ``residual=None`` includes it exactly when the positional table is in the state dict.
+        * per block ``blocks.{i}.qk``: Q and K rows (and biases) share one permutation within each head;
+        * ``blocks.{i}.v``: V rows and bias, ``out_proj`` input columns;
+        * ``blocks.{i}.mlp``: ``fc1`` rows and bias, ``fc2`` input columns.
+
+        ``qk`` and ``v`` have ``head_dim`` set: a valid permutation moves whole heads (the same head order for
+        Q/K and V) and permutes within heads; see :func:`fedfuse.fusion.permute.head_structured`.
+        """
+        state = self.state_dict()
+        has_pe = "pos_encoding.pe" in state
+        if residual is None:
+            residual = has_pe
+        if residual and not has_pe:
+            raise ValueError("permuting the residual stream needs the positional table in the state "
+                             "(build the transformer with persistent_pe=True)")
+        d = int(self.d_model)
+        n_heads = int(self.n_heads)
+        groups: list[PermGroup] = []
+        if residual:
+            res = [Member("embed.weight", 1), Member("pos_encoding.pe", 1)]
+            for i, _ in enumerate(self.blocks):
+                b = f"blocks.{i}"
+                res += [Member(f"{b}.attn.{p}_proj.weight", 1, role="out") for p in ("q", "k", "v")]
+                res += [Member(f"{b}.attn.out_proj.weight", 0), Member(f"{b}.attn.out_proj.bias", 0)]
+                res += [Member(f"{b}.norm1.weight", 0), Member(f"{b}.norm1.bias", 0)]
+                res += [Member(f"{b}.fc1.weight", 1, role="out")]
+                res += [Member(f"{b}.fc2.weight", 0), Member(f"{b}.fc2.bias", 0)]
+                res += [Member(f"{b}.norm2.weight", 0), Member(f"{b}.norm2.bias", 0)]
+            if "final_norm.weight" in state:
+                res += [Member("final_norm.weight", 0), Member("final_norm.bias", 0)]
+            res.append(Member("decoder.weight", 1, role="out"))
+            groups.append(PermGroup("residual", d, tuple(res), by=("embed.weight",)))
+        hd = d // n_heads
+        for i, blk in enumerate(self.blocks):
+            b = f"blocks.{i}"
+            qk = tuple(Member(f"{b}.attn.{p}_proj.{t}", 0) for p in ("q", "k") for t in ("weight", "bias"))
+            v = (Member(f"{b}.attn.v_proj.weight", 0), Member(f"{b}.attn.v_proj.bias", 0),
+                 Member(f"{b}.attn.out_proj.weight", 1, role="out"))
+            mlp = (Member(f"{b}.fc1.weight", 0), Member(f"{b}.fc1.bias", 0), Member(f"{b}.fc2.weight", 1, role="out"))
+            groups += [
+                PermGroup(f"{b}.qk", d, qk, head_dim=hd),
+                PermGroup(f"{b}.v", d, v, head_dim=hd),
+                PermGroup(f"{b}.mlp", int(blk.fc1.weight.shape[0]), mlp),
+            ]
+        return groups

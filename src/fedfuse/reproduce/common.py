@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.config import RunConfig, apply, resolve_device, validate
-from fedfuse.engine.loop import Experiment, build_federation
+from fedfuse.experiment import Experiment, build_federation
 from fedfuse.types import Federation
 
 _FED_CACHE: dict[str, Federation] = {}

@@ -236,7 +236,7 @@ def _transformer_part(args, seeds: list[int]) -> tuple[list[dict[str, Any]], lis
     from fedfuse.algorithms.simple_fedma import merge
     from fedfuse.engine.client import TrainConfig, evaluate_model, train_local
     from fedfuse.fusion.average import weighted_average
-    from fedfuse.fusion.permute import transformer_spec
+    from fedfuse.fusion.permute import perm_spec
     from fedfuse.models import build_model
     from fedfuse.rng import torch_generator
     from fedfuse.types import Split
@@ -275,7 +275,7 @@ def _transformer_part(args, seeds: list[int]) -> tuple[list[dict[str, Any]], lis
                     return float(evaluate_model(probe, test_split, 32).loss)
 
                 avg = loss_of(weighted_average(states, [1.0, 1.0]))
-                merged, moved = merge(states, transformer_spec(models[0]), "l1")
+                merged, moved = merge(states, perm_spec(models[0]), "l1")
                 sf = loss_of(merged)
                 per_seed.append((avg, sf))
                 rows.append({

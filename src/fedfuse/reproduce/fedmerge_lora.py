@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fedfuse.config import RunConfig, apply, resolve_device, validate
-    from fedfuse.engine.loop import Experiment
+    from fedfuse.experiment import Experiment
     from fedfuse.stats import parse_seeds
 
     torch.set_num_threads(max(int(args.threads), 1))

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.config import RunConfig, apply, validate
-from fedfuse.engine.loop import Experiment
+from fedfuse.experiment import Experiment
 from fedfuse.reproduce.common import federation_for, markdown, run_one
 from fedfuse.stats import mean_std, paired_test, parse_seeds
 from fedfuse.types import ClientData, Federation, Split

@@ -1,0 +1,293 @@
+"""One-way layers, checked on the source: ``types → models → fusion → engine → algorithms → api/cli``.
+
+Every ``import`` and ``from … import`` in ``src/fedfuse`` is read with :mod:`ast` — at module level and inside
+functions (a call-time import is still an arrow) — and resolved to the module it names.  A failure lists the
+offending arrows as ``importer:line -> imported``.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import fedfuse
+from fedfuse.structure import Member, PermGroup, UnitGroupBuilder, UnitGroups, axis
+
+SRC = Path(fedfuse.__file__).parent
+
+# A variant may subclass its parent algorithm (and import nothing else from it): (variant, parent) -> parent class.
+ALLOWED_VARIANTS: dict[tuple[str, str], str] = {
+    ("clusamp", "fedavg"): "FedAvg",
+    ("dispfl", "dpsgd"): "DPSGD",
+    ("fedavg_ft", "fedavg"): "FedAvg",
+    ("fedexp", "fedavg"): "FedAvg",
+    ("fedgen", "fedavg"): "FedAvg",
+    ("fedprox", "fedavg"): "FedAvg",
+    ("fedrolex", "heterofl"): "HeteroFL",
+    ("fedsam", "fedavg"): "FedAvg",
+}
+# Modules of fedfuse.algorithms that are not algorithms: every algorithm may import them.  (The package itself is
+# the registry of every algorithm: importing it counts as importing another algorithm.)
+ALGORITHM_COMMONS = {"fedfuse.algorithms.base"}
+# What sits above the engine: the engine imports none of it.
+ABOVE_ENGINE = ("fedfuse.algorithms", "fedfuse.experiment", "fedfuse.api", "fedfuse.cli", "fedfuse.sweep",
+                "fedfuse.reproduce", "fedfuse.adapters", "fedfuse.report")
+
+
+@dataclass(frozen=True)
+class Arrow:
+    importer: str  # module that imports
+    line: int
+    module: str  # module imported (a submodule when ``from pkg import submodule``)
+    names: tuple[str, ...]  # names taken with ``from … import`` (empty for ``import x``)
+
+    def __str__(self) -> str:
+        what = f" ({', '.join(self.names)})" if self.names else ""
+        return f"{self.importer}:{self.line} -> {self.module}{what}"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str, root: Path) -> bool:
+    rel = Path(*name.split(".")[1:]) if "." in name else Path()
+    return (root / rel).with_suffix(".py").is_file() or (root / rel / "__init__.py").is_file()
+
+
+def arrows_of(source: str, importer: str, is_package: bool = False, root: Path = SRC) -> list[Arrow]:
+    """Every import in ``source`` (module level, in functions, under ``if TYPE_CHECKING``) that names fedfuse."""
+    package = importer if is_package else importer.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [Arrow(importer, node.lineno, a.name, ()) for a in node.names if a.name.split(".")[0] == "fedfuse"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "fedfuse":
+                continue
+            plain = tuple(a.name for a in node.names if not _is_module(f"{mod}.{a.name}", root))
+            if plain or not node.names:
+                out.append(Arrow(importer, node.lineno, mod, plain))
+            out += [Arrow(importer, node.lineno, f"{mod}.{a.name}", ()) for a in node.names
+                    if _is_module(f"{mod}.{a.name}", root)]
+    return out
+
+
+def all_arrows(root: Path = SRC) -> list[Arrow]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        out += arrows_of(path.read_text(), module_name(path, root), path.name == "__init__.py", root)
+    return out
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _report(title: str, bad: list[Arrow]) -> str:
+    return f"{title} ({len(bad)} arrow(s)):\n  " + "\n  ".join(map(str, bad))
+
+
+ARROWS = all_arrows()
+
+
+def test_the_scanner_sees_function_level_and_relative_imports():
+    src = ("import fedfuse.types\nfrom . import peers\n"
+           "def f():\n    from fedfuse.algorithms import get_algorithm\n    return get_algorithm\n")
+    found = {(a.module, a.names) for a in arrows_of(src, "fedfuse.engine.loop")}
+    assert found == {("fedfuse.types", ()), ("fedfuse.engine.peers", ()),
+                     ("fedfuse.algorithms", ("get_algorithm",))}
+    assert len({a.importer for a in ARROWS}) > 80  # the whole package was read
+    assert any(a.importer == "fedfuse.experiment" and a.module == "fedfuse.algorithms" for a in ARROWS)
+
+
+def test_engine_imports_nothing_above_it():
+    """The engine resolves an algorithm through the lookup its caller passes (``fedfuse.experiment`` binds the
+    registry); no engine module imports an algorithm, the api, the CLI or anything else above it."""
+    bad = [a for a in ARROWS if _under(a.importer, "fedfuse.engine") and any(_under(a.module, p) for p in ABOVE_ENGINE)]
+    assert not bad, _report("fedfuse.engine imports a layer above it", bad)
+
+
+def test_engine_without_a_lookup_says_how_to_get_one():
+    from fedfuse.config import RunConfig
+    from fedfuse.engine.loop import Experiment
+
+    with pytest.raises(TypeError, match="algorithm_lookup"):
+        Experiment(RunConfig(dataset="digits", clients=2, rounds=1))
+
+
+# ---------------------------------------------------------------------------------------------------- fusion
+
+FUSION_MAY_IMPORT = ("fedfuse.fusion", "fedfuse.types", "fedfuse.structure", "fedfuse.options", "fedfuse.rng")
+
+
+def test_fusion_imports_no_model_and_nothing_above_it():
+    """Fusion operators read what a model declares (``fedfuse.structure``), never a model class."""
+    bad = [a for a in ARROWS if _under(a.importer, "fedfuse.fusion")
+           and not any(_under(a.module, p) for p in FUSION_MAY_IMPORT)]
+    assert not bad, _report("fedfuse.fusion imports outside types/structure/options/rng/fusion", bad)
+
+
+def _model_names() -> set[str]:
+    from fedfuse.models import MODELS
+
+    classes = {type(m).__name__ for m in (_build(n) for n in ("mlp", "cnn", "cnn-cifar", "cnn-femnist", "resnet9",
+                                                               "vgg16", "transformer", "lstm"))}
+    return set(MODELS) | classes
+
+
+def _build(name: str):
+    from fedfuse.models import build_model
+
+    shape = {"transformer": (8,), "lstm": (8,), "mlp": (16,)}.get(name, (3, 32, 32))
+    return build_model(name, shape, 10)
+
+
+def test_fusion_does_not_switch_on_model_names():
+    """No ``type(m).__name__`` outside an error message, no comparison with a model or model-class name."""
+    names = _model_names()
+    bad = []
+    for path in sorted((SRC / "fusion").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        in_fstring = {id(n) for j in ast.walk(tree) if isinstance(j, ast.JoinedStr) for n in ast.walk(j)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr == "__name__" and isinstance(node.value, ast.Call)
+                    and getattr(node.value.func, "id", "") == "type" and id(node) not in in_fstring):
+                bad.append(f"fedfuse.fusion.{path.stem}:{node.lineno} uses type(...).__name__")
+            if isinstance(node, ast.Compare | ast.MatchValue):
+                consts = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+                bad += [f"fedfuse.fusion.{path.stem}:{node.lineno} compares with {c!r}" for c in consts if c in names]
+    assert not bad, "fusion switches on model names:\n  " + "\n  ".join(bad)
+
+
+class TwoTower(torch.nn.Module):
+    """A user's own module (not a FedModel, not a chain): a residual stream of 8 units fed by ``inp``, updated by
+    ``mid`` (h + relu(mid(h))) and read by ``head``; it declares its unit and permutation groups."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.head(h + torch.relu(self.mid(h)))
+
+    def unit_groups(self) -> UnitGroups:
+        b = UnitGroupBuilder(self.state_dict())
+        b.group("stream", 8)
+        b.layer("inp", axis("stream"), None)
+        b.layer("mid", axis("stream"), axis("stream"))
+        b.layer("head", None, axis("stream"))
+        return b.build("stream")
+
+    def perm_groups(self) -> list[PermGroup]:
+        members = (Member("inp.weight", 0), Member("inp.bias", 0), Member("mid.weight", 0), Member("mid.bias", 0),
+                   Member("mid.weight", 1, role="out"), Member("head.weight", 1, role="out"))
+        return [PermGroup("stream", 8, members)]
+
+
+def test_a_user_model_declares_its_width_groups_and_fusion_slices_it():
+    from fedfuse.fusion.slicing import build_submodel, slice_spec, slice_state, write_back, zero_unselected
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = TwoTower()
+    spec = slice_spec(model)
+    assert spec.groups == {"stream": 8} and spec.dims["mid.weight"] == (("stream", 1, 1), ("stream", 1, 1))
+    assert spec.dims["inp.weight"] == (("stream", 1, 1), None) and spec.dims["head.bias"] == (None,)
+    sel = {"stream": torch.tensor([1, 4, 6])}
+    full = model.state_dict()
+    sub_state = slice_state(full, spec, sel)
+    assert sub_state["mid.weight"].shape == (3, 3) and sub_state["head.weight"].shape == (3, 3)
+    torch.testing.assert_close(sub_state["mid.weight"], full["mid.weight"][[1, 4, 6]][:, [1, 4, 6]])
+    sub = build_submodel(model, spec, {"stream": 3}, tag="two-tower")
+    sub.load_state_dict(sub_state)
+    silenced = TwoTower()
+    silenced.load_state_dict(zero_unselected(full, spec, sel))
+    x = torch.randn(5, 6, generator=gen)
+    torch.testing.assert_close(sub(x), silenced(x))  # the sub-model is the full model with the rest silenced
+    back = write_back(full, sub_state, spec, sel)
+    assert all(torch.equal(back[k], full[k]) for k in full)
+
+
+def test_a_user_model_declares_its_permutation_groups_and_a_permutation_keeps_its_function():
+    from fedfuse.fusion.permute import chain_spec, perm_spec, permute_all, random_permutations
+
+    torch.manual_seed(1)
+    model = TwoTower()
+    spec = perm_spec(model)
+    assert [g.name for g in spec] == ["stream"]
+    perms = random_permutations(spec, torch.Generator().manual_seed(3))
+    assert sorted(perms["stream"].tolist()) == list(range(8)) and perms["stream"].tolist() != list(range(8))
+    moved = TwoTower()
+    moved.load_state_dict(permute_all(model.state_dict(), spec, perms))
+    x = torch.randn(4, 6)
+    assert not torch.equal(moved.inp.weight, model.inp.weight)
+    torch.testing.assert_close(moved(x), model(x))
+    # read as a plain chain (no declaration), the residual tie is lost and its permutations change the function
+    chain = chain_spec(model)
+    assert [g.name for g in chain] == ["inp", "mid"]
+    wrong = TwoTower()
+    chain_perms = random_permutations(chain, torch.Generator().manual_seed(3))
+    wrong.load_state_dict(permute_all(model.state_dict(), chain, chain_perms))
+    assert not torch.allclose(wrong(x), model(x))
+
+
+def test_a_model_without_a_declaration_is_refused_by_name_of_the_method():
+    from fedfuse.fusion.slicing import slice_spec
+
+    with pytest.raises(TypeError, match="unit_groups"):
+        slice_spec(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+# ------------------------------------------------------------------------------------------------ algorithms
+
+
+def _algorithm_of(module: str) -> str | None:
+    """The algorithm module ``module`` belongs to (None for the package and its common modules)."""
+    if not _under(module, "fedfuse.algorithms") or module in ALGORITHM_COMMONS:
+        return None
+    return module.split(".")[2] if module != "fedfuse.algorithms" else "(the registry)"
+
+
+def test_no_algorithm_borrows_from_another():
+    """Each algorithm's math lives in its own file; shared pieces live in fusion/ (tensor operators) or engine/
+    (peers, topology, seeded initialisations, client-side helpers).  A declared variant may import its parent's
+    class, and nothing else from it."""
+    bad = []
+    for a in ARROWS:
+        if a.importer == "fedfuse.algorithms":  # the registry discovers every algorithm
+            continue
+        src, dst = _algorithm_of(a.importer), _algorithm_of(a.module)
+        if src is None or dst is None or src == dst:
+            continue
+        parent = ALLOWED_VARIANTS.get((src, dst))
+        if parent is None or set(a.names) != {parent}:
+            bad.append(a)
+    assert not bad, _report("an algorithm imports another algorithm's module", bad)
+
+
+def test_every_allowed_variant_really_subclasses_its_parent():
+    import importlib
+
+    for (variant, parent), cls_name in ALLOWED_VARIANTS.items():
+        base = getattr(importlib.import_module(f"fedfuse.algorithms.{parent}"), cls_name)
+        mod = importlib.import_module(f"fedfuse.algorithms.{variant}")
+        subclasses = [c for c in vars(mod).values()
+                      if isinstance(c, type) and c.__module__ == mod.__name__ and issubclass(c, base)]
+        assert subclasses, f"{variant} imports {parent}.{cls_name} but defines no subclass of it"
