@@ -5,7 +5,7 @@ images (client c holds images 600c .. 600c+599), 10 clients per round, 1 local e
 models MLP 784-200-200-10 and the McMahan CNN (1,663,370 parameters).  Variants, interleaved (every repeat runs
 every variant once, so machine noise hits all alike) in this one process tree:
 
-- ``fedfuse-<executor>``: ``fedfuse.engine.loop.Experiment`` with an in-process executor (default: sequential
+- ``fedfuse-<executor>``: ``fedfuse.experiment.Experiment`` with an in-process executor (default: sequential
   and batched; the faster one is "fedfuse" in the ratios);
 - ``flower-plain``: a Flower app as Flower's tutorials write one (flwr 1.4x Message API,
   benchmarks/flower_plain_app.py): a ``ServerApp`` running ``flwr.serverapp.strategy.FedAvg.start`` and a
@@ -102,7 +102,7 @@ def run_fedfuse(model: str, opts: dict, rounds: int, executor: str, data_dir: st
                 actors: int = 1) -> Timing:
     """A whole fedfuse run (config, MNIST from the data dir, contiguous 100 × 600 partition, model, rounds);
     ``executor="flower"`` with ``actors`` Ray actors."""
-    from fedfuse.engine.loop import Experiment
+    from fedfuse.experiment import Experiment
 
     stamps: list[float] = []
     launch = time.perf_counter()
@@ -183,7 +183,7 @@ def prepare(data_dir: str, path: Path, threads: int) -> None:
     nodes."""
     import flwr.simulation  # noqa: F401
 
-    import fedfuse.engine.loop
+    import fedfuse.experiment
     from fedfuse.data.datasets import load_dataset
 
     if flower_executor_available():
