@@ -89,10 +89,34 @@ def test_a_node_that_dies_is_a_dropout_and_the_run_completes(tmp_path):
     # node 2 (clients 1, 3, 5) stops answering from its third call on: round 2's fit
     exp, _ = _flower_run(cfg, fail={2: lambda call: call >= 3})
     hist = exp.history
-    assert [h["replied"] for h in hist] == [6, 3, 3]
-    assert hist[1]["dropped"] == [1, 3, 5] and exp.totals.dropped == 6
+    # round 2: its clients are dropouts; afterwards the silent node is skipped and node 1 serves everyone
+    assert [h["replied"] for h in hist] == [6, 3, 6]
+    assert hist[1]["dropped"] == [1, 3, 5] and exp.totals.dropped == 3
     assert all(h["personal_accuracy"] is not None for h in hist)
     assert exp.summary()["rounds_completed"] == 3
+    ref = Experiment(cfg.__class__(**{**cfg.to_dict(), "out": None}))
+    ref.run()
+    assert hist[0]["personal_accuracy"] == ref.history[0]["personal_accuracy"]
+
+
+def test_a_silent_node_is_retried_after_a_few_calls():
+    cfg = validate(make_config(algorithm="fedavg", dataset="digits", clients=4, clients_per_round=4, rounds=4,
+                               model_options={"widths": [8]}, plots=False))
+    # node 2 misses only call 1 (round 1's fit); it is skipped for 3 calls and serves again from call 5 on
+    grid = LocalGrid(client_app, 2, fail={2: lambda call: call == 1})
+    served: list[set[int]] = []
+    real = grid.send_and_receive
+
+    def spy(messages, *, timeout=None):
+        messages = list(messages)
+        served.append({m.metadata.dst_node_id for m in messages})
+        return real(messages, timeout=timeout)
+
+    grid.send_and_receive = spy
+    exp = Experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
+    exp.run()
+    assert served == [{1, 2}, {1}, {1}, {1}, {1, 2}, {1, 2}, {1, 2}, {1, 2}]
+    assert [h["replied"] for h in exp.history] == [2, 4, 4, 4]
 
 
 def test_resume_on_flower_is_bit_identical(tmp_path):

@@ -119,3 +119,28 @@ def test_same_seed_identical_metrics(algorithm):
         runs.append([strip_timing(r) for r in e.history])
     assert runs[0] == runs[1]
     assert runs[0][0]["bytes_up"] < runs[0][0]["bytes_down"] * 1.01  # sub-models both ways
+
+
+@pytest.mark.parametrize("algorithm", ["heterofl", "fedrolex"])
+def test_scaler_auto_only_with_normalisation_layers(algorithm):
+    """The authors' Scaler always feeds a norm layer; on a norm-free MLP its ×1/μ per layer compounds and the
+    default lr 0.1 diverged (MNIST, μ = 0.125: training loss 1e23, then NaN).  ``auto`` therefore applies it only
+    to models with normalisation; ``always`` and ``never`` force it."""
+    mlp = Experiment(cfg(algorithm)).algo
+    assert mlp.opt.scaler == "auto" and not mlp.use_scaler()
+    assert Experiment(cfg(algorithm, algorithm_options={"scaler": "always"})).algo.use_scaler()
+    kw = dict(model="resnet18", model_options={"width_mult": 0.0625, "norm": "bn-static"})
+    assert Experiment(cfg(algorithm, **kw)).algo.use_scaler()
+    assert not Experiment(cfg(algorithm, **kw, algorithm_options={"scaler": "never"})).algo.use_scaler()
+    # a client's training under auto equals training with the Scaler off on the MLP, and differs from always
+    out = {}
+    for mode in ("auto", "never", "always"):
+        exp = Experiment(cfg(algorithm, algorithm_options={"scaler": mode}))
+        algo, data = exp.algo, exp.fed.clients[0]
+        sel = algo.selection(0, 0)
+        payload = Message(slice_state(algo.init_state()["global"], algo.spec, sel),
+                          {"round": 0, "total": 2, "sel": {k: v.tolist() for k, v in sel.items()}})
+        out[mode] = algo.fit(payload, None, data, torch.Generator().manual_seed(0))[0].tensors
+    for k in out["auto"]:
+        torch.testing.assert_close(out["auto"][k], out["never"][k], rtol=0, atol=0)
+    assert any(not torch.equal(out["auto"][k], out["always"][k]) for k in out["auto"])

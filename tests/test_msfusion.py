@@ -50,13 +50,19 @@ def test_cyclic_lr_and_dynamic_overlap():
     assert cyclic_lr(0, 100, 0.001, 0.0012) == pytest.approx(0.001)
     assert cyclic_lr(50, 100, 0.001, 0.0012) == pytest.approx(0.0012)
     assert cyclic_lr(75, 100, 0.001, 0.0012) == pytest.approx(0.0011)
-    exp = Experiment(cfg())
+    exp = Experiment(cfg(algorithm_options={"schedule_rounds": 0}))  # Eq. 6's R = the run's rounds
     algo = exp.algo
     total = 100
     assert algo.overlap_control(0, total) == 1.0
     assert algo.overlap_control(9, total) == 1.0  # updated only when r mod 10 = 0
     assert algo.overlap_control(10, total) == pytest.approx(1 - 0.1 * 0.75)
     assert algo.overlap_control(99, total) == pytest.approx(1 - 0.9 * 0.75)
+    # default: R = the paper's 500 rounds whatever the run's length; past R, c stays at c0·(1 − p)
+    paper = Experiment(cfg()).algo
+    assert paper.overlap_control(10, 20) == pytest.approx(1 - (10 / 500) * 0.75)
+    assert paper.overlap_control(19, 20) == pytest.approx(1 - (10 / 500) * 0.75)
+    assert paper.overlap_control(250, 1000) == pytest.approx(1 - 0.5 * 0.75)
+    assert paper.overlap_control(900, 1000) == pytest.approx(0.25)
     assert expected_overlap(0.5, 10, 1.0) == pytest.approx(0.8)
     assert neighbours(0, 4, "ring") == [1, 3] and neighbours(1, 3, "full") == [0, 2]
 
@@ -149,3 +155,32 @@ def test_same_seed_identical_metrics():
         runs.append([strip_timing(r) for r in e.history])
     assert runs[0] == runs[1]
     assert runs[0][-1]["global_accuracy"] is not None
+
+
+def test_peer_messages_of_different_sizes_are_not_quarantined():
+    """Each peer gets the overlap of two windows, so different senders send the same-named tensor
+    ``sim/peer/{m}/…`` with different shapes (here ζ = 2: 2, 2 and 6 rows).  The engine's reply check
+    used to outvote the minority and quarantine valid updates (MNIST, ζ = 10: 91 of 200 replies)."""
+    exp = Experiment(cfg(clients=4, clients_per_round=4, rounds=3, model_options={"widths": [16]},
+                         algorithm_options={"mu": 0.5, "zeta": 2}))
+    exp.run()
+    sizes = {tuple(v.shape) for c in range(4) for k, v in exp.algo.publish(
+        c, 0, 3, exp.client_states[c]["sub"], exp.client_states[c]["sel"], exp.client_states[c])[0].items()
+        if k.startswith("sim/peer/") and k.endswith("hidden.0.weight")}
+    assert len(sizes) > 1  # the setting really sends different shapes under one name
+    assert all(r["total_quarantined"] == 0 for r in exp.history)
+    assert all(not r["quarantined"] for r in exp.history)
+
+
+def test_heterogeneous_mu_sub_models_are_not_quarantined():
+    """With μ_n = 0.5, 0.25, 0.5 two participants' sub-models share a shape and the third's is smaller; the
+    engine's majority vote used to quarantine the μ = 0.25 participant every round.  Its shapes are now checked
+    against its own selection, and a really wrong shape is still caught."""
+    opts = {"mu": 0.5, "mu_list": [0.5, 0.25, 0.5]}
+    exp = Experiment(cfg(rounds=2, model_options={"widths": [8]}, algorithm_options=opts))
+    exp.run()
+    assert all(not r["quarantined"] for r in exp.history)
+    bad = Experiment(cfg(rounds=2, model_options={"widths": [8]}, algorithm_options=opts, corrupt="shape",
+                         corrupt_clients=[1]))
+    bad.run()
+    assert all("1" in r["quarantined"] and "selection gives" in r["quarantined"]["1"] for r in bad.history)

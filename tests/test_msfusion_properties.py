@@ -121,9 +121,10 @@ def simulate(algo: MSfusion, total: int, seed: int = 0) -> dict:
     topology=st.sampled_from(["full", "ring"]),
     zeta=st.integers(0, 2),
     hetero=st.booleans(),
+    horizon=st.sampled_from([0, 3, 500]),
 )
-def test_protocol_valid_for_every_setting(num, k, mu, c0, p, update_every, total, topology, zeta, hetero):
-    opts = dict(mu=mu, c0=c0, p=p, update_every=update_every, topology=topology, zeta=zeta)
+def test_protocol_valid_for_every_setting(num, k, mu, c0, p, update_every, total, topology, zeta, hetero, horizon):
+    opts = dict(mu=mu, c0=c0, p=p, update_every=update_every, topology=topology, zeta=zeta, schedule_rounds=horizon)
     if hetero:
         opts["mu_list"] = [mu, min(1.0, 2 * mu), 0.5]
     algo = make_algo(num, k, **opts)
@@ -134,7 +135,7 @@ def test_protocol_valid_for_every_setting(num, k, mu, c0, p, update_every, total
 
 
 def test_coverage_over_rounds_and_every_unit_trained():
-    algo = make_algo(4, 8, mu=0.25, c0=1.0, p=0.75, update_every=2)
+    algo = make_algo(4, 8, mu=0.25, c0=1.0, p=0.75, update_every=2, schedule_rounds=0)
     seen = simulate(algo, 8)
     assert bool(seen["held_ever"][GROUP].all())
 
@@ -142,7 +143,7 @@ def test_coverage_over_rounds_and_every_unit_trained():
 def test_c_jump_empties_contrastive_overlap_without_crash():
     """Regression: when Eq. 6 lowers c the window of a high-index participant jumps past its previous one; the
     representation overlap is then empty (it used to raise 'cannot reshape tensor of 0 elements')."""
-    algo = make_algo(4, 16, mu=0.25, update_every=2)
+    algo = make_algo(4, 16, mu=0.25, update_every=2, schedule_rounds=0)  # Eq. 6 compressed into the 4 rounds
     prev, cur = algo.selection(3, 1, 4), algo.selection(3, 2, 4)
     assert not set(prev[GROUP].tolist()) & set(cur[GROUP].tolist())  # the crash case
     pc, pp = algo.common_positions(cur, prev)
@@ -156,7 +157,7 @@ def test_c_jump_empties_contrastive_overlap_without_crash():
         dataset="digits", partition="iid", model="mlp", clients=4, clients_per_round=4, rounds=4, batch_size=64,
         local_epochs=1, lr=0.05, seed=1, plots=False, out=None, model_options={"widths": [16]}, algorithm="msfusion",
         dataset_options={"train_limit": 200, "test_limit": 50},
-        algorithm_options={"mu": 0.25, "update_every": 2, "lr_schedule": "constant"}))
+        algorithm_options={"mu": 0.25, "update_every": 2, "schedule_rounds": 0, "lr_schedule": "constant"}))
     exp = Experiment(cfg, progress=False)
     exp.run()
     assert sum(h.get("contrastive_skipped", 0) for h in exp.history) > 0

@@ -56,3 +56,17 @@ def test_reproductions_take_seeds_and_parts():
     assert [m for m, _, _ in rf.mnist_methods(True)] == ["fedavg", "ifca", "fedmerge d=5", "fedmerge d=10"]
     assert {"fedmerge d=2", "fedmerge d=20"} <= {m for m, _, _ in rf.mnist_methods(False)}
     assert rm.settings(False)["mnist_mus"] == [0.125, 0.25, 0.5]
+
+
+def test_msfusion_mnist_check_uses_the_papers_split_on_full_data():
+    """The MNIST defaults check uses the paper's H = 5 classes per participant on all of MNIST (quick: a subset)
+    and sets no algorithm option but μ; CIFAR keeps the compressed Eq. 6 its tables were measured with."""
+    base = rm.mnist_base("/data")
+    assert base["partition"] == "shards" and base["partition_options"] == {"classes_per_client": 5}
+    assert base["dataset_options"] == {} and base["model"] == "mlp"
+    assert rm.mnist_base("/data", quick=True)["dataset_options"] == {"train_limit": 6000, "test_limit": 2000}
+    assert rm.mnist_base("/data", classes=2)["partition_options"] == {"classes_per_client": 2}
+    p = argparse.ArgumentParser()
+    rm.add_arguments(p)
+    assert p.parse_args([]).mnist_classes == 5
+    assert rm.algo_options("msfusion", 0.25, 4, 8)["schedule_rounds"] == 0

@@ -1,5 +1,5 @@
 """The ``fedfuse`` command line (a thin layer over :mod:`fedfuse.api`): run, compare, show, report, partition,
-reproduce, list."""
+reproduce, list, flower-app."""
 
 from __future__ import annotations
 
@@ -447,6 +447,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_pretrain_parser(sub)
     _fill_help(sub.choices["pretrain"], "see docs/lora.md")
+    from fedfuse.flower.deploy import add_flower_app_parser
+
+    add_flower_app_parser(sub)
     li = sub.add_parser("list", help="list algorithms, datasets, partitions and models",
                         description="List algorithms, datasets, partitions and models with one line each.")
     li.add_argument("what", nargs="?", choices=["algorithms", "datasets", "partitions", "models"],

@@ -16,7 +16,11 @@ As in the spec (``../shared/specs/msfusion.md``) and the authors' code (``diaoen
   number of batches.  The authors' code does this centrally on the pooled training set; the result is the
   same cumulative average over all batches.  This pass costs one full-model download per client (counted);
 * Scaler: the output of every sliced hidden layer (conv / linear whose output units are split) is divided by μ
-  during training only (identity at evaluation).
+  during training only (identity at evaluation).  ``scaler="auto"`` (default) applies it only to models with a
+  normalisation layer: in the authors' code every Scaler feeds a norm layer, which undoes the ×1/μ in training,
+  and their MLP has no Scaler.  On a norm-free MLP the factor compounds over the layers (logits ×μ^-L) and the
+  run's default ``--lr 0.1`` diverges in the first round (MNIST, μ = 0.125: training loss 1e23, then NaN;
+  ``docs/msfusion.md``); ``always`` / ``never`` force it.
 
 LMs (``task="lm"``) have no label split or masking.  The learning-rate schedule follows MSfusion's (the paper
 keeps it uniform across its baselines): a triangular CyclicLR whose peak is the run's ``--lr`` and whose floor is
@@ -53,6 +57,12 @@ def has_bn(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+def has_norm(model: nn.Module) -> bool:
+    """Whether ``model`` has a normalisation layer (batch, group, instance or layer norm)."""
+    norms = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.modules.instancenorm._InstanceNorm)
+    return any(isinstance(m, norms) for m in model.modules())
+
+
 def bn_statistics(model: nn.Module, x: torch.Tensor, batch_size: int) -> tuple[TensorDict, int]:
     """Cumulative (momentum=None) BN running statistics of ``model`` over ``x``; returns (buffers, batches)."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -86,7 +96,10 @@ class HeteroFL(Algorithm):
         mu: float = opt(0.25, "width ratio μ: each client keeps the first ⌈μK⌉ units of every hidden layer",
                         gt=0.0, le=1.0)
         mu_list: list[float] = opt([], "per-client ratios μ_n, cycled over client ids (empty: every client uses mu)")
-        scaler: bool = opt(True, "Scaler: divide every split hidden layer's output by μ during training (paper, code)")
+        scaler: str = opt("auto", "Scaler: divide every split hidden layer's output by μ during training. auto = "
+                          "only in models with normalisation layers, as in the authors' code (every Scaler sits in "
+                          "front of a norm layer; their MLP has none); without one the ×1/μ per layer compounds "
+                          "and lr 0.1 diverges | always | never", choices=("auto", "always", "never"))
         masked_ce: bool = opt(True, "masked cross-entropy: logits of classes absent from the client's data set to 0 "
                               "(code)")
         label_split: bool = opt(True, "average each classifier row only over clients that have its class (code)")
@@ -200,7 +213,7 @@ class HeteroFL(Algorithm):
         mu = self.mu_of(data.cid)
         model = load_submodel(self._full, self.spec, payload.tensors, sel, tag=f"{self.name}-train")
         hooks = []
-        if self.opt.scaler and mu != 1.0:
+        if self.use_scaler() and mu != 1.0:
             hooks += self.scaler_hooks(model, mu)
         classes = sorted(int(c) for c in torch.unique(data.train.y).tolist()) if self.ctx.task == "classification" \
             else []
@@ -219,6 +232,13 @@ class HeteroFL(Algorithm):
         new = state_of(model)
         meta.update({"sel": payload.meta["sel"], "classes": classes, "submodel_bytes": state_bytes(new), "lr": lr})
         return Message(new, meta), client_state
+
+    def use_scaler(self) -> bool:
+        """Whether the Scaler is on: ``auto`` follows the authors' code, where a Scaler always feeds a
+        normalisation layer (BatchNorm/GroupNorm/LayerNorm), so it is on only for models that have one."""
+        if self.opt.scaler == "auto":
+            return has_norm(self._full)
+        return self.opt.scaler == "always"
 
     def scaler_hooks(self, model: nn.Module, mu: float) -> list:
         """HeteroFL's Scaler: divide every split hidden layer's output by μ in training mode."""

@@ -18,6 +18,9 @@ import torch
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Message, TensorDict
 
+#: name prefix of a tensor addressed to one peer: ``sim/peer/{m}/key``
+PEER_PREFIX = "sim/peer/"
+
 
 def route_peers(results: dict[int, Message]) -> tuple[dict[int, Message], int]:
     """Deliver every ``sim/peer/{m}/key`` of sender n to m's mailbox as ``sim/mail/{n}/key``.
@@ -27,7 +30,7 @@ def route_peers(results: dict[int, Message]) -> tuple[dict[int, Message], int]:
     routed: dict[int, TensorDict] = {c: {} for c in results}
     for n, msg in results.items():
         for k, v in msg.tensors.items():
-            if k.startswith("sim/peer/"):
+            if k.startswith(PEER_PREFIX):
                 _, _, m, key = k.split("/", 3)
                 routed.setdefault(int(m), {})[f"sim/mail/{n}/{key}"] = v
                 moved += v.numel() * v.element_size()

@@ -7,7 +7,12 @@ A reply is quarantined, with its reason, when
 3. a tensor has another shape or dtype than the tensor of the same name that was sent (when replies live in the
    payload's space: model states, or deltas as in FedMerge), or — otherwise (FedMA's own-size layers, MSfusion's
    sub-models, IFCA's chosen cluster model) — than the shape and dtype that a strict majority of the round's
-   replies agree on;
+   replies agree on.  Tensors addressed to a peer (``sim/peer/{m}/…``, see :mod:`fedfuse.engine.peers`) are not
+   voted on: their shape depends on the sender as well as the receiver (MSfusion sends each peer exactly the
+   overlap of two windows), so different senders legitimately send different shapes under the same name.  An
+   algorithm that knows a reply's shapes from its metadata says so with ``reply_shapes(cid, reply)`` (MSfusion:
+   a participant's sub-model follows its own μ_n, so with heterogeneous μ a majority vote would quarantine the
+   minority's valid sub-models); those tensors are checked against it instead of the vote;
 4. it holds a key that was not sent, in algorithms whose replies are the sent model trained further
    ("state-like": every other reply's keys are a subset of its payload's keys);
 5. its update norm exceeds ``norm_bound`` times the median norm of the round's replies (with >= 3 replies).
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 
 from fedfuse.engine.faults import update_norm
+from fedfuse.engine.peers import PEER_PREFIX
 from fedfuse.types import Message
 
 
@@ -108,12 +114,18 @@ def check_replies(
     for k, cnt in by_key.items():
         sig, n = cnt.most_common(1)[0]
         modal[k] = (sig, n, sum(cnt.values()))
+    declared = getattr(algo, "reply_shapes", None)
     for c, r in replies.items():
         if c in bad:
             continue
         payload = sent.get(c, Message()).tensors if same_space else {}
+        expected = declared(c, r) if callable(declared) else {}
         for k, v in r.tensors.items():
-            if k in payload:
+            if k in expected:
+                if tuple(v.shape) != tuple(expected[k]):
+                    bad[c] = f"{k} has shape {tuple(v.shape)}, its selection gives {tuple(expected[k])}"
+                    break
+            elif k in payload:
                 want = _signature(payload[k])
                 if _signature(v) != want:
                     bad[c] = f"{k} has shape {tuple(v.shape)} {v.dtype}, sent {want[0]} {want[1]}"
@@ -121,7 +133,7 @@ def check_replies(
             elif state_like:
                 bad[c] = f"unexpected key {k} (not in what was sent)"
                 break
-            else:
+            elif not k.startswith(PEER_PREFIX):  # a peer message's shape depends on its sender: no vote
                 sig, n, total = modal[k]
                 if _signature(v) != sig and n * 2 > total and n >= 2:
                     bad[c] = f"{k} has shape {tuple(v.shape)} {v.dtype}, the round's other replies {sig[0]} {sig[1]}"

@@ -33,6 +33,7 @@ from fedfuse.flower import wire
 
 log = logging.getLogger("fedfuse")
 
+RETRY_AFTER = 3  # calls a node that left a message unanswered is skipped before it is tried again
 #: client hooks that run on the nodes, and the Flower message type each travels as
 METHODS = {"fit": "train", "evaluate": "evaluate"}
 JOB = "fedfuse.job"
@@ -43,7 +44,8 @@ class FlowerExecutor:
 
     ``config`` is the run's resolved :class:`~fedfuse.config.RunConfig` (sent with every message, so a node
     builds the same federation and algorithm); ``train`` returns the current local-training settings (the
-    loop may halve the lr on rollback).  Client ``cid`` is served by node ``nodes[cid % len(nodes)]``.
+    loop may halve the lr on rollback).  Client ``cid`` is served by node ``nodes[cid % len(nodes)]`` of the
+    nodes that answered lately (:meth:`route`).
     """
 
     name = "flower"
@@ -59,21 +61,32 @@ class FlowerExecutor:
         self.train: Any = None  # set by bind(): the loop's RunContext.train at send time
         self._ctx: Any = None
         self.lost: dict[int, str] = {}  # the last call's jobs without a usable reply, with the reason
+        self._started = False
+        self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
 
     def bind(self, ctx: Any) -> None:
         """Follow ``ctx.train`` (the run's local-training settings) when building messages."""
         self._ctx = ctx
 
     def nodes(self) -> list[int]:
-        """The connected node ids (waits up to ``node_wait`` s for ``min_nodes`` to connect)."""
+        """The connected node ids.  Before the first round it waits up to ``node_wait`` s for ``min_nodes`` to
+        connect; later it takes whoever is connected (waiting only while nobody is)."""
         deadline = time.monotonic() + self.node_wait
+        need = self.min_nodes if not self._started else 1
         while True:
             ids = sorted(self.grid.get_node_ids())
-            if len(ids) >= self.min_nodes or time.monotonic() > deadline:
+            if len(ids) >= need or time.monotonic() > deadline:
                 if not ids:
                     raise RuntimeError(f"no Flower SuperNode connected within {self.node_wait:.0f} s")
+                self._started = True
                 return ids
-            time.sleep(0.05)
+
+    def route(self, ids: list[int]) -> list[int]:
+        """The nodes to send to: those that answered lately.  A node that left a message unanswered (it died,
+        or missed the deadline) is skipped for the next ``RETRY_AFTER`` calls — a dead SuperNode stays listed by
+        the SuperLink until its heartbeat expires — and then tried again."""
+        live = [n for n in ids if self._silent.get(n, 0) <= 0]
+        return live or ids
 
     def message(self, method: str, job: Job, node: int) -> Any:
         from flwr.app import ConfigRecord, Message
@@ -94,7 +107,8 @@ class FlowerExecutor:
         self.lost = {}
         if not jobs:
             return {}
-        nodes = self.nodes()
+        nodes = self.route(self.nodes())
+        self._silent = {n: k - 1 for n, k in self._silent.items() if k > 1}
         sent = {}
         for job in jobs:
             msg = self.message(method, job, nodes[job.cid % len(nodes)])
@@ -111,9 +125,10 @@ class FlowerExecutor:
                 continue
             cid = int(rep.content[JOB]["cid"])
             out[cid] = wire.unpack(rep.content)["result"]
-        for cid in sent:
+        for cid, msg in sent.items():
             if cid not in out and cid not in self.lost:
                 self.lost[cid] = "no reply (node gone or round timeout)"
+                self._silent[msg.metadata.dst_node_id] = RETRY_AFTER
         for cid, reason in sorted(self.lost.items()):
             log.warning("flower: client %d did not reply: %s", cid, reason)
         return out

@@ -1,0 +1,254 @@
+"""A real Flower deployment on loopback: TLS SuperLink, two authenticated SuperNodes, ``flwr run`` of fedfuse's app.
+
+The deployment tests run fedfuse's own ServerApp/ClientApp (:mod:`fedfuse.flower.app`) for a 3-round FedAvg on
+the bundled digits through real Flower processes, and compare the run's ``metrics.jsonl`` with the in-process
+engine's.  They are slow: flwr 1.41 starts a fresh ``flwr-clientapp`` process for every message, so each client
+job pays a Python + torch start-up and a rebuild of the federation (10-30 s per round on 2 busy cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import ssl
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+
+import fedfuse
+from fedfuse.flower.deploy import LocalFederation, make_certificates, write_app
+
+CONFIG = """\
+algorithm: fedavg
+dataset: digits
+clients: 2
+clients_per_round: 2
+rounds: 3
+eval_every: 3
+threads: 1
+plots: false
+seed: 3
+model_options:
+  widths: [16]
+"""
+
+def _env() -> dict[str, str]:
+    """PYTHONPATH for the Flower processes: this checkout's src (the editable install may point elsewhere)."""
+    src = str(Path(fedfuse.__file__).resolve().parents[1])
+    return {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def _fedfuse_app(tmp_path: Path, round_timeout: float, min_nodes: int = 2) -> tuple[Path, Path]:
+    """``fedfuse flower-app``'s project for CONFIG: the ServerApp writes its run into ``out``."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(CONFIG)
+    out = tmp_path / "out"
+    return write_app(tmp_path / "app", cfg, out=out, round_timeout=round_timeout, min_nodes=min_nodes), out
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _in_process(tmp_path: Path) -> list[dict]:
+    """The same config run by fedfuse's in-process engine (sequential executor), as metrics.jsonl records."""
+    from fedfuse.api import make_config
+    from fedfuse.experiment import Experiment
+
+    cfg = tmp_path / "config.yaml"
+    Experiment(make_config(str(cfg), out=str(tmp_path / "ref"), executor="sequential")).run()
+    return _metrics(tmp_path / "ref")
+
+
+def _finished(fed: LocalFederation, run_id: int, timeout: float) -> None:
+    status = fed.wait(run_id, timeout=timeout)
+    assert status == "finished:completed", (fed.logs / f"run-{run_id}.log").read_text()[-3000:]
+
+
+def _handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext, host: str) -> str:
+    """One TLS handshake over loopback; returns the TLS version (raises ssl.SSLError if the client rejects)."""
+    with socket.create_server(("127.0.0.1", 0)) as srv, \
+            socket.create_connection(("127.0.0.1", srv.getsockname()[1])) as raw:
+        conn, _ = srv.accept()
+
+        def serve() -> None:
+            with contextlib.suppress(ssl.SSLError, OSError):
+                server_ctx.wrap_socket(conn, server_side=True).close()
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            with client_ctx.wrap_socket(raw, server_hostname=host) as tls:
+                return str(tls.version())
+        finally:
+            t.join()
+            conn.close()
+
+
+def test_certificates_verify_loopback_server(tmp_path: Path) -> None:
+    """The server certificate chains to the CA and names 127.0.0.1 and localhost (Python's TLS client verifies it
+    against a TLS server using the generated key); another CA is rejected; node keys are OpenSSH EC P-384."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    certs = make_certificates(tmp_path / "certs", hosts=["10.1.2.3", "link.example"], nodes=2)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(certs.server_cert, certs.server_key)
+    client_ctx = ssl.create_default_context(cafile=str(certs.ca_cert))
+    for host in ("127.0.0.1", "localhost", "10.1.2.3", "link.example"):
+        assert _handshake(server_ctx, client_ctx, host) in ("TLSv1.2", "TLSv1.3")
+    with pytest.raises(ssl.SSLCertVerificationError):  # a name the certificate does not carry
+        _handshake(server_ctx, client_ctx, "10.9.9.9")
+    other = ssl.create_default_context(cafile=str(make_certificates(tmp_path / "other").ca_cert))
+    with pytest.raises(ssl.SSLCertVerificationError):  # a CA that did not sign it
+        _handshake(server_ctx, other, "127.0.0.1")
+    assert len(certs.node_keys) == 2
+    for private, public in certs.node_keys:
+        key = load_ssh_private_key(private.read_bytes(), None)
+        pub = load_ssh_public_key(public.read_bytes())
+        assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
+        assert key.public_key().public_numbers() == pub.public_numbers()
+        assert oct(private.stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.fixture(scope="module")
+def _federation(tmp_path_factory: pytest.TempPathFactory):
+    """One TLS SuperLink + two authenticated SuperNodes for the module (start-up ~15 s on 2 busy cores)."""
+    with LocalFederation(tmp_path_factory.mktemp("fed"), nodes=2, auth=True, env=_env()) as fed:
+        yield fed
+
+
+@pytest.fixture
+def federation(_federation: LocalFederation) -> LocalFederation:
+    """The module's federation with every SuperNode running (a test that killed one gets it back)."""
+    for i in range(_federation.num_nodes):
+        _federation.restart(i)
+    return _federation
+
+
+def test_supernodes_with_an_unregistered_key_or_a_foreign_ca_are_refused(federation: LocalFederation,
+                                                                       tmp_path: Path) -> None:
+    """Node authentication and TLS are enforced: a SuperNode whose key was never registered is refused by the
+    SuperLink, and one that trusts another CA refuses the SuperLink's certificate; both exit with an error."""
+    import shutil
+    import subprocess
+
+    from fedfuse.flower.deploy import free_port
+
+    rogue = make_certificates(tmp_path / "rogue", nodes=1)
+    assert federation.certs is not None
+    cases = {"unregistered-key": (federation.certs.ca_cert, rogue.node_keys[0][0]),
+             "foreign-ca": (rogue.ca_cert, federation.certs.node_keys[0][0])}
+    procs = {}
+    for name, (ca, key) in cases.items():
+        with (tmp_path / f"{name}.log").open("wb") as log:
+            procs[name] = subprocess.Popen(
+                [shutil.which("flower-supernode") or "flower-supernode", "--superlink", federation.address,
+                 "--root-certificates", str(ca), "--auth-supernode-private-key", str(key),
+                 "--port", str(free_port()), "--max-retries", "1"],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **_env(), "FLWR_HOME": str(tmp_path / name)})
+    for name, proc in procs.items():
+        try:
+            assert proc.wait(timeout=120) != 0, name
+        finally:
+            proc.kill()
+    assert "SuperNode ID" not in (tmp_path / "unregistered-key.log").read_text()
+    assert "No SuperNode found with the given public key" in (federation.logs / "superlink.log").read_text()
+    assert "CERTIFICATE_VERIFY_FAILED" in (tmp_path / "foreign-ca.log").read_text()
+
+
+@pytest.mark.slow
+def test_fedfuse_app_three_rounds_over_tls_equals_in_process(federation: LocalFederation, tmp_path: Path) -> None:
+    """flwr run of fedfuse's app on a TLS SuperLink with two registered SuperNodes: 3 FedAvg rounds, both clients
+    answer every round, and metrics.jsonl equals the in-process engine's run of the same config (timing aside)."""
+    from fedfuse.experiment import strip_timing
+
+    app, out = _fedfuse_app(tmp_path, round_timeout=0.0)  # no timeout: every reply is waited for
+    run_id = federation.run(app)
+    _finished(federation, run_id, timeout=600)
+    got = _metrics(out)
+    assert [r["round"] for r in got] == [1, 2, 3]
+    assert all(r["replied"] == 2 and r["dropped"] == [] for r in got)
+    assert got[-1]["global_accuracy"] > 0.5 and got[-1]["personal_accuracy"] is not None
+    assert [strip_timing(r) for r in got] == [strip_timing(r) for r in _in_process(tmp_path)]
+    assert "SuperNode authentication is disabled" not in (federation.logs / "superlink.log").read_text()
+
+
+@pytest.mark.slow
+def test_fedfuse_app_survives_a_dead_supernode_in_round_two(federation: LocalFederation, tmp_path: Path) -> None:
+    """SIGKILL the SuperNode serving client 1 as round 2 starts: round 2 closes at the round timeout with client 1
+    a dropout, rounds 3 and the final evaluation run on the survivor, and the run completes."""
+    timeout = 45.0  # a round takes 10-30 s here (a ClientApp process per message on 2 busy cores)
+    # min-nodes 1: FlowerExecutor waits for min-nodes before *every* call (up to 120 s), so with 2 it would stall
+    # each call once the dead node is offline.  Both SuperNodes are connected before the run is submitted.
+    app, out = _fedfuse_app(tmp_path, round_timeout=timeout, min_nodes=1)
+    run_id = federation.run(app)
+    deadline = time.monotonic() + 400
+    while not _metrics(out):  # round 1 written: round 2's messages are on their way
+        assert time.monotonic() < deadline, (federation.logs / f"run-{run_id}.log").read_text()[-3000:]
+        time.sleep(0.05)
+    serving_1 = sorted(federation.node_id)[1]  # the executor routes client c to sorted(node_ids)[c % n]
+    federation.kill(federation.node_id.index(serving_1))
+    _finished(federation, run_id, timeout=600)
+    got = _metrics(out)
+    assert [r["round"] for r in got] == [1, 2, 3]
+    assert got[0]["replied"] == 2 and got[0]["dropped"] == []
+    assert got[1]["replied"] == 1 and got[1]["dropped"] == [1]  # the dead node's client, nothing else
+    assert 0 not in got[2]["dropped"] and got[2]["replied"] >= 1  # the survivor keeps training
+    assert got[1]["seconds"] < timeout + 30  # round 2 ended at its timeout, not when the node came back
+    assert got[-1]["global_accuracy"] is not None and got[-1]["total_dropped"] >= 1
+
+
+def test_flower_app_command_writes_app_and_prints_commands(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`fedfuse flower-app DIR --config C` writes a valid Flower app whose run config points at a copy of C."""
+    import tomllib
+
+    from fedfuse.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("algorithm: fedavg\ndataset: digits\nrounds: 3\n")
+    assert main(["flower-app", str(tmp_path / "app"), "--config", str(cfg), "--superlink", "10.0.0.5:9093",
+                 "--certificates", str(tmp_path / "certs")]) == 0
+    printed = capsys.readouterr().out
+    from flwr.cli.config_utils import load_and_validate
+
+    _, warnings = load_and_validate(tmp_path / "app" / "pyproject.toml")  # flwr's own check (imports the apps)
+    assert warnings == []
+    pyproject = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())
+    app = pyproject["tool"]["flwr"]["app"]
+    assert app["components"] == {"serverapp": "fedfuse.flower.app:server_app",
+                                 "clientapp": "fedfuse.flower.app:client_app"}
+    copy = Path(app["config"]["fedfuse-config"])
+    assert copy.read_text() == cfg.read_text() and copy.parent == (tmp_path / "app").resolve()
+    conn = tomllib.loads((tmp_path / "app" / ".flwr" / "config.toml").read_text())["superlink"]
+    assert conn["default"] == "fedfuse" and conn["fedfuse"]["address"] == "10.0.0.5:9093"
+    assert Path(conn["fedfuse"]["root-certificates"]).read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
+    for command in ("flower-superlink", "flower-supernode", "flwr supernode register", "flwr run"):
+        assert command in printed
+    assert "10.0.0.5:9093" in printed and "--disable-runtime-dependency-installation" in printed
+
+
+def test_app_bundle_holds_the_config_but_no_keys_or_outputs(tmp_path: Path) -> None:
+    """What `flwr run` uploads (the FAB, built by flwr's own builder): pyproject and the config copy; not the
+    certificates and keys, the CLI's connection file, or an output directory placed inside the app."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(CONFIG)
+    app = write_app(tmp_path / "app", cfg, out=tmp_path / "app" / "runs" / "r1")
+    make_certificates(app / "certs", nodes=1)
+    (app / "runs" / "r1").mkdir(parents=True)
+    (app / "runs" / "r1" / "metrics.jsonl").write_text("{}\n")
+    names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(app))).namelist())
+    assert {"pyproject.toml", "fedfuse-config.yaml"} <= names
+    assert not any(n.startswith(("certs/", ".flwr/", "runs/")) for n in names), names
