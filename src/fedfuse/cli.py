@@ -126,7 +126,9 @@ def build_config(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> RunCon
 
 
 def _default_out(cfg: RunConfig, prefix: str) -> str:
-    return str(Path("runs") / f"{prefix}-{cfg.dataset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    from fedfuse.data.flower_datasets import dataset_label
+
+    return str(Path("runs") / f"{prefix}-{dataset_label(cfg.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def _fmt(v: Any, pct: bool = False) -> str:
@@ -289,10 +291,26 @@ def cmd_partition(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     fed = build_federation(cfg)
     print(partition_table(fed))
-    png = Path(args.png or f"partition-{cfg.dataset}-{cfg.partition}.png")
+    from fedfuse.data.flower_datasets import dataset_label
+
+    png = Path(args.png or f"partition-{dataset_label(cfg.dataset)}-{cfg.partition.replace(':', '-')}.png")
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_partition(fed, png)
     print(f"wrote {png}")
+    return 0
+
+
+def cmd_export_partitions(args: argparse.Namespace) -> int:
+    from fedfuse.data.flower_datasets import export_partitions
+
+    cfg = build_config(args)
+    if not cfg.out:
+        raise ConfigError("export-partitions: give the output directory with --out DIR")
+    try:
+        out = export_partitions(cfg, cfg.out, overwrite=args.overwrite)
+    except FileExistsError as e:
+        raise ConfigError(str(e)) from None
+    print(f"wrote {out} (Hugging Face DatasetDict: train with partition_id, test) and {out / 'README.md'}")
     return 0
 
 
@@ -417,6 +435,13 @@ def make_parser() -> argparse.ArgumentParser:
     _add_run_flags(q)
     q.add_argument("--png", default=None, help="where to write the plot (default: partition-DATASET-PARTITION.png)")
     q.set_defaults(func=cmd_partition)
+    ex = sub.add_parser("export-partitions", help="write a dataset's partition as a Hugging Face DatasetDict "
+                        "(partition_id column) for Flower pipelines",
+                        description="Write the clients of --dataset/--partition/--clients/--seed to --out as a "
+                                    "Hugging Face DatasetDict (train: x, label, partition_id, sample_id; test) "
+                                    "with a README; Flower reads it with NaturalIdPartitioner('partition_id').")
+    _add_run_flags(ex)
+    ex.set_defaults(func=cmd_export_partitions)
     _add_reproduce(sub)
     from fedfuse.adapters.cli import add_pretrain_parser
 

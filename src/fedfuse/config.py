@@ -119,13 +119,18 @@ def _registry_choices(key: str) -> tuple[str, ...]:
     return CHOICES.get(key, ())
 
 
+def _is_hf(key: str, value: Any) -> bool:
+    """``dataset: hf:PATH`` names a local Hugging Face dataset (fedfuse.data.flower_datasets), not a registry entry."""
+    return key == "dataset" and isinstance(value, str) and value.startswith("hf:")
+
+
 def namespace_defaults(cfg: RunConfig, namespace: str) -> dict[str, Any]:
     """Valid option names (with defaults) of the chosen algorithm/model/partition/dataset."""
     what = namespace.replace("_options", "")
     if what in ("algorithm", "dataset", "partition", "model"):
         value = getattr(cfg, what)
         choices = _registry_choices(what)
-        if value not in choices:
+        if value not in choices and not _is_hf(what, value):
             raise ConfigError(f"{what}: unknown value {value!r}; choose one of: {', '.join(choices)}")
     if namespace == "algorithm_options":
         from fedfuse.algorithms import get_algorithm
@@ -331,7 +336,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     cfg = RunConfig(**values)
     for key in ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling"):
         choices = _registry_choices(key)
-        if getattr(cfg, key) not in choices:
+        if getattr(cfg, key) not in choices and not _is_hf(key, getattr(cfg, key)):
             raise ConfigError(f"{key}: unknown value {getattr(cfg, key)!r}; choose one of: {', '.join(choices)}")
     if cfg.clients_per_round > cfg.clients:
         raise ConfigError(

@@ -228,7 +228,9 @@ class Sweep:
 
 def run_dir_name(cfg: RunConfig) -> str:
     """``<algorithm>-<dataset>-s<seed>-<first 12 hex digits of the config hash>``."""
-    return f"{cfg.algorithm}-{cfg.dataset}-s{cfg.seed}-{config_hash(cfg)[:12]}"
+    from fedfuse.data.flower_datasets import dataset_label
+
+    return f"{cfg.algorithm}-{dataset_label(cfg.dataset)}-s{cfg.seed}-{config_hash(cfg)[:12]}"
 
 
 def _federation_key(cfg: RunConfig) -> str:

@@ -322,6 +322,8 @@ DEFAULT_MODELS: dict[str, str] = {
 
 def default_model(dataset: str) -> str:
     """A sensible default model for a dataset name (case, '-' and '_' ignored)."""
+    if dataset.startswith("hf:"):  # a local Hugging Face dataset of any input shape: the MLP takes them all
+        return "mlp"
     key = dataset.lower().replace("-", "").replace("_", "")
     if key not in DEFAULT_MODELS:
         raise ValueError(f"no default model for dataset {dataset!r}; known: {', '.join(DEFAULT_MODELS)}")

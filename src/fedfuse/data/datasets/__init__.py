@@ -101,6 +101,8 @@ __all__ = [
 
 
 def _canonical_name(name: str) -> str:
+    if str(name).strip().startswith("hf:"):  # a local Hugging Face dataset (fedfuse.data.flower_datasets)
+        return str(name).strip()
     key = str(name).strip().lower().replace("_", "-")
     key = _ALIASES.get(key, key)
     if key not in DATASETS:
@@ -110,7 +112,16 @@ def _canonical_name(name: str) -> str:
 
 def dataset_options(name: str) -> dict[str, object]:
     """The options ``load_dataset(name, ...)`` accepts, with their defaults."""
-    return dict(DATASETS[_canonical_name(name)].options)
+    return dict(_info(_canonical_name(name)).options)
+
+
+def _info(key: str) -> DatasetInfo:
+    """The registry entry of a canonical name; ``hf:PATH`` entries are built on demand."""
+    if key.startswith("hf:"):
+        from fedfuse.data.flower_datasets import hf_dataset_info
+
+        return hf_dataset_info(key)
+    return DATASETS[key]
 
 
 def load_dataset(name: str, data_dir: str | os.PathLike[str] | None = None, **options: Any) -> Dataset:
@@ -119,7 +130,7 @@ def load_dataset(name: str, data_dir: str | os.PathLike[str] | None = None, **op
     opts = _check_options(key, options)
     root = resolve_data_dir(data_dir)
     try:
-        ds = _LOADERS[key](root, opts)
+        ds = (_info(key).loader or _LOADERS[key])(root, opts)
     except DatasetNotFoundError:
         raise
     except (OSError, EOFError, zlib.error, tarfile.TarError, pickle.UnpicklingError, UnicodeDecodeError,
@@ -166,7 +177,8 @@ def check_dataset_options(name: str, options: dict[str, Any]) -> None:
 
 
 def _check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    defaults = DATASETS[name].options
+    info = _info(name)
+    defaults = info.options
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         valid = ", ".join(sorted(defaults)) or "none"
@@ -193,6 +205,8 @@ def _check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
                          ("normalize", FEMNIST_NORMALIZATIONS)):
         if key in opts and opts[key] not in choices:
             raise ValueError(f"option {key} of dataset {name!r} must be one of {choices}, got {opts[key]!r}")
+    if info.check is not None:
+        info.check(opts)
     return opts
 
 

@@ -4,9 +4,15 @@ sizes/SHA-256 of known files.  Pure data; the loaders live in one module per dat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fedfuse.types import Task
+
+if TYPE_CHECKING:
+    from fedfuse.data.dataset import Dataset
 
 _MNIST_FILES = [
     "train-images-idx3-ubyte",
@@ -31,6 +37,8 @@ class DatasetInfo:
     alt_files: list[str] = field(default_factory=list)  # other accepted layouts
     options: dict[str, object] = field(default_factory=dict)  # option name -> default
     needs_data_dir: bool = True
+    loader: Callable[[Path | None, dict[str, Any]], Dataset] | None = None  # else the family loader of name
+    check: Callable[[dict[str, Any]], None] | None = None  # extra option checks
 
 
 _CLS_OPTS: dict[str, object] = {"train_limit": None, "test_limit": None}

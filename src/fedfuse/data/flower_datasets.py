@@ -1,0 +1,565 @@
+"""Data from the Flower ecosystem: local Hugging Face datasets in, Flower Datasets partitioners, partitions out.
+
+* ``hf:PATH`` is a dataset: a local Hugging Face ``datasets`` directory (``save_to_disk`` of a ``DatasetDict`` or
+  a ``Dataset``) or parquet files (one file, or a folder whose file names carry the split as on the Hub).
+  Nothing is downloaded.  Options: the splits, the input (image) and label columns (auto-detected), an optional
+  group column (``partition_id`` when present) for the ``natural`` partition, and how pixels are normalised.
+* ``flwr:NAME`` is a partition: Flower Datasets' partitioner ``NAME`` (``flwr:dirichlet`` =
+  ``DirichletPartitioner`` ...) applied to the training labels of *any* fedfuse dataset.  As
+  ``flwr_datasets.FederatedDataset(shuffle=True, seed=SEED)`` does, the training split is first shuffled with
+  ``Dataset.shuffle(seed=SEED)`` (option ``shuffle``), and the partitioner gets ``seed=SEED``: with the same
+  seed a Flower pipeline over the same data gets the same clients.
+* :func:`export_partitions` writes any fedfuse dataset × partition as a ``DatasetDict`` on disk (``train`` with
+  a ``partition_id`` column, ``test`` = the global test set) plus a README, for an existing Flower pipeline
+  (``NaturalIdPartitioner(partition_by="partition_id")``).
+
+``datasets`` and ``flwr_datasets`` (extra ``fedfuse[flower]``) are imported only when used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fedfuse.data.dataset import Dataset, DatasetNotFoundError
+from fedfuse.rng import numpy_rng
+
+if TYPE_CHECKING:
+    from fedfuse.data.datasets import DatasetInfo
+    from fedfuse.data.partition import Partition
+
+__all__ = [
+    "FLWR_PARTITIONS",
+    "HF_OPTIONS",
+    "HF_PREFIX",
+    "dataset_label",
+    "export_partitions",
+    "hf_dataset_info",
+    "is_hf_name",
+    "load_hf",
+    "register_partitions",
+    "write_partitions",
+]
+
+HF_PREFIX = "hf:"
+FLWR_PREFIX = "flwr:"
+HOLDOUT_SEED = 0  # seed of the held-out test split when the dataset has none (like every loader's fixed SEED)
+NORMALIZATIONS = ("auto", "standard", "none")
+LABEL_COLUMNS = ("label", "labels", "fine_label", "target", "y", "class")
+INPUT_COLUMNS = ("image", "img", "x", "pixel_values", "pixels", "features", "inputs")
+GROUP_COLUMN = "partition_id"  # the column export_partitions writes and Flower's NaturalIdPartitioner reads
+
+HF_OPTIONS: dict[str, object] = {
+    "train_split": "train",
+    "test_split": "test",
+    "test_fraction": 0.2,
+    "image_column": None,
+    "label_column": None,
+    "group_column": None,
+    "normalization": "auto",
+    "train_limit": None,
+    "test_limit": None,
+}
+
+_INSTALL = "pip install 'fedfuse[flower]' (flwr-datasets and datasets)"
+
+
+def _need(module: str) -> Any:
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as e:
+        raise ImportError(f"{module} is not installed: {_INSTALL}") from e
+
+
+def is_hf_name(name: str) -> bool:
+    """True for a dataset name ``hf:PATH``."""
+    return str(name).strip().startswith(HF_PREFIX)
+
+
+def dataset_label(name: str) -> str:
+    """A dataset name usable in a file name: ``hf:/data/mnist-hf`` → ``hf-mnist-hf``; others unchanged."""
+    if not is_hf_name(name):
+        return name
+    tail = Path(str(name).strip()[len(HF_PREFIX):].rstrip("/")).name or "data"
+    return f"hf-{tail}"
+
+
+# ------------------------------------------------------------------------------------------ hf:PATH datasets
+
+
+def hf_dataset_info(name: str) -> DatasetInfo:
+    """The registry entry of ``hf:PATH`` (built on demand: the path is part of the name)."""
+    from fedfuse.data.datasets import DatasetInfo
+
+    path = str(name).strip()[len(HF_PREFIX):]
+    if not path:
+        raise ValueError("dataset 'hf:' needs a path: hf:/path/to/dir (save_to_disk or parquet files)")
+    return DatasetInfo(
+        name=str(name).strip(),
+        description=f"local Hugging Face dataset at {path} (save_to_disk directory or parquet files)",
+        task="classification",
+        files=[path],
+        source="datasets.Dataset(Dict).save_to_disk(PATH) or parquet files; relative paths also under --data-dir",
+        options=dict(HF_OPTIONS),
+        needs_data_dir=False,
+        loader=lambda root, opts: load_hf(path, root, opts),
+        check=check_hf_options,
+    )
+
+
+def check_hf_options(opts: dict[str, Any]) -> None:
+    """Raise ValueError naming the option for a bad ``hf:`` option value."""
+    f = opts.get("test_fraction")
+    if isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 < float(f) < 1.0:
+        raise ValueError(f"option test_fraction of an hf: dataset must be a number in (0, 1), got {f!r}")
+    if opts.get("normalization") not in NORMALIZATIONS:
+        raise ValueError(f"option normalization of an hf: dataset must be one of {NORMALIZATIONS}, "
+                         f"got {opts.get('normalization')!r}")
+    for key in ("train_split", "test_split", "image_column", "label_column", "group_column"):
+        v = opts.get(key)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError(f"option {key} of an hf: dataset must be a non-empty string, got {v!r}")
+    if not opts.get("train_split"):
+        raise ValueError("option train_split of an hf: dataset must name a split, e.g. train")
+
+
+def _resolve(path: str, root: Path | None) -> Path:
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists() or root is None:
+        return p
+    return root / p
+
+
+def _open_splits(path: Path) -> dict[str, Any]:
+    """split name -> ``datasets.Dataset`` of a save_to_disk directory, a parquet file or a parquet folder."""
+    hf = _need("datasets")
+    if path.is_file() and path.suffix == ".parquet":
+        return {"train": hf.Dataset.from_parquet(str(path))}
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            loaded = hf.load_from_disk(str(path))
+            return dict(loaded) if isinstance(loaded, hf.DatasetDict) else {"train": loaded}
+        if any(path.rglob("*.parquet")):
+            from fedfuse.data.datasets import cache_dir
+
+            loaded = hf.load_dataset("parquet", data_dir=str(path), cache_dir=str(cache_dir() / "hf"))
+            return dict(loaded)
+    where = "does not exist" if not path.exists() else "holds no save_to_disk dataset and no .parquet files"
+    raise DatasetNotFoundError(
+        f"dataset 'hf:{path}' not found: {path} {where}.\n"
+        "Expected: a directory written by datasets.Dataset(Dict).save_to_disk (dataset_dict.json or state.json),\n"
+        "or parquet files (DIR/train-*.parquet, DIR/test-*.parquet, or DIR/data/...).\n"
+        "A relative path is looked up in the working directory, then under --data-dir."
+    )
+
+
+def _pick(columns: Sequence[str], wanted: str | None, preferred: Sequence[str], what: str, option: str,
+          fallback: Callable[[], str | None]) -> str:
+    if wanted is not None:
+        if wanted not in columns:
+            raise ValueError(f"{what} column {wanted!r} (option {option}) not found; columns: {list(columns)}")
+        return wanted
+    found = next((c for c in preferred if c in columns), None) or fallback()
+    if found is None:
+        raise ValueError(f"no {what} column found among {list(columns)}; set option {option}")
+    return found
+
+
+def _column(ds: Any, col: str) -> np.ndarray:
+    """One column as an (N, ...) numpy array (images decoded)."""
+    arr = ds.select_columns([col]).with_format("numpy")[:][col]
+    if isinstance(arr, np.ndarray) and arr.dtype != object:
+        return arr
+    try:
+        return np.stack([np.asarray(v) for v in arr])
+    except ValueError as e:
+        raise ValueError(f"column {col!r}: samples have different shapes ({e}); resize them to one shape") from None
+
+
+def _inputs(raw: np.ndarray, is_image: bool) -> np.ndarray:
+    """Per-sample layout fedfuse models expect: images (C, H, W), feature vectors (F,)."""
+    if is_image:  # PIL: (N, H, W) grey or (N, H, W, C) colour
+        return raw[:, None] if raw.ndim == 3 else np.moveaxis(raw, -1, 1)
+    if raw.ndim == 3:  # (N, H, W) arrays: one channel
+        return raw[:, None]
+    return raw  # (N, F) features or (N, C, H, W) images already channels-first
+
+
+def _normalise(train: np.ndarray, test: np.ndarray, mode: str,
+               is_image: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """``auto``: PIL/uint8 pixels standardised per channel with train statistics, floats kept, other integers kept
+    as int64 (token ids); ``standard``: always standardised; ``none``: values as stored, as float32."""
+    integer = np.issubdtype(train.dtype, np.integer) or train.dtype == bool
+    if not (mode == "standard" or (mode == "auto" and (is_image or train.dtype == np.uint8))):
+        dtype = np.int64 if integer and mode == "auto" else np.float32
+        return (torch.from_numpy(np.ascontiguousarray(train, dtype)),
+                torch.from_numpy(np.ascontiguousarray(test, dtype)), {"kept": np.dtype(dtype).name})
+    axes = (0, 2, 3) if train.ndim == 4 else tuple(range(train.ndim))  # per channel for images, else one scalar
+    mean = train.mean(axis=axes, dtype=np.float64, keepdims=True)
+    std = train.std(axis=axes, dtype=np.float64, keepdims=True)
+    std = np.where(std > 0, std, 1.0)
+
+    def f(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(((a - mean) / std).astype(np.float32))
+
+    return f(train), f(test), {"mean": mean.ravel().tolist(), "std": std.ravel().tolist(), "from": "train split"}
+
+
+def _labels(train: np.ndarray, test: np.ndarray, feature: Any) -> tuple[np.ndarray, np.ndarray, int, list[str]]:
+    names = getattr(feature, "names", None)
+    if names:
+        return train.astype(np.int64), test.astype(np.int64), len(names), [str(n) for n in names]
+    if np.issubdtype(train.dtype, np.integer) and (not len(test) or np.issubdtype(test.dtype, np.integer)):
+        k = int(max(train.max(initial=-1), test.max(initial=-1))) + 1
+        return train.astype(np.int64), test.astype(np.int64), k, [str(i) for i in range(k)]
+    values = sorted({str(v) for v in np.concatenate([train, test]).tolist()})  # string labels: sorted ids
+    ids = {v: i for i, v in enumerate(values)}
+    enc = [np.array([ids[str(v)] for v in a.tolist()], dtype=np.int64) for a in (train, test)]
+    return enc[0], enc[1], len(values), values
+
+
+def _groups(ds: Any, col: str | None) -> tuple[np.ndarray | None, list[str] | None]:
+    if col is None or col not in ds.column_names:
+        return None, None
+    values = _column(ds, col)
+    uniq, inverse = np.unique(values, return_inverse=True)
+    return inverse.astype(np.int64), [str(u) for u in uniq.tolist()]
+
+
+def load_hf(path: str, root: Path | None, opts: dict[str, Any]) -> Dataset:
+    """Load ``hf:PATH`` (see the module docstring); ``opts`` as in :data:`HF_OPTIONS`."""
+    check_hf_options(opts)
+    where = _resolve(path, root)
+    splits = _open_splits(where)
+    name = f"{HF_PREFIX}{path}"
+    tr_name, te_name = str(opts["train_split"]), str(opts["test_split"])
+    if tr_name not in splits:
+        raise ValueError(f"dataset {name!r} has no split {tr_name!r} (option train_split); splits: {list(splits)}")
+    train = splits[tr_name]
+    columns = list(train.column_names)
+    features = train.features
+    label_col = _pick(columns, opts["label_column"], LABEL_COLUMNS, "label", "label_column",
+                      lambda: next((c for c in columns if type(features[c]).__name__ == "ClassLabel"), None))
+    image_col = _pick(
+        columns, opts["image_column"], INPUT_COLUMNS, "input", "image_column",
+        lambda: next((c for c in columns if type(features[c]).__name__ in ("Image", "Array2D", "Array3D")), None),
+    )
+    is_image = type(features[image_col]).__name__ == "Image"
+    group_col = opts["group_column"] or (GROUP_COLUMN if GROUP_COLUMN in columns else None)
+    if opts["group_column"] is not None and group_col not in columns:
+        raise ValueError(f"group column {group_col!r} (option group_column) not found; columns: {columns}")
+
+    x_tr, y_tr = _inputs(_column(train, image_col), is_image), _column(train, label_col)
+    groups, group_names = _groups(train, group_col)
+    test_groups = None
+    if te_name in splits:
+        test = splits[te_name]
+        x_te, y_te = _inputs(_column(test, image_col), is_image), _column(test, label_col)
+        if group_names is not None and group_col in test.column_names:  # onto the train split's group ids
+            index = {g: i for i, g in enumerate(group_names)}
+            test_groups = np.array([index.get(str(v), -1) for v in _column(test, group_col).tolist()], np.int64)
+        test_info = f"split {te_name!r}"
+    else:  # hold out a seeded fraction of the training split
+        n = len(y_tr)
+        n_test = min(max(round(n * float(opts["test_fraction"])), 1), n - 1)
+        perm = numpy_rng(HOLDOUT_SEED, "hf-holdout").permutation(n)
+        te, tr = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+        x_te, y_te, x_tr, y_tr = x_tr[te], y_tr[te], x_tr[tr], y_tr[tr]
+        groups = None if groups is None else groups[tr]
+        test_info = f"held out {n_test} of split {tr_name!r} (seed {HOLDOUT_SEED}; no split {te_name!r})"
+    train_x, test_x, norm = _normalise(x_tr, x_te, str(opts["normalization"]), is_image)
+    ytr, yte, k, names = _labels(y_tr, y_te, features[label_col])
+    return Dataset(
+        name=name,
+        task="classification",
+        train_x=train_x,
+        train_y=torch.from_numpy(ytr),
+        test_x=test_x,
+        test_y=torch.from_numpy(yte),
+        num_classes=k,
+        input_shape=tuple(int(s) for s in train_x.shape[1:]),
+        class_names=names,
+        train_groups=groups,
+        test_groups=test_groups if test_groups is not None and (test_groups >= 0).all() else None,
+        group_names=group_names,
+        info={
+            "source_files": [str(where)],
+            "checksums": {},
+            "splits": {s: len(d) for s, d in splits.items()},
+            "columns": {"input": image_col, "label": label_col, "group": group_col},
+            "test": test_info,
+            "normalization": norm,
+        },
+    )
+
+
+# ------------------------------------------------------------------------------------ flwr:NAME partitions
+
+
+@dataclass(frozen=True)
+class FlowerPartitioner:
+    """A Flower Datasets partitioner exposed as partition ``flwr:<name>``: its class, help and options."""
+
+    cls: str
+    description: str
+    options: dict[str, object]
+    by_label: bool = True  # gets partition_by="label"
+    sized: bool = True  # gets num_partitions
+
+
+_SHUFFLE = {"shuffle": True}
+FLWR_PARTITIONS: dict[str, FlowerPartitioner] = {
+    "iid": FlowerPartitioner("IidPartitioner", "Flower Datasets IidPartitioner: equal contiguous shards",
+                             dict(_SHUFFLE), by_label=False),
+    "dirichlet": FlowerPartitioner(
+        "DirichletPartitioner", "Flower Datasets DirichletPartitioner: per-class Dir(alpha) over clients",
+        {"alpha": 0.5, "min_partition_size": 10, "self_balancing": False, **_SHUFFLE}),
+    "shard": FlowerPartitioner(
+        "ShardPartitioner", "Flower Datasets ShardPartitioner: label-sorted shards, num_shards_per_partition each",
+        {"num_shards_per_partition": 2, "shard_size": None, "keep_incomplete_shard": False, **_SHUFFLE}),
+    "pathological": FlowerPartitioner(
+        "PathologicalPartitioner", "Flower Datasets PathologicalPartitioner: num_classes_per_partition classes each",
+        {"num_classes_per_partition": 2, "class_assignment_mode": "random", **_SHUFFLE}),
+    "inner-dirichlet": FlowerPartitioner(
+        "InnerDirichletPartitioner", "Flower Datasets InnerDirichletPartitioner: given sizes, Dir(alpha) classes",
+        {"partition_sizes": None, "alpha": 0.5, **_SHUFFLE}, sized=False),
+    "linear": FlowerPartitioner("LinearPartitioner", "Flower Datasets LinearPartitioner: sizes ∝ client id + 1",
+                                dict(_SHUFFLE), by_label=False),
+    "square": FlowerPartitioner("SquarePartitioner", "Flower Datasets SquarePartitioner: sizes ∝ (id + 1)²",
+                                dict(_SHUFFLE), by_label=False),
+    "exponential": FlowerPartitioner("ExponentialPartitioner",
+                                     "Flower Datasets ExponentialPartitioner: sizes ∝ exp(id)", dict(_SHUFFLE),
+                                     by_label=False),
+    "natural-id": FlowerPartitioner(
+        "NaturalIdPartitioner", "Flower Datasets NaturalIdPartitioner: one client per value of the group column "
+        "(hf: option group_column; partition_id when present)", {"shuffle": False}, by_label=False, sized=False),
+}
+
+_FLWR_BOUNDS: dict[str, tuple[type, float, bool]] = {
+    "min_partition_size": (int, 0, True),
+    "num_shards_per_partition": (int, 1, True),
+    "shard_size": (int, 1, True),
+    "num_classes_per_partition": (int, 1, True),
+}
+_FLWR_CHOICES: dict[str, tuple[object, ...]] = {"class_assignment_mode": ("random", "deterministic",
+                                                                          "first-deterministic")}
+
+
+def register_partitions(partitions: dict[str, str], options: dict[str, dict[str, object]],
+                        partitioners: dict[str, Callable[..., Partition]],
+                        bounds: dict[str, tuple[type, float, bool]], choices: dict[str, tuple[object, ...]]) -> None:
+    """Add every ``flwr:NAME`` to fedfuse's partition registry (called by :mod:`fedfuse.data.partition`)."""
+    for name, spec in FLWR_PARTITIONS.items():
+        key = FLWR_PREFIX + name
+        partitions[key] = spec.description
+        options[key] = dict(spec.options)
+        partitioners[key] = _flwr_partitioner(name)
+    bounds.update(_FLWR_BOUNDS)
+    choices.update(_FLWR_CHOICES)
+
+
+def _flwr_partitioner(name: str) -> Callable[[Dataset, int | None, int, dict[str, Any]], Partition]:
+    def run(dataset: Dataset, num_clients: int | None, seed: int, opts: dict[str, Any]) -> Partition:
+        return flwr_partition(name, dataset, num_clients, seed, opts)
+
+    run.__doc__ = FLWR_PARTITIONS[name].description
+    return run
+
+
+def _flower_kwargs(name: str, num_clients: int, n: int, seed: int, opts: dict[str, Any]) -> dict[str, Any]:
+    spec = FLWR_PARTITIONS[name]
+    kw: dict[str, Any] = {k: v for k, v in opts.items() if k != "shuffle"}
+    if spec.sized:
+        kw["num_partitions"] = num_clients
+    if spec.by_label:
+        kw["partition_by"] = "label"
+        kw["seed"] = seed
+    if name == "inner-dirichlet":
+        sizes = kw["partition_sizes"]
+        if sizes is None:  # equal sizes, as fedfuse's iid
+            sizes = [len(a) for a in np.array_split(np.arange(n), num_clients)]
+        if len(sizes) != num_clients or sum(sizes) > n or any(isinstance(s, bool) or s < 1 for s in sizes):
+            raise ValueError(f"partition_sizes must be {num_clients} positive integers summing to at most {n}, "
+                             f"got {sizes!r}")
+        kw["partition_sizes"] = [int(s) for s in sizes]
+    if name == "shard" and kw.get("shard_size") is None:
+        kw.pop("shard_size")
+    if name == "natural-id":
+        kw["partition_by"] = "group"
+    return kw
+
+
+def flwr_partition(name: str, dataset: Dataset, num_clients: int | None, seed: int,
+                   opts: dict[str, Any]) -> Partition:
+    """Partition ``dataset``'s training samples with Flower Datasets' partitioner ``name``.
+
+    The partitioner sees a table of the training labels (column ``label``, plus ``group`` for natural-id), shuffled
+    first with ``Dataset.shuffle(seed=seed)`` when ``shuffle`` (as ``FederatedDataset`` does); client ``i`` is
+    ``load_partition(i)`` mapped back to fedfuse's sample indices.
+    """
+    from fedfuse.data.partition import Partition
+
+    hf = _need("datasets")
+    fp = _need("flwr_datasets.partitioner")
+    labels = dataset.train_labels.astype(np.int64)
+    n = len(labels)
+    columns: dict[str, Any] = {"label": labels, "index": np.arange(n, dtype=np.int64)}
+    if name == "natural-id":
+        if dataset.train_groups is None:
+            raise ValueError(f"partition 'flwr:natural-id' needs a group column: dataset {dataset.name!r} has none "
+                             "(hf: datasets: option group_column; a partition_id column is used when present)")
+        columns["group"] = np.asarray(dataset.train_groups, dtype=np.int64)
+        k = len(np.unique(columns["group"]))
+        if num_clients and int(num_clients) != k:
+            raise ValueError(f"partition 'flwr:natural-id': the group column has {k} distinct values, "
+                             f"so clients must be {k}, got {num_clients}")
+        num_clients = k
+    assert num_clients is not None
+    table = hf.Dataset.from_dict(columns)
+    if opts.get("shuffle"):
+        table = table.shuffle(seed=seed)
+    kwargs = _flower_kwargs(name, int(num_clients), n, seed, opts)
+    partitioner = getattr(fp, FLWR_PARTITIONS[name].cls)(**kwargs)
+    partitioner.dataset = table
+    try:
+        parts = [np.asarray(partitioner.load_partition(i)["index"], dtype=np.int64)
+                 for i in range(partitioner.num_partitions)]
+    except ValueError as e:
+        raise ValueError(f"partition 'flwr:{name}' ({FLWR_PARTITIONS[name].cls}): {e}") from None
+    if name == "natural-id":  # Flower numbers natural ids by first appearance; fedfuse by sorted group id
+        parts.sort(key=lambda p: int(columns["group"][p[0]]) if len(p) else -1)
+    covered = int(sum(len(p) for p in parts))
+    info: dict[str, Any] = {
+        "flower_partitioner": FLWR_PARTITIONS[name].cls,
+        "flower_kwargs": {k: v for k, v in kwargs.items() if k != "partition_sizes"},
+        "pre_shuffle_seed": seed if opts.get("shuffle") else None,
+        "unassigned_samples": n - covered,
+    }
+    return Partition(parts, info=info)
+
+
+# ---------------------------------------------------------------------------------------------------- export
+
+
+def export_partitions(cfg: Any, out: str | os.PathLike[str], overwrite: bool = False) -> Path:
+    """Load ``cfg``'s dataset, partition it as a run would, and :func:`write_partitions` it to ``out``."""
+    from fedfuse.data.datasets import load_dataset
+    from fedfuse.data.partition import make_partition
+
+    ds = load_dataset(cfg.dataset, cfg.data_dir, **cfg.dataset_options)
+    part = make_partition(cfg.partition, ds, cfg.clients, cfg.seed, **cfg.partition_options)
+    return write_partitions(ds, part, out, overwrite=overwrite, command=_command(cfg))
+
+
+def _command(cfg: Any) -> str:
+    sets = [f"--set partition_options.{k}={json.dumps(v)}" for k, v in sorted(cfg.partition_options.items())]
+    sets += [f"--set dataset_options.{k}={json.dumps(v)}" for k, v in sorted(cfg.dataset_options.items())
+             if v is not None]
+    return " ".join(["fedfuse export-partitions", f"--dataset {cfg.dataset}", f"--partition {cfg.partition}",
+                     f"--clients {cfg.clients}", f"--seed {cfg.seed}", *sets])
+
+
+def _input_feature(hf: Any, x: torch.Tensor) -> Any:
+    shape, dtype = tuple(int(s) for s in x.shape[1:]), str(x.dtype).replace("torch.", "")
+    arrays = {2: hf.Array2D, 3: hf.Array3D, 4: hf.Array4D}
+    if len(shape) == 1:
+        return hf.List(hf.Value(dtype), length=shape[0])
+    if len(shape) not in arrays:
+        raise ValueError(f"cannot export inputs of shape {shape}")
+    return arrays[len(shape)](shape, dtype)
+
+
+def write_partitions(ds: Dataset, part: Partition, out: str | os.PathLike[str], *, overwrite: bool = False,
+                     command: str = "") -> Path:
+    """Write ``part`` of ``ds`` as a Hugging Face ``DatasetDict`` at ``out`` plus ``README.md``.
+
+    ``train``: each client's samples (its partition indices, sorted) in client order, columns ``x`` (fedfuse's
+    normalised input tensor), ``label`` (ClassLabel), ``partition_id`` (the client) and ``sample_id`` (index into
+    the dataset's training split); ``test``: the global test set (``x``, ``label``).  Reading ``hf:OUT`` back
+    with partition ``natural`` (or ``flwr:natural-id``) and the same seed rebuilds the same federation.
+    """
+    if ds.task != "classification":
+        raise ValueError(f"export-partitions writes classification datasets; {ds.name!r} is a {ds.task} dataset")
+    hf = _need("datasets")
+    target = Path(out)
+    if target.exists() and any(target.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{target} is not empty; choose another --out or pass --overwrite")
+        if not (target / "fedfuse_partition.json").is_file():
+            raise FileExistsError(f"{target} is not empty and not an earlier export (no fedfuse_partition.json); "
+                                  "--overwrite replaces only earlier exports")
+    idx = [np.asarray(i, dtype=np.int64) for i in part.train_indices]
+    order = np.concatenate(idx) if idx else np.zeros(0, np.int64)
+    pid = np.concatenate([np.full(len(i), c, dtype=np.int64) for c, i in enumerate(idx)]) if idx else order
+    names = list(ds.class_names or [str(i) for i in range(ds.num_classes)])
+    x_feat = _input_feature(hf, ds.train_x)
+    label = hf.ClassLabel(names=names)
+    train = hf.Dataset.from_dict(
+        {"x": ds.train_x[torch.from_numpy(order)].numpy(), "label": ds.train_y.numpy()[order],
+         GROUP_COLUMN: pid, "sample_id": order},
+        features=hf.Features({"x": x_feat, "label": label, GROUP_COLUMN: hf.Value("int64"),
+                              "sample_id": hf.Value("int64")}),
+    )
+    test = hf.Dataset.from_dict({"x": ds.test_x.numpy(), "label": ds.test_y.numpy()},
+                                features=hf.Features({"x": x_feat, "label": label}))
+    if target.exists() and overwrite and (target / "fedfuse_partition.json").is_file():
+        import shutil
+
+        shutil.rmtree(target)
+    hf.DatasetDict({"train": train, "test": test}).save_to_disk(str(target))
+    meta = {"dataset": ds.name, "partition": part.info, "num_clients": part.num_clients,
+            "sizes": part.sizes().tolist(), "num_classes": ds.num_classes, "input_shape": list(ds.input_shape),
+            "command": command}
+    (target / "fedfuse_partition.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    (target / "README.md").write_text(_readme(ds, part, target, len(order), command))
+    return target
+
+
+def _readme(ds: Dataset, part: Partition, target: Path, rows: int, command: str) -> str:
+    sizes = part.sizes()
+    name = str(part.info.get("name", ""))
+    columns = (f"`x` (input, {tuple(ds.input_shape)} float, fedfuse's normalisation), `label` ({ds.num_classes} "
+               f"classes), `partition_id` (client 0..{part.num_clients - 1}), `sample_id` (index in fedfuse's "
+               "train split)")
+    return f"""# fedfuse partitions of `{ds.name}` ({name}, {part.num_clients} clients)
+
+Written by fedfuse{f" with `{command}`" if command else ""}.
+
+A Hugging Face `DatasetDict` (`datasets.load_from_disk`):
+
+| split | rows | columns |
+|---|---|---|
+| `train` | {rows} | {columns} |
+| `test` | {len(ds.test_y)} | `x`, `label` (the global test set) |
+
+Client sizes: min {int(sizes.min())}, median {int(np.median(sizes))}, max {int(sizes.max())}; training samples
+in no client: {len(ds.train_y) - rows}.  Partition details: `fedfuse_partition.json`.
+
+## Flower
+
+```python
+from datasets import load_from_disk
+from flwr_datasets.partitioner import NaturalIdPartitioner
+
+dd = load_from_disk("{target}")
+partitioner = NaturalIdPartitioner(partition_by="partition_id")
+partitioner.dataset = dd["train"]
+client_data = partitioner.load_partition(partition_id)   # partition_id == fedfuse client id
+client_data = client_data.with_format("torch")           # client_data["x"], client_data["label"]
+```
+
+`NaturalIdPartitioner` numbers partitions in order of first appearance; the rows are written client by client,
+so Flower's partition `i` is fedfuse's client `i`.
+
+## fedfuse
+
+`fedfuse run --dataset hf:{target} --partition natural --clients {part.num_clients}` (the `partition_id` column is
+the natural group) rebuilds the same clients; with the same `--seed` the same validation and test splits.
+"""
