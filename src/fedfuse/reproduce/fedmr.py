@@ -18,18 +18,20 @@ Scales (``PRESETS``, printed to ``preset.yaml`` and into every run's ``config.ya
   writers staged here (paper: 180), 500 rounds (the code's ``--epochs`` default), switch round 100.
 * ``cpu`` (default): the same recipe on a CIFAR-10 subset sized for a 2-core CPU — 50 clients on a
   stratified 10,000-image subset (200 images each, 10 sampled per round), a 2,000-image test subset,
-  FEMNIST unchanged; fewer rounds and the switch round scaled with them.
+  FEMNIST unchanged; fewer rounds and the switch round scaled with them.  ``--settings mnist-dir0.1`` /
+  ``mnist-dir0.5`` run the CIFAR-10 settings unchanged on MNIST with fedfuse's ``mlp`` (200-200), to check
+  that the preset is not tuned to one dataset (not run by default).
 * ``quick`` (``--quick``, ≤ 5 min): FEMNIST with 5 writers per round, 20 rounds, evaluated every 2 rounds,
   one seed — a smoke test that every method learns.  ``--quick --settings cifar10-dir0.5`` runs a small
   CIFAR-10 Dir(0.5) federation (20 clients on 3,000 images, 5 per round) instead; after 20 rounds at the
   authors' learning rate the FedMR variants there are still near chance.
 
 Accuracy is reported as the mean of the last 5 evaluations (``fedfuse.stats.final_mean``), mean ± std over
-seeds.  ``--momentum 0.9`` re-runs a grid with the paper text's momentum (a documented paper-vs-code
-discrepancy).  With ``--reuse``, finished runs (``<out>/<setting>/<method>/seed<k>/summary.json``) are kept, so
-an interrupted grid resumes; a run another live process is working on is skipped, so several processes may
-fill one ``--out`` with different ``--methods``.  Tables are built from every finished run of the preset under
-``--out``.
+seeds, with a paired t-test of every method against FedAvg over the seeds both finished. ``--momentum 0.9``
+re-runs a grid with the paper text's momentum (a documented paper-vs-code discrepancy). With ``--reuse``,
+finished runs (``<out>/<setting>/<method>/seed<k>/summary.json``) are kept, so an interrupted grid resumes; a
+run another live process is working on is skipped, so several processes may fill one ``--out`` with different
+``--methods``. Tables are built from every finished run of the preset under ``--out``.
 """
 
 from __future__ import annotations
