@@ -38,9 +38,42 @@ def test_paper_scale_is_the_papers_federation():
         assert s[name]["model"] == "cnn-cifar"
     assert s["femnist"]["model"] == "cnn-femnist" and s["femnist"]["dataset_options"]["normalize"] == "authors"
     assert R.PRESETS["paper"]["rounds"] >= 500 and R.PRESETS["paper"]["warmup"] == 100
-    # the CPU scale only shrinks data/rounds: same datasets, models and participation
+    # the CPU scale only shrinks data/rounds: same datasets, models and participation (plus the MNIST check)
     cpu = R.PRESETS["cpu"]["settings"]
-    assert set(cpu) == set(s) and all(cpu[k]["model"] == s[k]["model"] for k in s)
+    assert set(cpu) == set(s) | {"mnist-dir0.1", "mnist-dir0.5"} and all(cpu[k]["model"] == s[k]["model"] for k in s)
+
+
+def test_mnist_settings_are_the_cifar_settings_with_another_dataset():
+    """``--settings mnist-dir0.1`` = the cpu CIFAR-10 Dir(0.1) run with only dataset and model changed."""
+    assert list(R.resolve_preset(ns())["settings"]) == ["cifar10-dir0.1", "cifar10-dir0.5", "cifar10-iid", "femnist"]
+    p = R.resolve_preset(ns(settings="mnist-dir0.1,mnist-dir0.5"))
+    assert p["rounds"] == 120 and p["warmup"] == 24 and p["training"] == R.AUTHORS_TRAINING
+    for alpha in ("0.1", "0.5"):
+        mnist = R.run_config("FedMR two-stage", f"mnist-dir{alpha}", 1, p, "data")
+        cifar = R.run_config("FedMR two-stage", f"cifar10-dir{alpha}", 1, R.resolve_preset(ns()), "data")
+        assert (mnist["dataset"], mnist["model"]) == ("mnist", "mlp")
+        assert {k: v for k, v in mnist.items() if k not in ("dataset", "model")} == \
+            {k: v for k, v in cifar.items() if k not in ("dataset", "model")}
+        assert mnist["partition_options"] == {"alpha": float(alpha)} and mnist["clients"] == 50
+        assert mnist["dataset_options"] == {"train_limit": 10000, "test_limit": 2000}
+        cfg = validate(apply(RunConfig(), mnist))
+        assert cfg.momentum == 0.5 and cfg.local_epochs == 5 and cfg.algorithm_options["warmup_rounds"] == 24
+    assert R.method_options("FedProx", p, "mnist") == ("fedprox", {"mu": 0.01})
+
+
+def test_paired_rows_against_fedavg():
+    """Hand case: diffs (+2, +4) points over seeds {0, 1}; a method on seed 2 only has no pair."""
+    def hist(acc):
+        return [{"round": r, "global_accuracy": acc} for r in range(1, 6)]
+
+    per = {"FedAvg": {0: hist(0.50), 1: hist(0.60)}, "FedMR": {0: hist(0.52), 1: hist(0.64), 2: hist(0.9)},
+           "FedMut": {2: hist(0.7)}}
+    (row,) = R.paired_vs_baseline("s", per)
+    assert row["method"] == "FedMR" and row["seeds"] == [0, 1] and row["n"] == 2
+    assert row["diff"] == pytest.approx(3.0)
+    # t = mean(d) / (sd(d)/sqrt(2)) = 0.03 / (0.01414/1.414) = 3 with 1 dof: p = 2·(1 − F(3)) = 0.2048
+    assert row["p"] == pytest.approx(0.2048, abs=1e-3) and row["mark"] == "(n.s.)"
+    assert R.paired_vs_baseline("s", {"FedMR": per["FedMR"]}) == []
 
 
 @pytest.mark.parametrize("name", list(R.PRESETS))
@@ -107,6 +140,11 @@ def test_tiny_grid_end_to_end(tmp_path, monkeypatch):
     assert preset["seeds"] == [0, 1] and preset["training"]["batch_size"] == 50
     res = json.loads((out / "results.json").read_text())["results"]
     assert {r["method"] for r in res} == {"FedAvg", "FedMR two-stage"} and all(len(r["last5_mean"]) == 2 for r in res)
+    (pair,) = json.loads((out / "results.json").read_text())["paired"]
+    by = {r["method"]: r["last5_mean"] for r in res}
+    assert pair["method"] == "FedMR two-stage" and pair["n"] == 2
+    assert pair["diff"] == pytest.approx(50 * sum(a - b for a, b in zip(by["FedMR two-stage"], by["FedAvg"])))
+    assert "Paired t-test against FedAvg" in table
     monkeypatch.setattr(R, "run_one", lambda *a, **k: pytest.fail("--reuse must keep finished runs"))
     args.reuse = True
     assert R.run(args) == 0

@@ -18,18 +18,20 @@ Scales (``PRESETS``, printed to ``preset.yaml`` and into every run's ``config.ya
   writers staged here (paper: 180), 500 rounds (the code's ``--epochs`` default), switch round 100.
 * ``cpu`` (default): the same recipe on a CIFAR-10 subset sized for a 2-core CPU — 50 clients on a
   stratified 10,000-image subset (200 images each, 10 sampled per round), a 2,000-image test subset,
-  FEMNIST unchanged; fewer rounds and the switch round scaled with them.
+  FEMNIST unchanged; fewer rounds and the switch round scaled with them.  ``--settings mnist-dir0.1`` /
+  ``mnist-dir0.5`` run the CIFAR-10 settings unchanged on MNIST with fedfuse's ``mlp`` (200-200), to check
+  that the preset is not tuned to one dataset (not run by default).
 * ``quick`` (``--quick``, ≤ 5 min): FEMNIST with 5 writers per round, 20 rounds, evaluated every 2 rounds,
   one seed — a smoke test that every method learns.  ``--quick --settings cifar10-dir0.5`` runs a small
   CIFAR-10 Dir(0.5) federation (20 clients on 3,000 images, 5 per round) instead; after 20 rounds at the
   authors' learning rate the FedMR variants there are still near chance.
 
 Accuracy is reported as the mean of the last 5 evaluations (``fedfuse.stats.final_mean``), mean ± std over
-seeds.  ``--momentum 0.9`` re-runs a grid with the paper text's momentum (a documented paper-vs-code
-discrepancy).  With ``--reuse``, finished runs (``<out>/<setting>/<method>/seed<k>/summary.json``) are kept, so
-an interrupted grid resumes; a run another live process is working on is skipped, so several processes may
-fill one ``--out`` with different ``--methods``.  Tables are built from every finished run of the preset under
-``--out``.
+seeds, with a paired t-test of every method against FedAvg over the seeds both finished. ``--momentum 0.9``
+re-runs a grid with the paper text's momentum (a documented paper-vs-code discrepancy). With ``--reuse``,
+finished runs (``<out>/<setting>/<method>/seed<k>/summary.json``) are kept, so an interrupted grid resumes; a
+run another live process is working on is skipped, so several processes may fill one ``--out`` with different
+``--methods``. Tables are built from every finished run of the preset under ``--out``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch
 import yaml
 
 from fedfuse.reproduce.common import markdown, run_one
-from fedfuse.stats import best_value, final_mean, mean_std, parse_seeds
+from fedfuse.stats import best_value, final_mean, mean_std, paired_test, parse_seeds
 
 DESCRIPTION = ("FedMR Table 1 with the authors' settings: CIFAR-10 Dir(0.1)/Dir(0.5)/IID + FEMNIST, FedMR, "
                "two-stage, FedMR-p vs FedAvg, FedProx, FedMut, FedExP, FedASAM (--scale cpu|paper, --quick)")
@@ -87,6 +89,15 @@ def _cifar(clients: int, per_round: int, limits: dict[str, int]) -> dict[str, di
     return {name: {**base, **split} for name, split in _CIFAR_SPLITS.items()}
 
 
+def _mnist(clients: int, per_round: int, limits: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """MNIST with the CIFAR-10 settings' federation and splits (Dir(0.1), Dir(0.5)) and fedfuse's ``mlp``
+    (200-200): a second 10-class image set to check that the preset is not tuned to CIFAR-10."""
+    base = {"dataset": "mnist", "model": "mlp", "clients": clients, "clients_per_round": per_round,
+            "dataset_options": dict(limits)}
+    return {"mnist-" + name.split("-", 1)[1]: {**base, **split}
+            for name, split in _CIFAR_SPLITS.items() if name != "cifar10-iid"}
+
+
 #: One place for every reproduction scale: training recipe, horizon, switch round and data settings.
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": {
@@ -96,7 +107,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {
         "training": AUTHORS_TRAINING, "rounds": 120, "warmup": 24, "seeds": 3,
         "settings": {**_cifar(50, 10, {"train_limit": 10000, "test_limit": 2000}),
-                     "femnist": {**_FEMNIST, "clients": 105, "clients_per_round": 10}},
+                     "femnist": {**_FEMNIST, "clients": 105, "clients_per_round": 10},
+                     **_mnist(50, 10, {"train_limit": 10000, "test_limit": 2000})},
+        "default_settings": [*_CIFAR_SPLITS, "femnist"],  # the MNIST check runs only with --settings
     },
     "quick": {
         "training": {**AUTHORS_TRAINING, "eval_every": 5}, "rounds": 20, "warmup": 5, "seeds": 1,
@@ -116,7 +129,7 @@ PAPER_DIRECTION = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", choices=("cpu", "paper"), default="cpu",
                    help="cpu: sized for a 2-core CPU (default); paper: the paper's federation sizes (GPU)")
-    p.add_argument("--settings", default="", help="comma list among " + ",".join(PRESETS["paper"]["settings"]))
+    p.add_argument("--settings", default="", help="comma list among " + ",".join(PRESETS["cpu"]["settings"]))
     p.add_argument("--methods", default="", help="comma list of method labels (default: all): " + ",".join(METHODS))
     p.add_argument("--rounds", type=int, default=0, help="override the preset's number of rounds")
     p.add_argument("--warmup", type=int, default=-1, help="override the two-stage switch round")
@@ -262,7 +275,7 @@ def write_tables(out: Path, preset: dict[str, Any], wall: float, plots: bool = T
         f"round, val_fraction {tr['val_fraction']}, two-stage switch round {preset['warmup']}. "
         f"Wall time of this invocation {wall / 60:.1f} min."
     )
-    rows, results, curves = [], [], {}
+    rows, results, curves, paired = [], [], {}, []
     for setting, per in found.items():
         row: dict[str, Any] = {"setting": setting}
         curves[setting] = {}
@@ -278,9 +291,18 @@ def write_tables(out: Path, preset: dict[str, Any], wall: float, plots: bool = T
                             "mean": ms.mean, "std": ms.std})
             curves[setting][label] = _mean_curve(list(hists.values()))
         rows.append(row)
-    (out / "results.json").write_text(json.dumps({"preset": {k: v for k, v in preset.items()},
-                                                  "results": results, "curves": curves}, indent=1, default=str))
-    text = [header, "", markdown(rows), "", f"Paper direction: {PAPER_DIRECTION}.", ""]
+        paired += paired_vs_baseline(setting, per)
+    (out / "results.json").write_text(json.dumps({"preset": {k: v for k, v in preset.items()}, "results": results,
+                                                  "paired": paired, "curves": curves}, indent=1, default=str))
+    text = [header, "", markdown(rows), ""]
+    if paired:
+        text += [f"Paired t-test against {BASELINE} over the seeds both ran (`fedfuse.stats.paired_test`; "
+                 "difference in points of the last-5 mean; `*` p < 0.05, `(n.s.)` otherwise):", "",
+                 markdown([{"setting": r["setting"], "method": r["method"], "seeds": r["n"],
+                            f"− {BASELINE} (points)": f"{r['diff']:+.2f}",
+                            "p (paired t)": "n/a (n < 2)" if r["p"] is None else f"{r['p']:.2g} {r['mark']}"}
+                           for r in paired]), ""]
+    text += [f"Paper direction: {PAPER_DIRECTION}.", ""]
     for setting, per in curves.items():
         if not per:
             continue
@@ -295,6 +317,26 @@ def write_tables(out: Path, preset: dict[str, Any], wall: float, plots: bool = T
             _plot(out / f"curves-{setting}.png", f"{setting} ({preset['name']}, momentum {tr['momentum']})", per)
     (out / "table.md").write_text("\n".join(text))
     return "\n".join(text)
+
+
+#: The baseline every method is compared with (paired over seeds) in ``table.md``.
+BASELINE = "FedAvg"
+
+
+def paired_vs_baseline(setting: str, per: dict[str, dict[int, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Each method's last-5 mean vs :data:`BASELINE`'s on the seeds both finished: a paired t-test per method."""
+    base = per.get(BASELINE)
+    if not base:
+        return []
+    rows = []
+    for label, hists in per.items():
+        seeds = sorted(set(hists) & set(base))
+        if label == BASELINE or not seeds:
+            continue
+        t = paired_test([final_mean(hists[s]) for s in seeds], [final_mean(base[s]) for s in seeds])
+        rows.append({"setting": setting, "method": label, "seeds": seeds, "n": t.n, "diff": 100 * t.diff,
+                     "p": None if t.p_value != t.p_value else t.p_value, "mark": t.mark()})
+    return rows
 
 
 def _mean_curve(histories: list[list[dict[str, Any]]]) -> list[tuple[int, float]]:
