@@ -102,10 +102,11 @@ def handle(msg: Message, context: Context) -> Message:
     if train:
         run.ctx.train = TrainConfig(**train)
     body = wire.unpack(msg.content)
+    payload = wire.from_records(msg.content[wire.PAYLOAD_ARRAYS], msg.content[wire.PAYLOAD_SKELETON])
     data = run.fed.clients[cid]
     private = tuple(getattr(run.algo, "node_private", ()))
     state = restore_private(body["state"], private, context, cid)
-    job = Job(cid, body["payload"].to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
+    job = Job(cid, payload.to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
     seed_global(seed, job)
     result = getattr(run.algo, method)(job.payload, job.state, data, job_generator(seed, job))
     if private and method == "fit":  # evaluation reads the kept entries but leaves them as they are

@@ -58,7 +58,6 @@ class FlowerExecutor:
         self.round_timeout = round_timeout or None
         self.min_nodes = max(1, min_nodes)
         self.node_wait = node_wait
-        self.train: Any = None  # set by bind(): the loop's RunContext.train at send time
         self._ctx: Any = None
         self.lost: dict[int, str] = {}  # the last call's jobs without a usable reply, with the reason
         self._started = False
@@ -88,14 +87,16 @@ class FlowerExecutor:
         live = [n for n in ids if self._silent.get(n, 0) <= 0]
         return live or ids
 
-    def message(self, method: str, job: Job, node: int) -> Any:
+    def message(self, method: str, job: Job, node: int, payload: tuple[Any, Any], train: str) -> Any:
+        """The Flower message of ``job``: its payload records (encoded once per distinct payload, see
+        :meth:`map`), the client's state and the job record (``train``: the local-training settings as JSON)."""
         from flwr.app import ConfigRecord, Message
 
-        content = wire.pack({"payload": job.payload, "state": job.state})
-        train = asdict(self._ctx.train) if self._ctx is not None else {}
+        content = wire.pack({"state": job.state})
+        content[wire.PAYLOAD_ARRAYS], content[wire.PAYLOAD_SKELETON] = payload
         content[JOB] = ConfigRecord({
             "method": method, "cid": int(job.cid), "keys": json.dumps(list(job.keys)), "seed": int(self.seed),
-            "run": self.run_json, "train": json.dumps(train, default=str),
+            "run": self.run_json, "train": train,
         })
         return Message(content=content, message_type=METHODS[method], dst_node_id=node)
 
@@ -109,10 +110,13 @@ class FlowerExecutor:
             return {}
         nodes = self.route(self.nodes())
         self._silent = {n: k - 1 for n, k in self._silent.items() if k > 1}
+        train = json.dumps(asdict(self._ctx.train) if self._ctx is not None else {}, default=str)
+        payloads: dict[int, tuple[Any, Any]] = {}  # a payload broadcast to many clients is encoded once
         sent = {}
         for job in jobs:
-            msg = self.message(method, job, nodes[job.cid % len(nodes)])
-            sent[job.cid] = msg
+            if id(job.payload) not in payloads:
+                payloads[id(job.payload)] = wire.to_records(job.payload)
+            sent[job.cid] = self.message(method, job, nodes[job.cid % len(nodes)], payloads[id(job.payload)], train)
         replies = list(self.grid.send_and_receive(list(sent.values()), timeout=self.round_timeout))
         by_message = {m.metadata.message_id: cid for cid, m in sent.items() if m.metadata.message_id}
         out: dict[int, Any] = {}

@@ -22,6 +22,8 @@ from fedfuse.types import Message
 
 ARRAYS = "fedfuse.arrays"
 SKELETON = "fedfuse.skeleton"
+PAYLOAD_ARRAYS = "fedfuse.payload.arrays"  # a job's payload, kept apart so a broadcast payload is encoded once
+PAYLOAD_SKELETON = "fedfuse.payload.skeleton"
 
 _VIEW_AS = {torch.bfloat16: torch.int16}  # dtypes numpy cannot hold: sent as their bit pattern
 
