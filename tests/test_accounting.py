@@ -1,10 +1,13 @@
 """FLOP counting and byte accounting against hand-computed values."""
 
+import dataclasses
+
+import pytest
 import torch
 
 from fedfuse.engine.client import train_flops_per_sample
 from fedfuse.models import build_model
-from fedfuse.types import Message, tensor_bytes
+from fedfuse.types import FitStats, Message, tensor_bytes
 
 
 def test_mlp_training_flops_hand_computed():
@@ -42,3 +45,46 @@ def test_flop_counting_leaves_the_model_untouched():
 def test_simulation_bookkeeping_tensors_are_not_counted():
     msg = Message({"w": torch.zeros(10), "sim/own/w": torch.zeros(1000)})
     assert msg.nbytes == 40
+
+
+def test_local_work_is_a_typed_record_not_metadata():
+    stats = FitStats(num_examples=4, samples=8, steps=2, train_loss=0.5, flops=10.0, trained_params=3)
+    msg = Message({"w": torch.zeros(2)}, {"slot": 1}, stats)
+    assert msg.num_examples == 4 and Message().num_examples == 0
+    moved = msg.to("cpu")
+    assert moved.stats == stats and moved.stats is not stats  # a copy travels, not a shared record
+    for name in ("num_examples", "flops", "trained_params"):
+        with pytest.raises(ValueError, match="FitStats"):
+            Message({}, {name: 1})
+
+
+def test_round_record_sums_the_replies_fitstats(tmp_path):
+    """The engine's client_flops, train_loss and trained_params come from each reply's FitStats."""
+    from fedfuse.config import RunConfig, apply
+    from fedfuse.experiment import Experiment
+
+    cfg = apply(RunConfig(), {"dataset": "digits", "clients": 4, "clients_per_round": 4, "rounds": 1,
+                              "local_epochs": 1, "model": "mlp", "out": str(tmp_path), "plots": False,
+                              "device": "cpu"})
+    exp = Experiment(cfg, progress=False)
+    seen: list[Message] = []
+    declare = exp.algo.client_program
+
+    def spy(*args):  # record every reply the declared program finalises
+        program = declare(*args)
+        finalize = program.finalize
+
+        def record(state, stats):
+            reply, cstate = finalize(state, stats)
+            seen.append(reply)
+            return reply, cstate
+
+        return dataclasses.replace(program, finalize=record)
+
+    exp.algo.client_program = spy
+    exp.run()
+    rec = exp.history[0]
+    assert len(seen) == 4 and all(r.stats is not None and not (set(r.meta) & {"flops", "samples"}) for r in seen)
+    assert rec["client_flops"] == pytest.approx(sum(r.stats.flops for r in seen))
+    n = sum(r.stats.samples for r in seen)
+    assert rec["train_loss"] == pytest.approx(sum(r.stats.train_loss * r.stats.samples for r in seen) / n)

@@ -16,7 +16,7 @@ from fedfuse.engine.validate import check_replies
 from fedfuse.errors import DivergenceError
 from fedfuse.experiment import Experiment, build_federation, strip_timing
 from fedfuse.fusion.average import clip_updates, robust_average
-from fedfuse.types import ClientData, Federation, Message, Split
+from fedfuse.types import ClientData, Federation, FitStats, Message, Split
 
 BASE = dict(dataset="digits", model="mlp", model_options={"widths": [16]}, clients=4, clients_per_round=4,
             rounds=2, local_epochs=1, plots=False, eval_every=2, threads=1)
@@ -76,7 +76,7 @@ def test_bad_update_leaves_global_model_as_without_that_client(fed, algorithm):
 
 def _msg(**tensors) -> Message:
     return Message({k: torch.as_tensor(v, dtype=torch.float32) for k, v in tensors.items()},
-                   {"num_examples": 10, "train_loss": 0.5})
+                   stats=FitStats(num_examples=10, train_loss=0.5))
 
 
 def test_check_replies_reasons():
@@ -86,9 +86,9 @@ def test_check_replies_reasons():
     bad = dict(good)
     bad[0] = _msg(w=[[math.nan, 0], [0, 0]], b=[0, 0])
     bad[1] = _msg(w=[[0.1, 0.1]], b=[0.1, 0.1])  # broadcasts against (2, 2)
-    bad[2] = Message(good[2].tensors, {"num_examples": 10**12})
+    bad[2] = Message(good[2].tensors, stats=FitStats(num_examples=10**12))
     bad[3] = _msg(w=[[1e4, 0], [0, 0]], b=[0, 0])
-    bad[4] = Message({**good[4].tensors, "extra": torch.zeros(1)}, {"num_examples": 10})
+    bad[4] = Message({**good[4].tensors, "extra": torch.zeros(1)}, stats=FitStats(num_examples=10))
     why = check_replies(object(), sent, bad, [10] * 8, norm_bound=10)
     assert "NaN" in why[0] and "shape (1, 2)" in why[1] and "holds 10" in why[2]
     assert "norm" in why[3] and "unexpected key extra" in why[4]
@@ -103,8 +103,8 @@ def test_check_replies_uses_round_majority_when_nothing_comparable_was_sent():
     why = check_replies(object(), sent, replies, None, norm_bound=0)
     assert list(why) == [2] and "other replies (3, 2)" in why[2]
     # negative or fractional example counts and a non-finite loss are rejected too
-    replies = {0: Message({}, {"num_examples": -1}), 1: Message({}, {"num_examples": 2.5}),
-               2: Message({}, {"train_loss": float("inf")})}
+    replies = {0: Message({}, stats=FitStats(num_examples=-1)), 1: Message({}, stats=FitStats(num_examples=2.5)),
+               2: Message({}, stats=FitStats(train_loss=float("inf")))}
     why = check_replies(object(), {c: Message() for c in range(3)}, replies, [5, 5, 5])
     assert "negative" in why[0] and "not an integer" in why[1] and "loss" in why[2]
 
@@ -250,7 +250,7 @@ def test_fedmr_partial_round_keeps_the_missing_slot(fed):
 
     info = RoundInfo(index=1, total=2)
     sent = exp.algo.configure_fit(state, info, [0, 1, 2, 3])
-    replies = {c: Message(sent[c].tensors, {"num_examples": 5, "slot": sent[c].meta["slot"]}) for c in (0, 1, 3)}
+    replies = {c: Message(sent[c].tensors, {"slot": sent[c].meta["slot"]}, FitStats(num_examples=5)) for c in (0, 1, 3)}
     new = exp.algo.aggregate_fit(state, info, replies)
     # recombination permutes layers among the 4 slots: slot 2's layers survive (nothing is lost or duplicated)
     first = next(k for k in state["global"] if state["global"][k].is_floating_point())

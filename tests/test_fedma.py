@@ -10,7 +10,7 @@ from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig
 from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.permute import permute_all, random_permutations, transformer_spec
-from fedfuse.types import Message
+from fedfuse.types import FitStats, Message
 
 
 def cfg(algorithm, clients=3, rounds=1, model="mlp", model_options=None, **kw):
@@ -89,7 +89,7 @@ def test_fedma_freezes_lower_layers_during_retraining():
         assert torch.equal(cs["model"][k], exp.state["partial"][k])
     assert set(out.tensors) == {"hidden.1.weight", "hidden.1.bias"}
     assert out.tensors["hidden.1.weight"].shape[1] == exp.state["partial_sizes"][0]
-    assert out.meta["trained_params"] < sum(v.numel() for v in cs["model"].values())
+    assert out.stats.trained_params < sum(v.numel() for v in cs["model"].values())
 
 
 def test_baselines_share_the_local_models_and_ensemble_is_reported():
@@ -120,8 +120,8 @@ def test_simple_fedma_averages_aligned_clients():
     ref = {k: v.clone() for k, v in algo.ctx.build().state_dict().items()}
     spec = transformer_spec(algo.ctx.model())
     other = permute_all(ref, spec, random_permutations(spec, torch.Generator().manual_seed(4)))
-    meta = {"num_examples": 5}
-    new = algo.aggregate_fit(state, RoundInfo(0, 1), {0: Message(ref, meta), 1: Message(other, meta)})
+    fit = FitStats(num_examples=5)
+    new = algo.aggregate_fit(state, RoundInfo(0, 1), {0: Message(ref, stats=fit), 1: Message(other, stats=fit)})
     for k in ref:
         torch.testing.assert_close(new["global"][k], ref[k])
     diag = algo.diagnostics(new, None, RoundInfo(0, 1))

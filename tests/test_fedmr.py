@@ -27,7 +27,7 @@ from fedfuse.fusion.recombine import (
 )
 from fedfuse.models import build_model
 from fedfuse.rng import derive_seed, numpy_rng, torch_generator
-from fedfuse.types import Message
+from fedfuse.types import FitStats, Message
 
 
 def cfg_for(tmp_path=None, **kw) -> RunConfig:
@@ -193,7 +193,8 @@ def test_secure_exchange_through_the_algorithm_hooks():
     keys = {c: new_key_pair() for c in cids}
     states = {c: {"secure": {"round": 0, "model": s, "secret": keys[c][0]}} for c, s in zip(cids, inputs)}
     state = algo.init_state()
-    stage0 = {c: Message({}, {"num_examples": 10, "slot": i, "public_key": keys[c][1]}) for i, c in enumerate(cids)}
+    stage0 = {c: Message({}, {"slot": i, "public_key": keys[c][1]}, FitStats(num_examples=10))
+              for i, c in enumerate(cids)}
     state = algo.aggregate_fit(state, RoundInfo(index=0, total=1, stage=0), stage0)
     info1 = RoundInfo(index=0, total=1, stage=1)
     sent = algo.configure_fit(state, info1, cids)
@@ -305,7 +306,7 @@ def test_algorithm_recombination_uses_each_uploaded_layer_once():
     algo = exp.algo
     state = algo.init_state()
     inputs = random_states(exp.ctx.model(), 4, seed=3)
-    results = {c: Message(s, {"num_examples": 5}) for c, s in zip([1, 3, 4, 6], inputs)}
+    results = {c: Message(s, stats=FitStats(num_examples=5)) for c, s in zip([1, 3, 4, 6], inputs)}
     new = algo.aggregate_fit(state, RoundInfo(0, 1), results)
     for unit in algo.units():
         assert sorted(source_of(unit, s, inputs) for s in new["slots"]) == [0, 1, 2, 3]
@@ -318,7 +319,7 @@ def test_segments_option_in_the_algorithm():
     exp = Experiment(cfg_for(clients=8, clients_per_round=4, algorithm_options={"segments": 1}, **BN_MODEL))
     algo = exp.algo
     inputs = random_states(exp.ctx.model(), 4, seed=4)
-    results = {c: Message(s, {"num_examples": 5}) for c, s in enumerate(inputs)}
+    results = {c: Message(s, stats=FitStats(num_examples=5)) for c, s in enumerate(inputs)}
     new = algo.aggregate_fit(algo.init_state(), RoundInfo(0, 1), results)
     whole = tuple(inputs[0])
     assert sorted(source_of(whole, s, inputs) for s in new["slots"]) == [0, 1, 2, 3]

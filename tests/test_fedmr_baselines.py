@@ -17,7 +17,7 @@ from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.models import build_model
 from fedfuse.rng import numpy_rng
-from fedfuse.types import Message, Split
+from fedfuse.types import FitStats, Message, Split
 
 
 def cfg_for(**kw) -> RunConfig:
@@ -40,7 +40,7 @@ def fake_results(model, k, seed=0, nbt_step=3):
         s = {}
         for key, v in model.state_dict().items():
             s[key] = v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v + nbt_step * (i + 1)
-        out[i] = Message(s, {"num_examples": 10 + i})
+        out[i] = Message(s, stats=FitStats(num_examples=10 + i))
     return out
 
 

@@ -23,7 +23,7 @@ from fedfuse.experiment import Experiment
 from fedfuse.flower import wire
 from fedfuse.flower.app import client_app, prepare_node
 from fedfuse.flower.executor import FlowerExecutor, LocalGrid
-from fedfuse.types import Message
+from fedfuse.types import FitStats, Message
 from test_conformance import LORA, _cfg, _token_federation
 
 
@@ -33,7 +33,8 @@ def test_wire_round_trip_is_exact():
     value = (
         Message({"w": torch.randn(3, 4, generator=g), "b": torch.randn(2, generator=g).to(torch.bfloat16),
                  "n": torch.tensor(7), "mask": torch.tensor([True, False])},
-                {"sel": {"0": [1, 2]}, "slot": 3, "inf": float("inf"), "t": (1, "a")}),
+                {"sel": {"0": [1, 2]}, "slot": 3, "inf": float("inf"), "t": (1, "a")},
+                FitStats(num_examples=12, samples=60, steps=3, train_loss=0.25, flops=1.5e6, trained_params=None)),
         {0: None, 5: [1.5, float("nan")], "__odd": "x"},
         torch.arange(6).reshape(2, 3)[:, 1],  # a non-contiguous view
     )
@@ -41,6 +42,7 @@ def test_wire_round_trip_is_exact():
     for k, t in value[0].tensors.items():
         assert msg.tensors[k].dtype == t.dtype and torch.equal(msg.tensors[k], t)
     assert msg.meta["sel"] == {"0": [1, 2]} and msg.meta["t"] == (1, "a") and msg.meta["inf"] == math.inf
+    assert msg.stats == value[0].stats and wire.unpack(wire.pack(Message({}))).stats is None
     assert d[0] is None and d[5][0] == 1.5 and math.isnan(d[5][1]) and d["__odd"] == "x"
     assert list(d) == [0, 5, "__odd"]
     assert torch.equal(view, torch.tensor([1, 4]))

@@ -21,7 +21,7 @@ from fedfuse.config import RunConfig, apply, validate
 from fedfuse.data.lm_clients import encode_pairs, make_federation, windows
 from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.models.transformer import TransformerModel
-from fedfuse.types import Message
+from fedfuse.types import FitStats, Message
 
 TOK = CharTokenizer()
 TEXTS = [
@@ -104,7 +104,7 @@ def test_local_lora_sends_nothing(base, fed):
 def _fake_results(am, sizes, seed=0):
     g = torch.Generator().manual_seed(seed)
     return {c: Message({k: torch.randn(v.shape, generator=g) for k, v in am.adapter().items()},
-                       {"num_examples": n}) for c, n in enumerate(sizes)}
+                       stats=FitStats(num_examples=n)) for c, n in enumerate(sizes)}
 
 
 def test_fedit_averages_a_and_b_by_size(base, fed):

@@ -64,19 +64,19 @@ def test_fedem_accounting_and_aggregation():
         results[c], cstates[c] = algo.fit(payloads[c], algo.init_client_state(c), exp.fed.clients[c],
                                           torch_generator(1, c))
     r = results[0]
-    assert r.nbytes == M * nbytes(exp) and r.meta["trained_params"] == M * nparams(exp)
+    assert r.nbytes == M * nbytes(exp) and r.stats.trained_params == M * nparams(exp)
     n = len(exp.fed.clients[0].train)
-    assert r.meta["samples"] == M * n  # every learner trains on every sample
+    assert r.stats.samples == M * n  # every learner trains on every sample
     fa = Experiment(cfg_for("fedavg"))
     fa_meta = fa.algo.fit(Message(fa.algo.init_state()["global"]), None, fa.fed.clients[0], torch_generator(1, 0))[0]
-    assert r.meta["flops"] > M * fa_meta.meta["flops"]  # M trainings + M E-step forward passes
+    assert r.stats.flops > M * fa_meta.stats.flops  # M trainings + M E-step forward passes
     pi = cstates[0]["pi"]
     assert float(pi.sum()) == pytest.approx(1.0) and not torch.allclose(pi, torch.full((M,), 1 / M,
                                                                                      dtype=torch.float64))
     new = algo.aggregate_fit(state, RoundInfo(0, 1), results)
     for m in range(M):
         expect = weighted_average([unpack(results[c].tensors, M)[m] for c in (0, 4)],
-                                  [results[c].meta["num_examples"] for c in (0, 4)])
+                                  [results[c].stats.num_examples for c in (0, 4)])
         for k, v in expect.items():
             torch.testing.assert_close(new["learners"][m][k], v)
     assert algo.server_parameters(new) == M * nparams(exp)
@@ -131,7 +131,7 @@ def test_ifca_uniform_vs_sample_weighting():
         p = algo.configure_fit(state, RoundInfo(0, 1), [0, 3])
         res = {c: algo.fit(p[c], None, exp.fed.clients[c], torch_generator(0, c))[0] for c in (0, 3)}
         new = algo.aggregate_fit(state, RoundInfo(0, 1), res)
-        w = [1.0, 1.0] if weighting == "uniform" else [res[c].meta["num_examples"] for c in (0, 3)]
+        w = [1.0, 1.0] if weighting == "uniform" else [res[c].stats.num_examples for c in (0, 3)]
         expect = weighted_average([res[0].tensors, res[3].tensors], w)
         torch.testing.assert_close(new["models"][0]["fc.weight"], expect["fc.weight"])
 
@@ -150,12 +150,12 @@ def test_pfedmoe_only_the_global_expert_travels_and_costs_show():
     assert set(res.tensors) == set(state["expert"]) and res.nbytes == p.nbytes
     extractor = nparams(exp) - sum(v.numel() for k, v in exp.ctx.model().named_parameters() if k in head)
     gate = (64 + 1) * 2  # linear gate on the flattened 8x8 digit
-    assert res.meta["trained_params"] == 2 * extractor + (nparams(exp) - extractor) + gate
+    assert res.stats.trained_params == 2 * extractor + (nparams(exp) - extractor) + gate
     assert set(cs) == {"local", "gate"}
     assert not torch.equal(cs["local"]["fc.weight"], algo._local_init(0)["local"]["fc.weight"])  # trained
     fa = Experiment(cfg_for("fedavg"))
     fa_res = fa.algo.fit(Message(fa.algo.init_state()["global"]), None, fa.fed.clients[0], torch_generator(0, 0))[0]
-    assert res.meta["flops"] > fa_res.meta["flops"]
+    assert res.stats.flops > fa_res.stats.flops
     new = algo.aggregate_fit(state, RoundInfo(0, 1), {0: res})
     assert all(torch.equal(new["expert"][k], res.tensors[k]) for k in res.tensors)
     assert algo.server_parameters(new) == extractor

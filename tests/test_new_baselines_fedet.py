@@ -91,7 +91,7 @@ def test_without_server_steps_each_group_is_fedavg_with_an_averaged_head():
 
     exp.algo.aggregate_fit = spy
     exp.run()
-    n = {c: float(m.meta["num_examples"]) for c, m in seen.items()}
+    n = {c: float(m.stats.num_examples) for c, m in seen.items()}
     tot = sum(n.values())
     body = sum(seen[c].tensors["hidden.0.weight"] * n[c] / tot for c in seen)
     torch.testing.assert_close(exp.state["edge"][0]["hidden.0.weight"], body, rtol=1e-5, atol=1e-6)

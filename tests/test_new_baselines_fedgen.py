@@ -10,7 +10,7 @@ from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedgen import Generator, decayed, diversity_loss, label_weights
 from fedfuse.config import RunConfig, apply
 from fedfuse.experiment import Experiment
-from fedfuse.types import Message
+from fedfuse.types import FitStats, Message
 
 
 def _cfg(**kw) -> RunConfig:
@@ -53,7 +53,7 @@ def test_generator_learns_features_the_weighted_heads_classify_as_the_label():
     for c in range(2):
         t = dict(state["global"])
         t["fc.weight"], t["fc.bias"] = head_w + 0.1 * torch.randn(10, 16), torch.zeros(10)
-        results[c] = Message(t, {"num_examples": 10, "label_counts": [5] * 10})
+        results[c] = Message(t, {"label_counts": [5] * 10}, FitStats(num_examples=10))
 
     def acc(gstate):
         g = Generator(10, 16, 8, 64)

@@ -30,18 +30,56 @@ def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 @dataclass
+class FitStats:
+    """What a client reports about its local work, typed: the engine's accounting and the aggregation weights
+    read these fields, never strings in ``Message.meta``.
+
+    ``num_examples`` is the size of the client's training set (n_i, the weight of sample-weighted means);
+    ``samples`` the examples it processed (epochs × n_i); ``train_loss`` the mean training loss over them;
+    ``flops`` its training (and any extra forward) FLOPs; ``trained_params`` the parameters it trained, or
+    ``None`` for a stage that trains nothing (e.g. a BN-statistics pass), which the per-round mean skips."""
+
+    num_examples: int = 0
+    samples: int = 0
+    steps: int = 0
+    train_loss: float = 0.0
+    flops: float = 0.0
+    trained_params: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: Names that belong to :class:`FitStats`; a ``Message.meta`` carrying one of them is refused.
+FIT_STATS_FIELDS = frozenset(f.name for f in dataclasses.fields(FitStats))
+
+
+@dataclass
 class Message:
-    """What a server, client or peer sends: named tensors and JSON-able metadata."""
+    """What a server, client or peer sends: named tensors, JSON-able metadata and, on a client's reply, the
+    typed :class:`FitStats` of its work."""
 
     tensors: TensorDict = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    stats: FitStats | None = None
+
+    def __post_init__(self) -> None:
+        clash = FIT_STATS_FIELDS.intersection(self.meta)
+        if clash:
+            raise ValueError(f"Message.meta carries {sorted(clash)}: report local work as Message(stats=FitStats(...))")
 
     @property
     def nbytes(self) -> int:
         return tensor_bytes(self.tensors)
 
+    @property
+    def num_examples(self) -> int:
+        """The sender's declared training-set size (0 when it reported no :class:`FitStats`)."""
+        return self.stats.num_examples if self.stats is not None else 0
+
     def to(self, device: torch.device | str) -> Message:
-        return Message({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta))
+        return Message({k: v.to(device) for k, v in self.tensors.items()}, dict(self.meta),
+                       dataclasses.replace(self.stats) if self.stats is not None else None)
 
 
 @dataclass

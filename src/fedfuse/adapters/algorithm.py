@@ -26,7 +26,7 @@ from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
 from fedfuse.engine.client import TrainStats, train_local
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
-from fedfuse.types import ClientData, Federation, TensorDict
+from fedfuse.types import ClientData, Federation, FitStats, TensorDict
 
 Mixture = tuple[list[TensorDict], list[float]]  # adapters and their mixture weights (one adapter: [1.0])
 
@@ -81,12 +81,14 @@ class LoraAlgorithm(Algorithm):
                             epochs=epochs, lr=lr)
         return am.adapter(), stats
 
-    def adapter_meta(self, data: ClientData, stats: TrainStats, adapters_trained: int = 1,
-                     extra_forward_rows: int = 0) -> dict[str, Any]:
+    def adapter_stats(self, data: ClientData, stats: TrainStats, adapters_trained: int = 1,
+                      extra_forward_rows: int = 0) -> FitStats:
+        """The :class:`FitStats` of training ``adapters_trained`` adapters (plus extra forward rows)."""
         fwd, train = self.flops_per_row(data)
-        return {"num_examples": len(data.train), "samples": int(stats.samples), "steps": int(stats.steps),
-                "train_loss": float(stats.mean_loss), "flops": float(train * stats.samples + fwd * extra_forward_rows),
-                "trained_params": int(adapters_trained * self.am.numel)}
+        return FitStats(num_examples=len(data.train), samples=int(stats.samples), steps=int(stats.steps),
+                        train_loss=float(stats.mean_loss),
+                        flops=float(train * stats.samples + fwd * extra_forward_rows),
+                        trained_params=int(adapters_trained * self.am.numel))
 
     def flops_per_row(self, data: ClientData) -> tuple[float, float]:
         """(forward, forward+backward) FLOPs of one training row, counted on the live model once per shape."""
@@ -180,4 +182,4 @@ class LoraAlgorithm(Algorithm):
 
 
 def size_weights(results: dict[int, Any], clients: Sequence[int]) -> list[float]:
-    return [float(results[c].meta.get("num_examples", 1)) for c in clients]
+    return [float(results[c].num_examples) for c in clients]

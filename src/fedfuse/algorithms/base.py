@@ -38,7 +38,7 @@ from fedfuse.engine.client import (
 )
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState, state_of
 from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, FitStats, Message, TensorDict
 
 __all__ = ["Algorithm", "ClientState", "RoundInfo", "RunContext", "ServerState", "evaluate_splits", "state_of"]
 
@@ -152,8 +152,7 @@ class Algorithm:
         terms, refs = self.loss_terms(payload)
 
         def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
-            meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
-            return Message(state, meta), client_state
+            return Message(state, stats=self.fit_stats(model, data, stats)), client_state
 
         return ClientProgram(model=model, init=dict(payload.tensors), spec=spec or LocalSpec.from_train(self.ctx.train),
                              finalize=finalize, terms=terms, refs=refs)
@@ -168,25 +167,26 @@ class Algorithm:
     # ---- shared client helpers -----------------------------------------------------------------
     def train_payload(
         self, payload: Message, data: ClientData, gen: torch.Generator, **train_kwargs: Any
-    ) -> tuple[nn.Module, dict[str, Any]]:
-        """Load the payload model, train it locally, and return it with the standard result metadata."""
+    ) -> tuple[nn.Module, FitStats]:
+        """Load the payload model, train it locally, and return it with the standard :class:`FitStats`."""
         model = self.ctx.load(payload.tensors, payload.meta)
         stats = train_local(model, data.train, self.ctx.train, gen, **train_kwargs)
-        return model, self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+        return model, self.fit_stats(model, data, stats)
 
-    def fit_meta(self, model: nn.Module, data: ClientData, samples: int, steps: int, loss: float) -> dict:
+    def fit_stats(self, model: nn.Module, data: ClientData, stats: TrainStats) -> FitStats:
+        """The standard record of one local training of ``model`` on ``data.train``: FLOPs from a profiled
+        step times the samples processed, and every parameter that requires grad as trained."""
         flops = 0.0
-        if samples and len(data.train):
+        if stats.samples and len(data.train):
             flops = train_flops_per_sample(model, data.train.x, data.train.y, key=(self.ctx.model_name,))
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return {
-            "num_examples": len(data.train),
-            "samples": int(samples),
-            "steps": int(steps),
-            "train_loss": float(loss),
-            "flops": float(flops * samples),
-            "trained_params": int(trained),
-        }
+        return FitStats(
+            num_examples=len(data.train),
+            samples=int(stats.samples),
+            steps=int(stats.steps),
+            train_loss=float(stats.mean_loss),
+            flops=float(flops * stats.samples),
+            trained_params=int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
+        )
 
 
 def evaluate_splits(model: nn.Module, data: ClientData, batch_size: int = 512, predict=None) -> dict[str, float]:

@@ -224,22 +224,21 @@ class DisPFL(DPSGD):
 
         lr = self.ctx.train.lr * float(self.opt.lr_decay) ** r
         stats = train_local(model, data.train, self.ctx.train, gen, lr=lr, before_step=keep_on_mask)
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+        fit = self.fit_stats(model, data, stats)
         density = self.density(mask)
-        dense_flops = meta["flops"] / max(stats.samples, 1)
-        meta["flops"] = meta["flops"] * density
+        dense_flops = fit.flops / max(stats.samples, 1)
+        fit.flops = fit.flops * density
         new = state_of(model)
         new_mask = mask
         if not self.opt.static and len(data.train):
             grads = None
             if self.opt.regrow == "gradient":
                 grads = self.screen_gradients(model, data, gen)
-                meta["flops"] += dense_flops * min(self.ctx.train.batch_size, len(data.train))
+                fit.flops += dense_flops * min(self.ctx.train.batch_size, len(data.train))
             rate = float(self.opt.anneal) / 2 * (1 + math.cos(r * math.pi / max(total, 1)))
             new_mask = {k: prune_and_regrow(mask[k], new[k], None if grads is None else grads[k], rate, gen)
                         for k in self.shapes}
-        meta["trained_params"] = int(sum(float(m.sum()) for m in mask.values()))
-        meta["density"] = density
+        fit.trained_params = int(sum(float(m.sum()) for m in mask.values()))
         # send the trained sparse model with the mask it was trained with
         msg: TensorDict = {}
         for k, v in new.items():
@@ -249,11 +248,10 @@ class DisPFL(DPSGD):
             else:
                 msg[f"buf/{k}"] = v
         peer, sent = self.send(n, r, total, msg)
-        meta["peer_bytes"] = sent
         listeners = int(self.graph(r + 1)[:, n].sum()) if r + 1 < total else 0
-        meta["peer_params"] = listeners * meta["trained_params"]
+        meta = {"density": density, "peer_bytes": sent, "peer_params": listeners * fit.trained_params}
         own_state = {f"sim/own/{k}": v for k, v in new.items()}
-        return Message({**own_state, **peer}, meta), {"model": new, "mask": new_mask, "sent_mask": mask}
+        return Message({**own_state, **peer}, meta, fit), {"model": new, "mask": new_mask, "sent_mask": mask}
 
     def screen_gradients(self, model: nn.Module, data: ClientData, gen: torch.Generator) -> TensorDict:
         """Gradient of the loss on one random training batch at the trained weights (eval mode, as the code)."""

@@ -166,11 +166,10 @@ class DPSGD(Algorithm):
         x = self.combine(n, r, own, unpack_mail(payload.tensors, "sim/"))
         model = self.ctx.load(x)
         stats = train_local(model, data.train, self.ctx.train, gen)
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
         new = state_of(model)
         peer, sent = self.send(n, r, total, new)
-        meta["peer_bytes"] = sent
-        return Message({**{f"sim/own/{k}": v for k, v in new.items()}, **peer}, meta), {"model": new}
+        return (Message({**{f"sim/own/{k}": v for k, v in new.items()}, **peer}, {"peer_bytes": sent},
+                        self.fit_stats(model, data, stats)), {"model": new})
 
     def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
         return {c: Message() for c in clients}

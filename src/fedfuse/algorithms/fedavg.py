@@ -52,7 +52,7 @@ class FedAvg(Algorithm):
             return [1.0] * len(results)
         if self.opt.weighting != "samples":
             raise ValueError(f"weighting={self.opt.weighting!r}; choose samples or uniform")
-        return [float(r.meta["num_examples"]) for r in results.values()]
+        return [float(r.num_examples) for r in results.values()]
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         if not results:

@@ -37,7 +37,7 @@ from fedfuse.engine.context import init_states, model_params
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.mixture import e_step, pack, unpack
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message
+from fedfuse.types import ClientData, FitStats, Message
 
 
 class FedEM(Algorithm):
@@ -77,10 +77,9 @@ class FedEM(Algorithm):
         M = len(states)
         pi = (client_state or self.init_client_state(data.cid))["pi"]
         n, cfg = len(data.train), self.ctx.train
-        meta = {"num_examples": n, "samples": 0, "steps": 0, "train_loss": 0.0, "flops": 0.0,
-                "trained_params": M * model_params(self.ctx)}
+        fit = FitStats(num_examples=n, trained_params=M * model_params(self.ctx))
         if n == 0:
-            return Message(pack(states), meta), {"pi": pi}
+            return Message(pack(states), stats=fit), {"pi": pi}
         # E-step with the received learners
         losses = torch.stack([per_sample_losses(self.ctx.load(s), data.train, self.ctx.eval_batch_size)
                               for s in states])
@@ -112,9 +111,9 @@ class FedEM(Algorithm):
         key = (self.ctx.model_name,)
         fwd = forward_flops_per_sample(model, data.train.x, key=key)
         train = train_flops_per_sample(model, data.train.x, data.train.y, key=key)
-        meta.update(samples=samples, steps=steps, train_loss=loss_sum / max(samples, 1),
-                    flops=float(M * n * fwd + samples * train))
-        return Message(pack(out_states), meta), {"pi": pi}
+        fit.samples, fit.steps, fit.train_loss = samples, steps, loss_sum / max(samples, 1)
+        fit.flops = float(M * n * fwd + samples * train)
+        return Message(pack(out_states), stats=fit), {"pi": pi}
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         if not results:
@@ -122,7 +121,7 @@ class FedEM(Algorithm):
         M = len(state["learners"])
         clients = sorted(results)
         per = [unpack(results[c].tensors, M) for c in clients]
-        w = [float(results[c].meta["num_examples"]) for c in clients]
+        w = [float(results[c].num_examples) for c in clients]
         learners = []
         for m, old in enumerate(state["learners"]):
             states, weights = [p[m] for p in per], list(w)

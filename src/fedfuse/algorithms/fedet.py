@@ -190,9 +190,7 @@ class FedET(Algorithm):
         model = self.small(g)
         model.load_state_dict(payload.tensors)
         stats = train_local(model, data.train, self.ctx.train, gen)
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
-        meta["group"] = g
-        return Message(state_of(model), meta), client_state
+        return Message(state_of(model), {"group": g}, self.fit_stats(model, data, stats)), client_state
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         if not results or self.public is None or not len(self.public):
@@ -230,7 +228,7 @@ class FedET(Algorithm):
             members = [c for c in order if int(results[c].meta["group"]) == g]
             if members:
                 edge[g] = weighted_average([results[c].tensors for c in members],
-                                           [float(results[c].meta["num_examples"]) for c in members],
+                                           [float(results[c].num_examples) for c in members],
                                            base=edge[g])
             if self.mode == "head":
                 head = {k: v for k, v in new_global.items() if k.startswith(self.head_name + ".")}
@@ -244,7 +242,7 @@ class FedET(Algorithm):
                 server_flops += forward_flops(server, xp) * len(xp)
                 server_flops += self._kd(m, xp, teacher, int(self.opt.back_iters), gen)
                 edge[g] = state_of(m)
-        client = float(sum(float(results[c].meta.get("flops", 0.0)) for c in order))
+        client = float(sum(results[c].stats.flops if results[c].stats is not None else 0.0 for c in order))
         diag = {
             "server_flops": server_flops,
             "flops_per_participant": (client + server_flops) / len(order),

@@ -172,12 +172,11 @@ class FedGen(FedAvg):
                 return ratio * teacher + latent
 
         stats = train_local(model, data.train, self.ctx.train, gen, extra_loss=extra)
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
-        meta["flops"] += n_gen * self.generator_flops_per_sample()
+        fit = self.fit_stats(model, data, stats)
+        fit.flops += n_gen * self.generator_flops_per_sample()
         seen = max(stats.samples // max(len(data.train), 1), 1) if stats.samples else 0
         hist = torch.bincount(data.train.y.long().cpu(), minlength=self.ctx.num_classes).numpy()
-        meta["label_counts"] = (1 + seen * hist).tolist()
-        return Message(state_of(model), meta), client_state
+        return Message(state_of(model), {"label_counts": (1 + seen * hist).tolist()}, fit), client_state
 
     def generator_flops_per_sample(self) -> float:
         """Forward FLOPs of the generator plus forward/backward of the head on one generated sample."""

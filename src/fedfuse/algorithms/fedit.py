@@ -45,7 +45,7 @@ class FedIT(LoraAlgorithm):
     def fit(self, payload: Message, client_state: ClientState, data: ClientData,
             gen: torch.Generator) -> tuple[Message, ClientState]:
         adapter, stats = self.train_adapter(payload.tensors, data, gen)
-        return Message(adapter, self.adapter_meta(data, stats)), client_state
+        return Message(adapter, stats=self.adapter_stats(data, stats)), client_state
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         clients = sorted(results)
@@ -108,7 +108,7 @@ class LocalLoRA(LoraAlgorithm):
     def fit(self, payload: Message, client_state: ClientState, data: ClientData,
             gen: torch.Generator) -> tuple[Message, ClientState]:
         adapter, stats = self.train_adapter(self._own(client_state), data, gen)
-        return Message(meta=self.adapter_meta(data, stats)), {"adapter": adapter}
+        return Message(stats=self.adapter_stats(data, stats)), {"adapter": adapter}
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         return self.tag_round(state, info)

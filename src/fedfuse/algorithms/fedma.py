@@ -144,7 +144,7 @@ class FedMA(Algorithm):
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         s, K = info.stage, len(self.spec)
         cids = sorted(results)
-        weights = [float(results[c].meta["num_examples"]) for c in cids]
+        weights = [float(results[c].num_examples) for c in cids]
         state = {**state}
         if s == 0:
             state["partial"], state["partial_sizes"], state["assign"] = {}, [], {str(c): [] for c in cids}
@@ -219,11 +219,11 @@ class FedMA(Algorithm):
             up = {k: new_state[k] for k in g.keys("in") + g.keys("stat")}
         else:
             up = {k: new_state[k] for k in self.head}
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
-        meta["trained_params"] = int(trained)
-        meta["class_counts"] = counts
+        fit = self.fit_stats(model, data, stats)
+        fit.trained_params = int(trained)
         assign = list(client_state["assign"]) if client_state and "assign" in client_state else []
         if s > 0:  # keep this round's maps for the next round's rebuild
             assign = [*assign[: s - 1], list(payload.meta["assign"])]
         base = new_state if s == 0 else (client_state or {}).get("base")  # own-size model of the last stage 0
-        return Message(up, meta), {"model": new_state, "sizes": sizes, "assign": assign, "base": base}
+        new_client = {"model": new_state, "sizes": sizes, "assign": assign, "base": base}
+        return Message(up, {"class_counts": counts}, fit), new_client

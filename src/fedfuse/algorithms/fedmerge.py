@@ -195,7 +195,7 @@ class FedMerge(Algorithm):
             return state
         o = self.opt
         clients = sorted(results)
-        sizes = torch.tensor([float(results[c].meta.get("num_examples", 0)) for c in clients], dtype=torch.float64)
+        sizes = torch.tensor([float(results[c].num_examples) for c in clients], dtype=torch.float64)
         total = float(sizes.sum()) if o.size_norm == "sampled" else float(self.ctx.client_sizes.sum())
         step = 0.0 if o.fixed_k or o.merge_update == "none" else self.merge_step(info.total)
         globals_, logits = server_step(
@@ -223,8 +223,8 @@ class FedMerge(Algorithm):
             def extra(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
                 return mu * sum((p - anchor[n]).pow(2).sum() for n, p in m.named_parameters())
 
-        model, meta = self.train_payload(payload, data, gen, extra_loss=extra)
-        return Message(delta(state_of(model), payload.tensors), meta), client_state
+        model, stats = self.train_payload(payload, data, gen, extra_loss=extra)
+        return Message(delta(state_of(model), payload.tensors), stats=stats), client_state
 
     # ---- diagnostics ---------------------------------------------------------------------------
     def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from fedfuse.fusion.merge import (
 )
 from fedfuse.fusion.mixture import e_step
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, FitStats, Message, TensorDict
 
 
 def adapter_keys(keys: list[str], spec: str) -> list[str]:
@@ -137,7 +137,7 @@ class FedMergeLoRA(LoraAlgorithm):
     def fit(self, payload: Message, client_state: ClientState, data: ClientData,
             gen: torch.Generator) -> tuple[Message, ClientState]:
         adapter, stats = self.train_adapter(payload.tensors, data, gen)
-        return Message(delta(adapter, payload.tensors), self.adapter_meta(data, stats)), client_state
+        return Message(delta(adapter, payload.tensors), stats=self.adapter_stats(data, stats)), client_state
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         state = self.tag_round(state, info)
@@ -211,7 +211,7 @@ class FedEMLoRA(LoraAlgorithm):
         pi = (client_state or self.init_client_state(data.cid))["pi"]
         n, cfg, am = len(data.train), self.ctx.train, self.am
         if n == 0:
-            return Message(pack(adapters), {"num_examples": 0, "samples": 0, "trained_params": 0}), {"pi": pi}
+            return Message(pack(adapters), stats=FitStats(trained_params=0)), {"pi": pi}
         am.module.eval()
         losses = torch.stack([row_losses(self.predictor(([a], [1.0])), data.train, self.ctx.eval_batch_size)
                               for a in adapters])
@@ -242,10 +242,9 @@ class FedEMLoRA(LoraAlgorithm):
                     loss_sum += float(loss.detach()) * int(idx.numel())
             out.append(am.adapter())
         fwd, train = self.flops_per_row(data)
-        meta = {"num_examples": n, "samples": samples, "steps": steps, "train_loss": loss_sum / max(samples, 1),
-                "flops": float(train * samples + fwd * n * len(adapters)),
-                "trained_params": len(adapters) * am.numel}
-        return Message(pack(out), meta), {"pi": pi}
+        fit = FitStats(num_examples=n, samples=samples, steps=steps, train_loss=loss_sum / max(samples, 1),
+                       flops=float(train * samples + fwd * n * len(adapters)), trained_params=len(adapters) * am.numel)
+        return Message(pack(out), stats=fit), {"pi": pi}
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         clients = sorted(results)

@@ -336,7 +336,7 @@ class FedMR(Algorithm):
         sim = mean_pairwise_cosine(trained, self.param_key_list())
         history = [*state.get("similarity", []), [info.index + 1, sim]]
         if self.in_warmup(info):
-            weights = ([float(m.meta.get("num_examples", 1.0)) for m in msgs]
+            weights = ([float(m.num_examples) for m in msgs]
                        if self.opt.warmup_weighting == "samples" else None)
             g = weighted_average(trained, weights, base=state["global"],  # type: ignore[arg-type]
                                  int_policy=self.opt.int_policy)
@@ -384,7 +384,7 @@ class FedMR(Algorithm):
             reply, _ = finalize(trained, stats)
             secret, public = new_key_pair()
             kept = {"round": round_index, "model": trained, "secret": secret}
-            return Message({}, {**reply.meta, "public_key": public}), {"secure": kept}
+            return Message({}, {**reply.meta, "public_key": public}, reply.stats), {"secure": kept}
 
         return dataclasses.replace(program, finalize=keep)
 

@@ -100,7 +100,7 @@ class FedMut(Algorithm):
         if not results:
             return state
         msgs = [results[c] for c in sorted(results)]
-        weights = None if self.opt.weighting == "uniform" else [float(m.meta["num_examples"]) for m in msgs]
+        weights = None if self.opt.weighting == "uniform" else [float(m.num_examples) for m in msgs]
         g = weighted_average([m.tensors for m in msgs], weights, base=state["global"],
                              int_policy=self.opt.int_policy)
         upd = delta(g, state["global"])

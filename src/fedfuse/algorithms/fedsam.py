@@ -112,9 +112,9 @@ class FedSAM(FedAvg):
         model = self.ctx.load(payload.tensors, payload.meta)
         st = train_sam(model, data.train, self.ctx.train, gen, rho=float(self.opt.rho), adaptive=self.adaptive,
                        eta=float(self.opt.eta))
-        meta = self.fit_meta(model, data, st.samples, st.steps, st.mean_loss)
-        meta["flops"] *= 2.0  # two forward-backward passes per step
-        return Message(state_of(model), meta), client_state
+        fit = self.fit_stats(model, data, st)
+        fit.flops *= 2.0  # two forward-backward passes per step
+        return Message(state_of(model), stats=fit), client_state
 
 
 class FedASAM(FedSAM):

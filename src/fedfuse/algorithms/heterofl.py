@@ -50,7 +50,7 @@ from fedfuse.fusion.slicing import (
     static_indices,
 )
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, FitStats, Message, TensorDict
 
 
 def has_bn(model: nn.Module) -> bool:
@@ -207,7 +207,7 @@ class HeteroFL(Algorithm):
         if payload.meta.get("stage") == "bn-stats":
             model = self.ctx.load(payload.tensors, {"model_options": {"norm": "bn"}})
             stats, batches = bn_statistics(model, data.train.x, self.ctx.train.batch_size)
-            return Message(stats, {"batches": batches, "num_examples": len(data.train)}), client_state
+            return Message(stats, {"batches": batches}, FitStats(num_examples=len(data.train))), client_state
         r, total = int(payload.meta["round"]), int(payload.meta["total"])
         sel = {g: torch.tensor(v, dtype=torch.long) for g, v in payload.meta["sel"].items()}
         mu = self.mu_of(data.cid)
@@ -228,10 +228,9 @@ class HeteroFL(Algorithm):
         finally:
             for h in hooks:
                 h.remove()
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
         new = state_of(model)
-        meta.update({"sel": payload.meta["sel"], "classes": classes, "submodel_bytes": state_bytes(new), "lr": lr})
-        return Message(new, meta), client_state
+        meta = {"sel": payload.meta["sel"], "classes": classes, "submodel_bytes": state_bytes(new), "lr": lr}
+        return Message(new, meta, self.fit_stats(model, data, stats)), client_state
 
     def use_scaler(self) -> bool:
         """Whether the Scaler is on: ``auto`` follows the authors' code, where a Scaler always feeds a

@@ -76,12 +76,11 @@ class IFCA(Algorithm):
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
         j, losses, states = self.choose(payload, data)
-        model, meta = self.train_payload(Message(states[j]), data, gen)
+        model, stats = self.train_payload(Message(states[j]), data, gen)
         if len(data.train):
-            meta["flops"] += len(states) * len(data.train) * forward_flops_per_sample(
+            stats.flops += len(states) * len(data.train) * forward_flops_per_sample(
                 model, data.train.x, key=(self.ctx.model_name,))
-        meta.update(cluster=j, cluster_losses=losses)
-        return Message(state_of(model), meta), client_state
+        return Message(state_of(model), {"cluster": j, "cluster_losses": losses}, stats), client_state
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         models = list(state["models"])
@@ -93,7 +92,7 @@ class IFCA(Algorithm):
             if not members:
                 continue  # nobody picked cluster j: it keeps its model
             w = [1.0] * len(members) if self.opt.weighting == "uniform" else \
-                [float(r.meta["num_examples"]) for r in members]
+                [float(r.num_examples) for r in members]
             models[j] = weighted_average([r.tensors for r in members], w, base=models[j])
         return {**state, "models": models, "assign": assign}
 

@@ -48,8 +48,7 @@ class Local(Algorithm):
     ) -> tuple[Message, ClientState]:
         model, _ = self._own_model(client_state)
         stats = train_local(model, data.train, self.ctx.train, gen)
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
-        return Message(meta=meta), {"model": state_of(model)}
+        return Message(stats=self.fit_stats(model, data, stats)), {"model": state_of(model)}
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         return state

@@ -251,15 +251,16 @@ class MSfusion(Algorithm):
                 if n > 1:
                     adj.append(overlap_fraction(sels[c][g], sels[order[(i + 1) % n]][g]))
         metas = [results[c].meta for c in order]
+        fits = [results[c].stats for c in order if results[c].stats is not None]
         diag = {
             "overlap_c": self.overlap_control(info.index, info.total),
             "coverage": float(np.mean(cover)) if cover else 1.0,
             "adjacent_overlap": float(np.mean(adj)) if adj else 0.0,
             "peer_bytes_per_participant": float(np.mean([m["peer_bytes"] for m in metas])),
             "full_submodel_bytes_per_participant": float(np.mean([m["submodel_bytes"] for m in metas])),
-            "flops_per_participant": float(np.mean([m["flops"] for m in metas])),
-            "trained_params_per_participant": float(np.mean([m["trained_params"] for m in metas])),
-            "split_ratio_params": float(np.mean([m["trained_params"] for m in metas]))
+            "flops_per_participant": float(np.mean([f.flops for f in fits])),
+            "trained_params_per_participant": float(np.mean([f.trained_params for f in fits])),
+            "split_ratio_params": float(np.mean([f.trained_params for f in fits]))
             / max(sum(p.numel() for p in self._full.parameters()), 1),
             "fallback_elements": int(sum(m["fallback_elements"] for m in metas)),
             "contrastive_skipped": int(sum(m.get("contrastive_skipped", 0) for m in metas)),
@@ -337,19 +338,19 @@ class MSfusion(Algorithm):
         finally:
             if hook is not None:
                 hook.remove()
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
+        fit = self.fit_stats(model, data, stats)
         if frozen and stats.samples:
-            meta["flops"] += sum(forward_flops_per_sample(f, data.train.x) for f in frozen) * stats.samples
+            fit.flops += sum(forward_flops_per_sample(f, data.train.x) for f in frozen) * stats.samples
         tensors, peer, new_state = self.publish(n, r, total, state_of(model), sel, client_state)
-        meta.update({
+        meta = {
             "sel": {g: v.tolist() for g, v in sel.items()},
             "peer_bytes": peer,
             "submodel_bytes": state_bytes(new_state["sub"]),
             "fallback_elements": fallback,
             "contrastive_skipped": int(skipped),
             "lr": lr,
-        })
-        return Message(tensors, meta), new_state
+        }
+        return Message(tensors, meta, fit), new_state
 
     def evaluate(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator

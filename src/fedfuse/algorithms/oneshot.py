@@ -59,10 +59,9 @@ class _LocalModels(Algorithm):
         start = client_state["model"] if client_state else client_initial_state(self.ctx, data.cid, self.opt.init)
         model = self.ctx.load(start)
         stats = train_local(model, data.train, self.ctx.train, gen)
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
-        meta["class_counts"] = class_counts(data, self.ctx.num_classes)
         st = state_of(model)
-        return Message(st, meta), {"model": st}
+        meta = {"class_counts": class_counts(data, self.ctx.num_classes)}
+        return Message(st, meta, self.fit_stats(model, data, stats)), {"model": st}
 
 
 class OneShotAverage(_LocalModels):
@@ -100,14 +99,13 @@ class OneShotAverage(_LocalModels):
         else:
             cfg, epochs = retrain_config(self.ctx.train, "run", self.ctx.train.local_epochs)
         stats = train_local(model, data.train, cfg, gen, epochs=epochs)
-        meta = self.fit_meta(model, data, stats.samples, stats.steps, stats.mean_loss)
-        meta["class_counts"] = class_counts(data, self.ctx.num_classes)
         st = state_of(model)
-        return Message(st, meta), {"model": st}
+        meta = {"class_counts": class_counts(data, self.ctx.num_classes)}
+        return Message(st, meta, self.fit_stats(model, data, stats)), {"model": st}
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         cids = sorted(results)
-        weights = [float(results[c].meta["num_examples"]) for c in cids]
+        weights = [float(results[c].num_examples) for c in cids]
         avg = weighted_average([results[c].tensors for c in cids], weights)
         return {**state, "global": avg}
 
@@ -132,7 +130,7 @@ class OneShotMatching(_LocalModels):
         glob, sizes, _ = match_network(
             [results[c].tensors for c in cids], chain_spec(self.ctx.model()), self.ctx.model().head_keys(),
             class_counts=[results[c].meta["class_counts"] for c in cids],
-            weights=[float(results[c].meta["num_examples"]) for c in cids],
+            weights=[float(results[c].num_examples) for c in cids],
             method=o.matching, estimator=o.estimator, metric=o.metric, iters=o.iters, sigma=o.sigma,
             sigma0=o.sigma0, gamma=o.gamma, cap=o.cap, rng=numpy_rng(self.ctx.seed, "oneshot-match", info.index),
         )

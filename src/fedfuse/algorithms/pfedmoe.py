@@ -27,7 +27,7 @@ from fedfuse.engine.client import train_flops_per_sample, train_local
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, FitStats, Message, TensorDict
 
 
 class MoE(nn.Module):
@@ -122,7 +122,7 @@ class PFedMoE(Algorithm):
             return state
         cs = sorted(results)
         avg = weighted_average([results[c].tensors for c in cs],
-                               [float(results[c].meta["num_examples"]) for c in cs], base=state["expert"])
+                               [float(results[c].num_examples) for c in cs], base=state["expert"])
         return {**state, "expert": avg}
 
     def global_model(self, state: ServerState) -> None:
@@ -143,11 +143,11 @@ class PFedMoE(Algorithm):
         flops = 0.0
         if stats.samples:
             flops = train_flops_per_sample(moe, data.train.x, data.train.y, key=("pfedmoe", self.ctx.model_name))
-        meta = {"num_examples": len(data.train), "samples": stats.samples, "steps": stats.steps,
-                "train_loss": stats.mean_loss, "flops": float(flops * stats.samples),
-                "trained_params": int(sum(p.numel() for p in params))}
+        fit = FitStats(num_examples=len(data.train), samples=stats.samples, steps=stats.steps,
+                       train_loss=stats.mean_loss, flops=float(flops * stats.samples),
+                       trained_params=int(sum(p.numel() for p in params)))
         expert = self.expert_state(state_of(moe.global_expert))
-        return Message(expert, meta), {"local": state_of(moe.local_model), "gate": state_of(moe.gate)}
+        return Message(expert, stats=fit), {"local": state_of(moe.local_model), "gate": state_of(moe.gate)}
 
     def evaluate(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator

@@ -71,13 +71,13 @@ class SimpleFedMA(Algorithm):
     ) -> tuple[Message, ClientState]:
         if payload.meta.get("init") == "distinct":
             payload = Message(client_initial_state(self.ctx, data.cid, "distinct"))
-        model, meta = self.train_payload(payload, data, gen)
-        return Message(state_of(model), meta), client_state
+        model, stats = self.train_payload(payload, data, gen)
+        return Message(state_of(model), stats=stats), client_state
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         cids = sorted(results)
         if self.opt.weighting == "samples":
-            w = [float(results[c].meta["num_examples"]) for c in cids]
+            w = [float(results[c].num_examples) for c in cids]
         elif self.opt.weighting == "uniform":
             w = [1.0] * len(cids)
         else:

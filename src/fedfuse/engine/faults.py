@@ -19,6 +19,7 @@ seed, the round and the client: it is the same in every executor, in any client 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fedfuse.rng import numpy_rng
-from fedfuse.types import SIM_PREFIX, Message, TensorDict
+from fedfuse.types import SIM_PREFIX, FitStats, Message, TensorDict
 
 OK, DROPOUT, LATE = "ok", "dropout", "late"
 SCALE = 1000.0  # the "scale" corruption multiplies a client's update by this
@@ -76,9 +77,10 @@ class FaultPlan:
             return None
         tensors = dict(reply.tensors)
         meta = dict(reply.meta)
+        stats = dataclasses.replace(reply.stats) if reply.stats is not None else FitStats()
         floats = [k for k, v in tensors.items() if v.is_floating_point() and v.numel()]
         if mode == "count":
-            meta["num_examples"] = 10**12
+            stats.num_examples = 10**12
         elif mode in ("nan", "inf") and floats:
             t = tensors[floats[0]].clone()
             t.view(-1)[0] = math.nan if mode == "nan" else math.inf
@@ -92,7 +94,7 @@ class FaultPlan:
             for k in floats:
                 b = base.get(k)
                 tensors[k] = tensors[k] * SCALE if b is None else b + SCALE * (tensors[k] - b)
-        return Message(tensors, meta)
+        return Message(tensors, meta, stats)
 
 
 def reference_tensors(sent: Message, reply: Message, state_like: bool) -> Mapping[str, torch.Tensor]:

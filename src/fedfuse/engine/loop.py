@@ -372,7 +372,8 @@ class Experiment:
                 sent = dict(payloads)
                 for c, (reply, was_sent) in sorted(self.late_box.items()):
                     if c not in results:  # a fresh reply supersedes a stale one
-                        results[c], sent[c] = Message(reply.tensors, {**reply.meta, "late": True}), was_sent
+                        results[c] = Message(reply.tensors, {**reply.meta, "late": True}, reply.stats)
+                        sent[c] = was_sent
                         delivered_late.append(c)
                 self.late_box = {}
             down += sum(p.nbytes for p in payloads.values())
@@ -390,12 +391,14 @@ class Experiment:
             if stage == 0:  # the training stage: what gradient-based sampling policies learn from
                 self.sampler.observe(payloads, results)
             for res in results.values():
-                flops += float(res.meta.get("flops", 0.0))
-                if "trained_params" in res.meta:  # stages without training (e.g. BN statistics) do not count
-                    trained_params.append(int(res.meta["trained_params"]))
-                n = int(res.meta.get("samples", 0))
-                train_loss += float(res.meta.get("train_loss", 0.0)) * n
-                train_n += n
+                st = res.stats
+                if st is None:  # a reply that reports no local work (e.g. a relayed peer envelope)
+                    continue
+                flops += st.flops
+                if st.trained_params is not None:  # stages without training (e.g. BN statistics) do not count
+                    trained_params.append(st.trained_params)
+                train_loss += st.train_loss * st.samples
+                train_n += st.samples
             active = sorted(results)
             if len(results) < max(cfg.quorum, 1):  # too few replies: the round leaves the server as it was
                 self.state = start_state

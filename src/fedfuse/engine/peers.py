@@ -37,7 +37,7 @@ def route_peers(results: dict[int, Message]) -> tuple[dict[int, Message], int]:
     out = {}
     for c, msg in results.items():
         own = {k: v for k, v in msg.tensors.items() if k.startswith("sim/own/")}
-        out[c] = Message({**own, **routed.get(c, {})}, dict(msg.meta))
+        out[c] = Message({**own, **routed.get(c, {})}, dict(msg.meta), msg.stats)
     return out, int(moved)
 
 

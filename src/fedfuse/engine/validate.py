@@ -50,7 +50,9 @@ def is_state_like(algo: object, sent: Mapping[int, Message], replies: Mapping[in
 
 
 def check_meta(reply: Message, known_size: int | None) -> str | None:
-    n = reply.meta.get("num_examples")
+    if reply.stats is None:
+        return None
+    n = reply.stats.num_examples
     if n is not None:
         if isinstance(n, bool) or not isinstance(n, int | float | np.integer | np.floating) or not math.isfinite(n) \
                 or float(n) != int(n):
@@ -59,7 +61,7 @@ def check_meta(reply: Message, known_size: int | None) -> str | None:
             return f"declared example count {n} is negative"
         if known_size is not None and n > known_size:
             return f"declares {int(n)} examples but holds {known_size}"
-    loss = reply.meta.get("train_loss")
+    loss = reply.stats.train_loss
     if isinstance(loss, float) and not math.isfinite(loss):
         return f"non-finite training loss ({loss})"
     return None

@@ -32,6 +32,7 @@ import torch
 from fedfuse.engine.executor import Job, job_generator, seed_global
 from fedfuse.flower import wire
 from fedfuse.flower.executor import JOB, FlowerExecutor
+from fedfuse.types import Message as FedfuseMessage
 
 try:
     from flwr.app import ConfigRecord, Context, Message, MetricRecord
@@ -164,15 +165,20 @@ def restore_private(state: Any, private: tuple[str, ...], context: Context, cid:
 
 
 def _metrics(result: Any) -> dict[str, float]:
-    """Flower-visible metrics of a reply (``num-examples`` and the client's scalar metrics)."""
-    meta = result[0].meta if isinstance(result, tuple) and hasattr(result[0], "meta") else result
-    out: dict[str, float] = {}
-    if isinstance(meta, dict):
-        for k, v in meta.items():
-            if isinstance(v, int | float) and not isinstance(v, bool) and v == v:
-                out[str(k)] = float(v)
-        if "samples" in out:
-            out["num-examples"] = out["samples"]
+    """Flower-visible metrics of a reply: its :class:`FitStats` (``num-examples`` = the examples it trained on,
+    Flower's convention) and the scalar entries of its metadata, or an evaluation's metrics."""
+    reply = result[0] if isinstance(result, tuple) and isinstance(result[0], FedfuseMessage) else None
+    entries: dict[str, Any] = {}
+    if reply is not None:
+        entries.update(reply.meta)
+        if reply.stats is not None:
+            entries.update({k: v for k, v in reply.stats.as_dict().items() if v is not None})
+    elif isinstance(result, dict):
+        entries = result
+    out = {str(k): float(v) for k, v in entries.items()
+           if isinstance(v, int | float) and not isinstance(v, bool) and v == v}
+    if "samples" in out:
+        out["num-examples"] = out["samples"]
     return out
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.types import Message
+from fedfuse.types import FitStats, Message
 
 ARRAYS = "fedfuse.arrays"
 SKELETON = "fedfuse.skeleton"
@@ -51,7 +51,8 @@ def split(value: Any) -> tuple[dict[str, np.ndarray], Any]:
             arrays[key] = np.ascontiguousarray(v)
             return {"__np__": key}
         if isinstance(v, Message):
-            return {"__msg__": [walk(v.tensors, path + ".tensors"), walk(v.meta, path + ".meta")]}
+            stats = walk(v.stats.as_dict(), path + ".stats") if v.stats is not None else None
+            return {"__msg__": [walk(v.tensors, path + ".tensors"), walk(v.meta, path + ".meta"), stats]}
         if isinstance(v, dict):
             if all(isinstance(k, str) for k in v) and not any(k.startswith("__") for k in v):
                 return {k: walk(x, f"{path}.{k}") for k, x in v.items()}
@@ -89,8 +90,8 @@ def join(arrays: dict[str, np.ndarray], skeleton: Any) -> Any:
         if "__np__" in v:
             return np.array(arrays[v["__np__"]], copy=True)
         if "__msg__" in v:
-            tensors, meta = v["__msg__"]
-            return Message(walk(tensors), walk(meta))
+            tensors, meta, stats = v["__msg__"]
+            return Message(walk(tensors), walk(meta), FitStats(**walk(stats)) if stats is not None else None)
         if "__dict__" in v:
             return {_hashable(walk(k)): walk(x) for k, x in v["__dict__"]}
         if "__tuple__" in v:
