@@ -147,7 +147,8 @@ def test_every_executor_gives_the_same_run(algorithm):
 
 
 def test_declared_programs_are_batched_not_fallen_back():
-    """The standard step (FedAvg, FedAvg-FT, FedExP, FedMR, FedMut) and FedProx really run vmapped."""
-    for algorithm in ("fedavg", "fedprox", "fedmr", "fedmut", "fedexp", "fedavg-ft"):
+    """The standard step (FedAvg, FedAvg-FT, FedExP, FedMR, FedMut), FedProx and the two-pass (A)SAM step really
+    run vmapped."""
+    for algorithm in ("fedavg", "fedprox", "fedmr", "fedmut", "fedexp", "fedavg-ft", "fedsam", "fedasam"):
         exp = _run(algorithm, "batched")
         assert exp.executor.fallbacks == {}, (algorithm, exp.executor.fallbacks)

@@ -10,9 +10,10 @@ from torch import nn
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedexp import fedexp_step_size
 from fedfuse.algorithms.fedmut import mutate, mutation_coefficients, mutation_radius
-from fedfuse.algorithms.fedsam import sam_perturbation, train_sam
+from fedfuse.algorithms.fedsam import train_sam
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig, train_local
+from fedfuse.engine.sam import sam_perturbation
 from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.models import build_model

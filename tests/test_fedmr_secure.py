@@ -65,7 +65,7 @@ class ServerSideSecure(FedMR):
         ex = secure_exchange(len(cids), len(self.units()), numpy_rng(self.ctx.seed, "fedmr-secure", info.index, 0),
                              send_prob=float(self.opt.secure_send_prob), min_passes=int(self.opt.secure_min_passes))
         mixed = assemble([results[c].tensors for c in cids], self.units(), ex.sources)
-        return {c: Message(mixed[j], dict(results[c].meta)) for j, c in enumerate(cids)}, 0
+        return {c: Message(mixed[j], dict(results[c].meta), results[c].stats) for j, c in enumerate(cids)}, 0
 
 
 class RecordingExecutor(SequentialExecutor):

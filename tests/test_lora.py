@@ -122,7 +122,7 @@ def test_fedmerge_lora_one_global_adapter_is_fedit(base, fed):
     algo = exp.algo
     theta = exp.state["globals"][0]
     after = _fake_results(algo.am, [2, 1, 1], seed=3)
-    deltas = {c: Message({k: m.tensors[k] - theta[k] for k in theta}, m.meta) for c, m in after.items()}
+    deltas = {c: Message({k: m.tensors[k] - theta[k] for k in theta}, m.meta, m.stats) for c, m in after.items()}
     new = algo.aggregate_fit(exp.state, RoundInfo(0, 1), deltas)
     for k in theta:
         want = (2 * after[0].tensors[k] + after[1].tensors[k] + after[2].tensors[k]) / 4

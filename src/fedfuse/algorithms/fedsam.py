@@ -7,7 +7,9 @@ Each local step is a two-pass SAM step (Foret et al. 2021): with the mini-batch 
   (conv/linear/BN weights; T = 1 for biases, as in the ASAM reference code), ε = ρ · T²g / ‖T g‖
 
 then the gradient at ``w + ε`` is taken, ``w`` is restored and the optimiser (the run's SGD/momentum) steps
-with that gradient.  Server aggregation is FedAvg.  Defaults: SAM ρ = 0.05, ASAM ρ = 0.5, η = 0.01 (the
+with that gradient.  The client step is a declared program (``LocalSpec(two_pass="sam"|"asam")``, the math
+in :mod:`fedfuse.engine.sam`), so every executor runs it, the batched one included.
+Server aggregation is FedAvg.  Defaults: SAM ρ = 0.05, ASAM ρ = 0.5, η = 0.01 (the
 ASAM/FedASAM reference implementations' defaults; tune ρ per dataset as Caldarola et al. do).  The FedMR
 authors' benchmark ``Training_FedASAM.py`` uses ρ = 0.1, η = 0 for FedASAM; ``fedfuse reproduce fedmr`` uses
 those.
@@ -19,67 +21,19 @@ FLOPs are counted as two forward-backward passes per sample.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fedfuse.algorithms.base import ClientState, state_of
+from fedfuse.algorithms.base import ClientState
 from fedfuse.algorithms.fedavg import FedAvg
-from fedfuse.engine.client import GradHook, TrainConfig, TrainStats, task_loss, train_local
+from fedfuse.engine.client import TrainConfig, TrainStats, train_local
+from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.sam import sam_step
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Split
-
-
-@torch.no_grad()
-def sam_perturbation(
-    named: list[tuple[str, nn.Parameter]], rho: float, adaptive: bool = False, eta: float = 0.01
-) -> list[torch.Tensor]:
-    """The ascent step ε for every (name, parameter) (zeros where there is no gradient)."""
-    scaled = []
-    params = [p for _, p in named]
-    for name, p in named:
-        if p.grad is None:
-            scaled.append(None)
-            continue
-        t = (p.abs() + eta) if adaptive and name.endswith("weight") else None
-        scaled.append((p.grad * t, t) if t is not None else (p.grad, None))
-    norm = torch.sqrt(sum((tg.pow(2).sum() for tg, _ in filter(None, scaled)), torch.zeros(())))
-    eps = []
-    for p, s in zip(params, scaled):
-        if s is None:
-            eps.append(torch.zeros_like(p))
-            continue
-        tg, t = s
-        e = tg * t if t is not None else tg.clone()  # T²g (adaptive) or g
-        eps.append(e * (rho / (float(norm) + 1e-12)))
-    return eps
-
-
-def sam_step(model: nn.Module, rho: float, adaptive: bool = False, eta: float = 0.01) -> GradHook:
-    """A ``train_local`` hook that replaces the gradient at w by the gradient at w + ε (SAM / ASAM).
-
-    BN buffers touched by the perturbed forward pass are restored, so statistics come from the unperturbed pass.
-    """
-    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    bn_buffers = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
-
-    def step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-        eps = sam_perturbation(named, rho, adaptive, eta)
-        saved = [b.detach().clone() for b in bn_buffers]
-        with torch.no_grad():
-            for p, e in zip(params, eps):
-                p.add_(e)
-        m.zero_grad(set_to_none=True)
-        task_loss(m(x), y).backward()
-        with torch.no_grad():
-            for p, e in zip(params, eps):
-                p.sub_(e)
-            for b, v in zip(bn_buffers, saved):
-                b.copy_(v)
-
-    return step
+from fedfuse.types import ClientData, Message, Split, TensorDict
 
 
 def train_sam(
@@ -106,15 +60,20 @@ class FedSAM(FedAvg):
         rho: float = opt(0.05, "SAM neighbourhood radius ρ (SAM reference: 0.05)", ge=0.0)
         eta: float = opt(0.01, "ASAM only: T_w = |w| + η", ge=0.0)
 
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        model = self.ctx.load(payload.tensors, payload.meta)
-        st = train_sam(model, data.train, self.ctx.train, gen, rho=float(self.opt.rho), adaptive=self.adaptive,
-                       eta=float(self.opt.eta))
-        fit = self.fit_stats(model, data, st)
-        fit.flops *= 2.0  # two forward-backward passes per step
-        return Message(state_of(model), stats=fit), client_state
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """FedAvg's standard step with a two-pass (A)SAM local spec; FLOPs count both passes."""
+        spec = LocalSpec.from_train(self.ctx.train).with_two_pass(
+            "asam" if self.adaptive else "sam", float(self.opt.rho), float(self.opt.eta))
+        program = self.standard_program(payload, client_state, data, spec=spec)
+        finalize = program.finalize
+
+        def doubled(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            reply, cstate = finalize(state, stats)
+            assert reply.stats is not None
+            reply.stats.flops *= 2.0  # two forward-backward passes per step
+            return reply, cstate
+
+        return dataclasses.replace(program, finalize=doubled)
 
 
 class FedASAM(FedSAM):

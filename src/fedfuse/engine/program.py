@@ -30,7 +30,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fedfuse.engine.client import TrainConfig, TrainStats, train_local
+from fedfuse.engine.client import TrainConfig, TrainStats, task_loss, train_local
+from fedfuse.engine.sam import sam_step
 from fedfuse.types import ClientData, Message, TensorDict
 
 #: ``fn(params, buffers, refs, x, y, logits) -> Tensor``: a scalar, or per-sample values ``(B,)`` when the
@@ -54,6 +55,9 @@ class LocalSpec:
     optimizer: str = "sgd"  # "sgd" | "adam"
     grad_clip: float = 0.0  # 0 = off; otherwise the max global L2 norm of the gradient
     max_steps: int = 0  # 0 = no cap
+    two_pass: str = ""  # "" | "sam" | "asam": sharpness-aware two-pass steps (fedfuse.engine.sam)
+    sam_rho: float = 0.0  # SAM/ASAM radius ρ
+    sam_eta: float = 0.01  # ASAM's T_w = |w| + η
 
     @classmethod
     def from_train(cls, cfg: TrainConfig, *, epochs: int | None = None, lr: float | None = None) -> LocalSpec:
@@ -67,6 +71,12 @@ class LocalSpec:
             grad_clip=cfg.grad_clip,
             max_steps=cfg.max_steps,
         )
+
+    def with_two_pass(self, kind: str, rho: float, eta: float = 0.01) -> LocalSpec:
+        """This spec with SAM (``kind="sam"``) or ASAM (``"asam"``) two-pass steps of radius ``rho``."""
+        if kind not in ("sam", "asam"):
+            raise ValueError(f"two_pass must be 'sam' or 'asam', not {kind!r}")
+        return dataclasses.replace(self, two_pass=kind, sam_rho=float(rho), sam_eta=float(eta))
 
     def as_train(self) -> TrainConfig:
         return TrainConfig(
@@ -166,6 +176,17 @@ def run_program(program: ClientProgram, data: ClientData, gen: torch.Generator) 
     if program.trainable is not None:
         named = dict(model.named_parameters())
         params = [named[n] for n in program.optimised_names()]
-    stats = train_local(model, data.train, program.spec.as_train(), gen, extra_loss=extra, params=params)
+    before = None
+    spec = program.spec
+    if spec.two_pass:
+        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = m(x)
+            loss = task_loss(logits, y)
+            return loss if extra is None else loss + extra(m, x, y, logits)
+
+        before = sam_step(model, spec.sam_rho, spec.two_pass == "asam", spec.sam_eta, loss=objective,
+                          names=program.optimised_names())
+    stats = train_local(model, data.train, spec.as_train(), gen, extra_loss=extra, params=params,
+                        before_step=before)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return program.finalize(state, stats)
