@@ -147,8 +147,10 @@ def test_every_executor_gives_the_same_run(algorithm):
 
 
 def test_declared_programs_are_batched_not_fallen_back():
-    """The standard step (FedAvg, FedAvg-FT, FedExP, FedMR, FedMut), FedProx and the two-pass (A)SAM step really
-    run vmapped."""
-    for algorithm in ("fedavg", "fedprox", "fedmr", "fedmut", "fedexp", "fedavg-ft", "fedsam", "fedasam"):
+    """The standard step (FedAvg, FedAvg-FT, FedExP, FedMR, FedMut), FedProx, the two-pass (A)SAM step, FedMerge
+    (a delta reply, an optional proximal term) and IFCA (client-side choice, then the standard step) really run
+    vmapped."""
+    for algorithm in ("fedavg", "fedprox", "fedmr", "fedmut", "fedexp", "fedavg-ft", "fedsam", "fedasam", "fedmerge",
+                      "ifca"):
         exp = _run(algorithm, "batched")
         assert exp.executor.fallbacks == {}, (algorithm, exp.executor.fallbacks)

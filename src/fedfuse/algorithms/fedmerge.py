@@ -53,6 +53,7 @@ rounds and at the end; at the end ``merge_weights.json``; the ARI of the final/b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +63,9 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.engine.client import TrainStats
 from fedfuse.engine.context import init_states, model_params
+from fedfuse.engine.program import ClientProgram, LossTerm
 from fedfuse.fusion.average import delta
 from fedfuse.fusion.merge import (
     cluster_ari,
@@ -212,19 +215,29 @@ class FedMerge(Algorithm):
         return self.opt.d * model_params(self.ctx)
 
     # ---- client --------------------------------------------------------------------------------
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
+    def loss_terms(self, payload: Message) -> tuple[tuple[LossTerm, ...], TensorDict]:
+        """The optional proximal pull μ‖θ − θ_received‖² (``prox_mu``; 0 = off, the default)."""
         mu = float(self.opt.prox_mu)
-        extra = None
-        if mu > 0:
-            anchor = {k: v.detach().clone() for k, v in payload.tensors.items()}
+        if mu <= 0:
+            return (), {}
+        anchor = {k: v.detach().clone() for k, v in payload.tensors.items()}
 
-            def extra(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-                return mu * sum((p - anchor[n]).pow(2).sum() for n, p in m.named_parameters())
+        def prox(params: TensorDict, buffers: TensorDict, refs: TensorDict, x: torch.Tensor, y: torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
+            return mu * sum((p - refs[n]).pow(2).sum() for n, p in params.items())
 
-        model, stats = self.train_payload(payload, data, gen, extra_loss=extra)
-        return Message(delta(state_of(model), payload.tensors), stats=stats), client_state
+        return (LossTerm("fedmerge-prox", prox, uses_batch=False),), anchor
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """The standard step on the merged model, replying with the update Δθ_i = θ_i' − θ_i (not the state)."""
+        program = self.standard_program(payload, client_state, data)
+        finalize, sent = program.finalize, payload.tensors
+
+        def as_delta(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            reply, cstate = finalize(state, stats)
+            return Message(delta(reply.tensors, sent), reply.meta, reply.stats), cstate
+
+        return dataclasses.replace(program, finalize=as_delta)
 
     # ---- diagnostics ---------------------------------------------------------------------------
     def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:

@@ -16,15 +16,17 @@ are left out).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.engine.client import forward_flops_per_sample, per_sample_losses
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits
+from fedfuse.engine.client import TrainStats, forward_flops_per_sample, per_sample_losses
 from fedfuse.engine.context import init_states, model_params
+from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.mixture import pack, unpack
 from fedfuse.options import opt
@@ -72,15 +74,23 @@ class IFCA(Algorithm):
             losses.append(float(ls.mean()) if ls.numel() else 0.0)
         return pick_cluster(losses), losses, states
 
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """Client-side preparation, then the standard step: pick the cluster model with the lowest loss on the
+        client's data (``choose``), train it, reply with the trained state, the choice and the losses (the K
+        forward passes of the choice are added to the FLOPs)."""
         j, losses, states = self.choose(payload, data)
-        model, stats = self.train_payload(Message(states[j]), data, gen)
-        if len(data.train):
-            stats.flops += len(states) * len(data.train) * forward_flops_per_sample(
-                model, data.train.x, key=(self.ctx.model_name,))
-        return Message(state_of(model), {"cluster": j, "cluster_losses": losses}, stats), client_state
+        program = self.standard_program(Message(states[j]), client_state, data)
+        finalize, model = program.finalize, program.model
+
+        def chosen(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            reply, cstate = finalize(state, stats)
+            assert reply.stats is not None
+            if len(data.train):
+                reply.stats.flops += len(states) * len(data.train) * forward_flops_per_sample(
+                    model, data.train.x, key=(self.ctx.model_name,))
+            return Message(reply.tensors, {"cluster": j, "cluster_losses": losses}, reply.stats), cstate
+
+        return dataclasses.replace(program, finalize=chosen)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         models = list(state["models"])
