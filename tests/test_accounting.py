@@ -88,3 +88,21 @@ def test_round_record_sums_the_replies_fitstats(tmp_path):
     assert rec["client_flops"] == pytest.approx(sum(r.stats.flops for r in seen))
     n = sum(r.stats.samples for r in seen)
     assert rec["train_loss"] == pytest.approx(sum(r.stats.train_loss * r.stats.samples for r in seen) / n)
+
+
+def test_communicated_parameters_sum_a_clients_stages_and_skip_simulation_tensors(tmp_path):
+    """Secure FedMR sends each client its slot model in stage 0, metadata in stage 1 and relayed envelopes
+    (``sim/...``, peer traffic) in stage 2: per client and round that is one model, as for plain FedMR."""
+    from fedfuse.config import RunConfig, apply
+    from fedfuse.experiment import Experiment
+
+    seen = {}
+    for secure in (False, True):
+        cfg = apply(RunConfig(), {"algorithm": "fedmr", "dataset": "digits", "clients": 6, "clients_per_round": 4,
+                                  "rounds": 1, "local_epochs": 1, "model": "mlp", "out": str(tmp_path / str(secure)),
+                                  "plots": False, "device": "cpu", "algorithm_options": {"secure": secure}})
+        exp = Experiment(cfg, progress=False)
+        exp.run()
+        seen[secure] = exp.history[0]["communicated_parameters_per_client"]
+        model = sum(p.numel() for p in exp.ctx.model().parameters()) + sum(b.numel() for b in exp.ctx.model().buffers())
+    assert seen[True] == seen[False] == model

@@ -121,6 +121,18 @@ def test_engine_imports_nothing_above_it():
     assert not bad, _report("fedfuse.engine imports a layer above it", bad)
 
 
+def test_config_reads_the_algorithm_registry_without_importing_it():
+    """The engine imports ``fedfuse.config``; config validates algorithm names and Options through the registry
+    ``fedfuse.algorithms`` registers on import (``register_algorithm_source``), so engine → config → algorithms is
+    no hidden arrow either."""
+    bad = [a for a in ARROWS if a.importer == "fedfuse.config" and any(_under(a.module, p) for p in ABOVE_ENGINE)]
+    assert not bad, _report("fedfuse.config imports a layer above the engine", bad)
+    import fedfuse.algorithms
+    from fedfuse.config import registered_algorithms
+
+    assert registered_algorithms() is fedfuse.algorithms.ALGORITHMS
+
+
 def test_engine_without_a_lookup_says_how_to_get_one():
     from fedfuse.config import RunConfig
     from fedfuse.engine.loop import Experiment

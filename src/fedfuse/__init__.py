@@ -73,3 +73,18 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+# The composition root wires the layers: the configuration layer (below the engine) validates algorithm names and
+# Options against the registry without importing it; it reads it through this lazy source, which
+# ``fedfuse.algorithms`` replaces with itself when imported.
+def _algorithm_registry() -> Any:
+    import importlib
+
+    return importlib.import_module("fedfuse.algorithms").ALGORITHMS
+
+
+from fedfuse import config as _config  # noqa: E402
+
+if _config._ALGORITHM_SOURCE is None:
+    _config.register_algorithm_source(_algorithm_registry)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,11 +100,29 @@ def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(RunConfig)
 
 
+#: Where the configuration layer reads the algorithm registry from (dependency inversion: this module sits below
+#: the engine, which sits below the algorithms, so it never imports an algorithm).  The package root installs a
+#: lazy source when ``fedfuse`` is imported; ``fedfuse.algorithms`` registers itself directly when imported.
+_ALGORITHM_SOURCE: Callable[[], Mapping[str, Any]] | None = None
+
+
+def register_algorithm_source(source: Callable[[], Mapping[str, Any]]) -> None:
+    """Let ``validate`` read algorithm names, Options and capabilities from ``source()`` (name → class)."""
+    global _ALGORITHM_SOURCE
+    _ALGORITHM_SOURCE = source
+
+
+def registered_algorithms() -> Mapping[str, Any]:
+    """The registered algorithm classes by name (see :func:`register_algorithm_source`)."""
+    if _ALGORITHM_SOURCE is None:
+        raise ConfigError("no algorithm registry: call fedfuse.config.register_algorithm_source (importing "
+                          "fedfuse does it)")
+    return _ALGORITHM_SOURCE()
+
+
 def _registry_choices(key: str) -> tuple[str, ...]:
     if key == "algorithm":
-        from fedfuse.algorithms import ALGORITHMS
-
-        return tuple(sorted(ALGORITHMS))
+        return tuple(sorted(registered_algorithms()))
     if key == "dataset":
         from fedfuse.data.datasets import DATASETS
 
@@ -133,9 +152,7 @@ def namespace_defaults(cfg: RunConfig, namespace: str) -> dict[str, Any]:
         if value not in choices and not _is_hf(what, value):
             raise ConfigError(f"{what}: unknown value {value!r}; choose one of: {', '.join(choices)}")
     if namespace == "algorithm_options":
-        from fedfuse.algorithms import get_algorithm
-
-        return get_algorithm(cfg.algorithm).option_defaults()
+        return registered_algorithms()[cfg.algorithm].option_defaults()
     if namespace == "model_options":
         from fedfuse.models import model_options
 
@@ -254,9 +271,7 @@ def _option_hints(cfg: RunConfig, ns: str) -> tuple[type | None, dict[str, Any]]
     """The declaring dataclass of a namespace (algorithm Options) and its field types, when there is one."""
     if ns != "algorithm_options":
         return None, {}
-    from fedfuse.algorithms import ALGORITHMS
-
-    cls = ALGORITHMS.get(cfg.algorithm)
+    cls = registered_algorithms().get(cfg.algorithm)
     if cls is None or not dataclasses.is_dataclass(cls.Options):
         return None, {}
     try:
@@ -351,10 +366,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"corrupt: {cfg.corrupt!r} needs corrupt_clients (e.g. --set corrupt_clients=[0])")
     check_device(cfg.device)
     if cfg.late_replies == "next-round":
-        from fedfuse.algorithms import ALGORITHMS
-
-        if not getattr(ALGORITHMS[cfg.algorithm], "accepts_late", False):
-            late = sorted(n for n, c in ALGORITHMS.items() if getattr(c, "accepts_late", False))
+        registry = registered_algorithms()
+        if not getattr(registry[cfg.algorithm], "accepts_late", False):
+            late = sorted(n for n, c in registry.items() if getattr(c, "accepts_late", False))
             raise ConfigError(f"late_replies: {cfg.algorithm!r} cannot fuse a reply from an earlier round; "
                               f"next-round works with {', '.join(late)}")
     cfg = dataclasses.replace(cfg, model=resolved_model(cfg))

@@ -39,6 +39,10 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 __all__ = ["ALGORITHMS", "Algorithm", "RoundInfo", "RunContext", "get_algorithm"]
 
+from fedfuse.config import register_algorithm_source  # noqa: E402  (config reads the registry, never imports it)
+
+register_algorithm_source(lambda: ALGORITHMS)
+
 from fedfuse._callable import make_callable  # noqa: E402  (fedfuse.algorithms() → name: description)
 
 make_callable(__name__, lambda: {k: v.description for k, v in sorted(ALGORITHMS.items())})

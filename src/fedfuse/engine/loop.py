@@ -28,7 +28,7 @@ from fedfuse.engine.sampling import make_sampler
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError
 from fedfuse.rng import numpy_rng
-from fedfuse.types import Federation, Message
+from fedfuse.types import SIM_PREFIX, Federation, Message
 
 CHECKPOINT = "checkpoint.pt"
 TIMING_KEYS = ("seconds", "wall_seconds")
@@ -329,7 +329,7 @@ class Experiment:
         active = list(clients)  # who takes part in the next stage: everyone sampled, then whoever replied
         down = up = peer = 0
         flops = 0.0
-        comm_params: list[int] = []
+        comm_params: dict[int, int] = {}  # client -> parameters sent to it over all stages of the round
         trained_params: list[int] = []
         train_loss = 0.0
         train_n = 0
@@ -378,7 +378,9 @@ class Experiment:
                 self.late_box = {}
             down += sum(p.nbytes for p in payloads.values())
             up += sum(res.nbytes for res in results.values())
-            comm_params += [sum(t.numel() for t in p.tensors.values()) for p in payloads.values()]
+            for c, p in payloads.items():  # simulation bookkeeping (sim/...) is not communication
+                comm_params[c] = comm_params.get(c, 0) + sum(t.numel() for k, t in p.tensors.items()
+                                                             if not k.startswith(SIM_PREFIX))
             honest_replies += sum(1 for c in results if not self.faults.corrupts(c))
             if cfg.check_updates and results:
                 bad = check_replies(algo, sent, results, self.ctx.client_sizes, cfg.norm_bound)
@@ -436,7 +438,7 @@ class Experiment:
             "total_bytes_peer": t.bytes_peer,
             "total_client_flops": t.client_flops,
             "server_parameters": algo.server_parameters(self.state),
-            "communicated_parameters_per_client": float(np.mean(comm_params)) if comm_params else 0.0,
+            "communicated_parameters_per_client": float(np.mean(list(comm_params.values()))) if comm_params else 0.0,
             "optimised_parameters_per_client": float(np.mean(trained_params)) if trained_params else 0.0,
             "total_dropped": t.dropped,
             "total_late": t.late,

@@ -616,6 +616,7 @@ def add_flower_app_parser(sub: Any) -> None:
 
 def cmd_flower_app(args: Any) -> int:
     """``fedfuse flower-app``: validate the config, write app + connection + certificates, print the commands."""
+    import fedfuse.algorithms  # noqa: F401  (registers the algorithms the config is checked against)
     from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
 
     validate(apply(RunConfig(), load_yaml(args.config)))
