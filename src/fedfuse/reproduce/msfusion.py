@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="", help="comma list of msfusion, fedrolex, heterofl, fedet (default: all)")
     p.add_argument("--rounds", type=int, default=0, help="override the CIFAR rounds")
     p.add_argument("--ptb-rounds", type=int, default=0, help="override the PTB rounds (full: 3, quick: 2)")
+    p.add_argument("--cifar-splits", default="", help="comma list of non-iid, iid (default: full both, quick non-iid)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
     p.add_argument("--mnist-classes", type=int, default=MNIST_CLASSES,
                    help="classes per participant of the mnist part (the paper's H = 5; the shards default is 2)")
@@ -199,6 +200,12 @@ def run(args: argparse.Namespace) -> int:
         s["rounds"] = args.rounds
     if getattr(args, "ptb_rounds", 0):
         s["ptb_rounds"] = args.ptb_rounds
+    splits = [x.strip() for x in getattr(args, "cifar_splits", "").split(",") if x.strip()]
+    if splits:
+        unknown = sorted(set(splits) - {"non-iid", "iid"})
+        if unknown or "non-iid" not in splits:
+            raise SystemExit(f"--cifar-splits: choose non-iid or non-iid,iid (got {','.join(splits)})")
+        s["iid"] = "iid" in splits
     if args.mus:
         s["mus"] = s["mnist_mus"] = [float(m) for m in args.mus.split(",") if m.strip()]
     seeds = parse_seeds(args.seeds)
