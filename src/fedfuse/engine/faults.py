@@ -77,10 +77,10 @@ class FaultPlan:
             return None
         tensors = dict(reply.tensors)
         meta = dict(reply.meta)
-        stats = dataclasses.replace(reply.stats) if reply.stats is not None else FitStats()
+        stats = reply.stats
         floats = [k for k, v in tensors.items() if v.is_floating_point() and v.numel()]
-        if mode == "count":
-            stats.num_examples = 10**12
+        if mode == "count":  # a copy: the honest reply's record stays as it was
+            stats = dataclasses.replace(stats or FitStats(), num_examples=10**12)
         elif mode in ("nan", "inf") and floats:
             t = tensors[floats[0]].clone()
             t.view(-1)[0] = math.nan if mode == "nan" else math.inf
