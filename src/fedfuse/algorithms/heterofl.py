@@ -37,17 +37,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
-from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, scheduled_lr, train_local
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
+from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, TrainStats, scheduled_lr
+from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
+    build_submodel,
     combine,
-    load_submodel,
     slice_spec,
     slice_state,
     state_bytes,
     static_indices,
+    widths_of,
 )
 from fedfuse.options import opt
 from fedfuse.types import ClientData, FitStats, Message, TensorDict
@@ -208,29 +210,42 @@ class HeteroFL(Algorithm):
             model = self.ctx.load(payload.tensors, {"model_options": {"norm": "bn"}})
             stats, batches = bn_statistics(model, data.train.x, self.ctx.train.batch_size)
             return Message(stats, {"batches": batches}, FitStats(num_examples=len(data.train))), client_state
+        return run_program(self.client_program(payload, client_state, data), data, gen)
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram | None:
+        """The training stage as a declared program: the sub-model of the client's width (a real smaller module,
+        with the Scaler's hooks when it is on), the masked cross-entropy as a logit mask over the client's
+        classes, the scheduled learning rate.  The BN statistics stage stays a custom ``fit`` (``None``)."""
+        if payload.meta.get("stage") == "bn-stats":
+            return None
         r, total = int(payload.meta["round"]), int(payload.meta["total"])
         sel = {g: torch.tensor(v, dtype=torch.long) for g, v in payload.meta["sel"].items()}
         mu = self.mu_of(data.cid)
-        model = load_submodel(self._full, self.spec, payload.tensors, sel, tag=f"{self.name}-train")
-        hooks = []
-        if self.use_scaler() and mu != 1.0:
-            hooks += self.scaler_hooks(model, mu)
-        classes = sorted(int(c) for c in torch.unique(data.train.y).tolist()) if self.ctx.task == "classification" \
-            else []
-        if self.opt.masked_ce and classes and self.ctx.task == "classification":
+        model = self.train_template(sel, mu)
+        classification = self.ctx.task == "classification"
+        classes = sorted(int(c) for c in torch.unique(data.train.y).tolist()) if classification else []
+        mask = None
+        if self.opt.masked_ce and classes:
             mask = torch.zeros(self.ctx.num_classes, dtype=torch.bool, device=data.train.y.device)
             mask[classes] = True
-            hooks.append(model.head.register_forward_hook(
-                lambda m, i, o: o.masked_fill(~mask, 0.0) if m.training else o))
         lr = scheduled_lr(self.ctx.train.lr, r, total, self.opt.lr_schedule, self.opt.lr_min_ratio)
-        try:
-            stats = train_local(model, data.train, self.ctx.train, gen, lr=lr)
-        finally:
-            for h in hooks:
-                h.remove()
-        new = state_of(model)
-        meta = {"sel": payload.meta["sel"], "classes": classes, "submodel_bytes": state_bytes(new), "lr": lr}
-        return Message(new, meta, self.fit_stats(model, data, stats)), client_state
+
+        def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            meta = {"sel": payload.meta["sel"], "classes": classes, "submodel_bytes": state_bytes(state), "lr": lr}
+            return Message(state, meta, self.fit_stats(model, data, stats)), client_state
+
+        return ClientProgram(model=model, init=dict(payload.tensors), spec=LocalSpec.from_train(self.ctx.train, lr=lr),
+                             finalize=finalize, logit_mask=mask)
+
+    def train_template(self, sel: Selection, mu: float) -> nn.Module:
+        """The sub-model architecture for ``sel`` (cached); with the Scaler on, its hooks are part of it."""
+        scaled = self.use_scaler() and mu != 1.0
+        tag = f"{self.name}-train" + (f"-scaler{mu!r}" if scaled else "")
+        model = build_submodel(self._full, self.spec, widths_of(sel), tag)
+        if scaled and getattr(model, "_fedfuse_scaler", None) != mu:
+            self.scaler_hooks(model, mu)
+            model._fedfuse_scaler = mu  # registered once per cached template
+        return model
 
     def use_scaler(self) -> bool:
         """Whether the Scaler is on: ``auto`` follows the authors' code, where a Scaler always feeds a

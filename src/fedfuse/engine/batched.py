@@ -41,6 +41,8 @@ from fedfuse.engine.program import ClientProgram, run_program, term_values
 from fedfuse.engine.sam import stacked_perturbation
 from fedfuse.types import ClientData
 
+_LOGIT_MASK = "\0logit_mask"  # the key of ClientProgram.logit_mask among a group's stacked references
+
 
 def unbatchable_reason(model: nn.Module) -> str | None:
     """Why ``model`` cannot be trained batched with results equal to the sequential executor (or None)."""
@@ -68,7 +70,9 @@ def _signature(program: ClientProgram) -> tuple:
     def shapes(d: dict[str, torch.Tensor]) -> tuple:
         return tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in d.items())
 
-    return (id(program.model), program.spec, terms, program.trainable, shapes(program.init), shapes(program.refs))
+    mask = None if program.logit_mask is None else tuple(program.logit_mask.shape)
+    return (id(program.model), program.spec, terms, program.trainable, shapes(program.init), shapes(program.refs),
+            mask)
 
 
 class BatchedExecutor(SequentialExecutor):
@@ -187,6 +191,8 @@ class BatchedExecutor(SequentialExecutor):
         P = {n: torch.stack([p.init[n] for p in progs]).detach().clone() for n in param_names}
         Bf = {n: torch.stack([p.init[n] for p in progs]).detach().clone() for n in buffer_names}
         R = {k: torch.stack([p.refs[k] for p in progs]).detach() for k in p0.refs}
+        if p0.logit_mask is not None:  # one mask per client, batched with the references
+            R[_LOGIT_MASK] = torch.stack([p.logit_mask for p in progs]).to(device)
         for n in opt_names:
             P[n].requires_grad_(True)
         terms = p0.terms
@@ -194,6 +200,9 @@ class BatchedExecutor(SequentialExecutor):
 
         def loss_fn(params, buffers, refs, x, y, m):
             logits = functional_call(model, {**params, **buffers}, (x,), strict=False, tie_weights=tied)
+            if _LOGIT_MASK in refs:
+                refs = dict(refs)
+                logits = logits.masked_fill(~refs.pop(_LOGIT_MASK), 0.0)
             if m is None:
                 task = task_loss(logits, y)
             else:

@@ -13,6 +13,8 @@ A program says
 - the loss: the task loss (cross-entropy) plus declared :class:`LossTerm` s, pure functions of the functional
   parameters, buffers, per-client reference tensors ``refs`` (e.g. FedProx's anchor) and the batch;
 - which parameters are optimised (``trainable``; ``None`` = every parameter with ``requires_grad``);
+- which output classes take part in training (``logit_mask``: the logits of the other classes are set to 0
+  before the loss, HeteroFL's masked cross-entropy; evaluation is unmasked);
 - how the client finalises its reply from the trained state and the training statistics (``finalize``).
 
 Executors never import algorithms: anything with a ``client_program(payload, client_state, data)`` method
@@ -122,6 +124,11 @@ class ClientProgram:
     terms: tuple[LossTerm, ...] = ()
     refs: TensorDict = field(default_factory=dict)
     trainable: frozenset[str] | None = None
+    logit_mask: torch.Tensor | None = None  # bool (num_classes,): False = logit set to 0 in training
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the classes outside ``logit_mask`` set to 0 (unchanged without a mask)."""
+        return logits if self.logit_mask is None else logits.masked_fill(~self.logit_mask, 0.0)
 
     def optimised_names(self) -> list[str]:
         """Parameter names the optimiser updates, in ``named_parameters`` order."""
@@ -163,6 +170,18 @@ def run_program(program: ClientProgram, data: ClientData, gen: torch.Generator) 
     """
     model = program.model
     model.load_state_dict(program.init, strict=True)
+    mask_hook = None
+    if program.logit_mask is not None:  # training-mode forward passes see masked logits (loss, terms, SAM)
+        mask_hook = model.register_forward_hook(lambda m, i, o: program.masked(o) if m.training else o)
+    try:
+        return _run_loaded(program, model, data, gen)
+    finally:
+        if mask_hook is not None:
+            mask_hook.remove()
+
+
+def _run_loaded(program: ClientProgram, model: nn.Module, data: ClientData,
+                gen: torch.Generator) -> tuple[Message, Any]:
     extra = None
     if program.terms:
         terms, refs = program.terms, program.refs
