@@ -74,3 +74,8 @@ def test_msfusion_mnist_check_uses_the_papers_split_on_full_data():
     assert "schedule_rounds" not in opts and "update_every" not in opts
     assert rm.compressed_eq6(100) == {"schedule_rounds": 0, "update_every": 2}
     assert ("compressed Eq. 6", {"compressed": True}) in rm.ABLATIONS
+    assert rm.ablation_rows("") == rm.ABLATIONS
+    assert rm.ablation_rows("w/o con, compressed Eq. 6") == (("w/o con", {"contrastive": False}),
+                                                             ("compressed Eq. 6", {"compressed": True}))
+    with pytest.raises(SystemExit, match="choose from"):
+        rm.ablation_rows("w/o everything")

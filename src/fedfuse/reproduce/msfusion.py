@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="", help="comma list of msfusion, fedrolex, heterofl, fedet (default: all)")
     p.add_argument("--rounds", type=int, default=0, help="override the CIFAR rounds")
     p.add_argument("--ptb-rounds", type=int, default=0, help="override the PTB rounds (full: 3, quick: 2)")
+    p.add_argument("--ablations", default="",
+                   help="comma list of ablation rows besides msfusion itself (default: all): " +
+                   ", ".join(label for label, _ in ABLATIONS))
     p.add_argument("--cifar-splits", default="", help="comma list of non-iid, iid (default: full both, quick non-iid)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
     p.add_argument("--mnist-classes", type=int, default=MNIST_CLASSES,
@@ -192,6 +195,16 @@ ABLATIONS = (("w/o con", {"contrastive": False}), ("w/o dyn", {"dynamic": False}
              ("compressed Eq. 6", {"compressed": True}))
 
 
+def ablation_rows(names: str) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The ablation rows named in a comma list (empty: all); an unknown name is an error that lists them."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = dict(ABLATIONS)
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"--ablations: unknown {unknown}; choose from {', '.join(known)}")
+    return tuple((n, known[n]) for n in wanted) if wanted else ABLATIONS
+
+
 def compressed_eq6(rounds: int) -> dict[str, Any]:
     """Eq. 6 squeezed into ``rounds``: 50 updates of c (the paper's 500 / 10) spread over the run."""
     return {"schedule_rounds": 0, "update_every": max(1, rounds // 50)}
@@ -280,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
                    paper=PAPER_CIFAR.get(("fedet", partition, None), "—"))
     if "ablation" in parts:
         base = cifar_base(s, data_dir, "non-iid")
-        for label, extra in (("msfusion", {}), *ABLATIONS):
+        rows = ablation_rows(getattr(args, "ablations", ""))
+        for label, extra in (("msfusion", {}), *rows):
             name = label.replace(" ", "").replace("/", "").replace("&", "-").replace(".", "")
             paper = PAPER_ABLATION.get(label)
             if extra.get("compressed"):
