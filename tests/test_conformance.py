@@ -149,8 +149,9 @@ def test_every_executor_gives_the_same_run(algorithm):
 def test_declared_programs_are_batched_not_fallen_back():
     """The standard step (FedAvg, FedAvg-FT, FedExP, FedMR, FedMut), FedProx, the two-pass (A)SAM step, FedMerge
     (a delta reply, an optional proximal term), IFCA (client-side choice, then the standard step) and the width
-    slices of HeteroFL/FedRolex (sub-models, masked logits) really run vmapped."""
+    slices of HeteroFL/FedRolex (sub-models, masked logits) and MSfusion (peer-assembled sub-models, a contrastive
+    term on frozen models' features) really run vmapped."""
     for algorithm in ("fedavg", "fedprox", "fedmr", "fedmut", "fedexp", "fedavg-ft", "fedsam", "fedasam", "fedmerge",
-                      "ifca", "heterofl", "fedrolex"):
+                      "ifca", "heterofl", "fedrolex", "msfusion"):
         exp = _run(algorithm, "batched")
         assert exp.executor.fallbacks == {}, (algorithm, exp.executor.fallbacks)

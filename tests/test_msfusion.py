@@ -184,3 +184,52 @@ def test_heterogeneous_mu_sub_models_are_not_quarantined():
                          corrupt_clients=[1]))
     bad.run()
     assert all("1" in r["quarantined"] and "selection gives" in r["quarantined"]["1"] for r in bad.history)
+
+
+@pytest.mark.parametrize("similarity", ["cosine", "dot"])
+def test_masked_padded_contrastive_equals_the_common_units_form(similarity):
+    """The declared term gathers the common units at padded positions and zeroes the padding: per sample it
+    equals Eq. 7 on the common units alone."""
+    from fedfuse.algorithms.msfusion import _padded
+
+    g = torch.Generator().manual_seed(0)
+    z, za, zp = (torch.randn(5, 6, generator=g) for _ in range(3))
+    pc, pp = torch.tensor([4, 1, 5]), torch.tensor([0, 3, 2])
+    ref = contrastive_loss(z[:, pc], za[:, pc], zp[:, pp], 0.5, similarity, reduction="none")
+    cur, old, m = _padded(pc, 6), _padded(pp, 6), _padded(torch.ones(3), 6)
+    got = contrastive_loss(z[:, cur] * m, za[:, cur] * m, zp[:, old] * m, 0.5, similarity, reduction="none")
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    assert contrastive_loss(z[:, pc], za[:, pc], zp[:, pp], 0.5, similarity).item() == pytest.approx(
+        ref.mean().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("mlp", {"model_options": {"widths": [8, 8]}}),
+    ("resnet18", {"model_options": {"width_mult": 0.0625, "norm": "bn-static"}, "dataset_options": {
+        "train_limit": 120, "test_limit": 40}}),
+])
+def test_batched_equals_sequential_with_the_contrastive_term(model, extra):
+    """MSfusion's declared program (peer-assembled sub-models, the contrastive term on two frozen models'
+    features) runs vmapped without fallback and gives the sequential run; the term is active (rounds 2-3)
+    and matters (λ = 0 gives another run)."""
+    runs = {}
+    for executor, lam in (("sequential", 1.0), ("batched", 1.0), ("sequential", 0.0)):
+        exp = Experiment(cfg(model=model, rounds=3, executor=executor, **extra,
+                             algorithm_options={"mu": 0.5, "lam": lam, "dynamic": False}))
+        exp.run()
+        runs[executor, lam] = exp
+    assert runs["batched", 1.0].executor.fallbacks == {}
+    seq, bat = runs["sequential", 1.0].history, runs["batched", 1.0].history
+    for a, b in zip(seq, bat, strict=True):
+        a, b = strip_timing(a), strip_timing(b)
+        assert a["client_flops"] == b["client_flops"] and a["bytes_peer"] == b["bytes_peer"]
+        assert a["contrastive_skipped"] == b["contrastive_skipped"] == 0
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+    assert seq[0]["client_flops"] < seq[1]["client_flops"]  # frozen models' forward passes from round 2 on
+    g_seq, g_bat = (runs[k].state["global"] for k in (("sequential", 1.0), ("batched", 1.0)))
+    for k, v in g_seq.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(g_bat[k], v, rtol=1e-3, atol=1e-4, msg=k)
+    no_con = runs["sequential", 0.0].history
+    assert no_con[0]["train_loss"] == seq[0]["train_loss"]  # round 1 has no term
+    assert no_con[2]["train_loss"] != seq[2]["train_loss"]

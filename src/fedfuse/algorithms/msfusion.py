@@ -57,24 +57,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, cyclic_lr, scheduled_lr, train_local
+from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, TrainStats, cyclic_lr, scheduled_lr
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
+from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
+    build_submodel,
     combine,
     dim_indices,
     dss_indices,
     intersect_selection,
-    load_submodel,
     overlap_fraction,
     overlap_part,
     slice_spec,
     slice_state,
     state_bytes,
+    widths_of,
     write_back,
 )
 from fedfuse.options import opt
@@ -82,10 +85,12 @@ from fedfuse.types import ClientData, Message, TensorDict
 
 
 def contrastive_loss(z: torch.Tensor, z_agg: torch.Tensor, z_prev: torch.Tensor, tau: float = 0.5,
-                     similarity: str = "cosine") -> torch.Tensor:
+                     similarity: str = "cosine", reduction: str = "mean") -> torch.Tensor:
     """Eq. 7 averaged over samples: −log(e^{ẑ·z*/τ} / (e^{ẑ·z*/τ} + e^{ẑ·z^{r−1}/τ})).
 
     Inputs are (B, D) (or (B, L, D), flattened to tokens).  ``similarity="cosine"`` normalises the vectors.
+    ``reduction="none"`` returns one value per sample (per token for (B, L, D) inputs).  Zeroed entries
+    (masked units) contribute nothing to either similarity.
     """
     if z.shape[-1] == 0:  # no common unit: the term is undefined and contributes nothing
         return z.sum() * 0.0
@@ -96,7 +101,42 @@ def contrastive_loss(z: torch.Tensor, z_agg: torch.Tensor, z_prev: torch.Tensor,
         pos, neg = (z * z_agg).sum(-1), (z * z_prev).sum(-1)
     else:
         raise ValueError(f"similarity={similarity!r}; choose dot or cosine")
-    return F.softplus((neg - pos) / tau).mean()
+    per = F.softplus((neg - pos) / tau)
+    return per if reduction == "none" else per.mean()
+
+
+class _FeatureView(nn.Module):
+    """``forward`` = the wrapped model's penultimate ``features`` (for ``functional_call`` on frozen copies)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.features(x)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _FeatureView:
+        """The cached view of a template (kept in eval mode: frozen models use no dropout)."""
+        if id(model) not in _VIEWS:
+            _VIEWS[id(model)] = cls(model).eval()
+        return _VIEWS[id(model)]
+
+
+_VIEWS: dict[int, _FeatureView] = {}  # template id → its view (templates are cached for the process)
+_CAPTURED: dict[int, dict[str, torch.Tensor]] = {}  # training template id → the features its head hook captured
+
+
+def _prefixed(refs: TensorDict, prefix: str) -> TensorDict:
+    """The entries of ``refs`` under ``prefix``, renamed for a :class:`_FeatureView` (``model.<key>``)."""
+    return {"model." + k[len(prefix):]: v for k, v in refs.items() if k.startswith(prefix)}
+
+
+def _padded(v: torch.Tensor, width: int) -> torch.Tensor:
+    """``v`` zero-padded to ``width`` entries (positions: index 0, masked out by the caller)."""
+    out = torch.zeros(width, dtype=v.dtype)
+    out[: v.numel()] = v
+    return out
 
 
 def neighbours(n: int, num: int, topology: str) -> list[int]:
@@ -310,47 +350,90 @@ class MSfusion(Algorithm):
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
+        return run_program(self.client_program(payload, client_state, data), data, gen)
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """Participant n's round as a declared program: Eq. 5 (its sub-model w*_n from its own and its peers'
+        values) happens here, training is the run's local spec on the sub-model template with the scheduled
+        learning rate and, from the second round on, the contrastive term of Eq. 7-8 as a per-sample
+        :class:`LossTerm`; the finalize publishes the peer envelopes (:meth:`publish`).
+
+        The term reads the trained model's penultimate features (captured by a forward hook on the template's
+        head) and computes the frozen w*_n's and previous sub-model's features functionally from ``refs``
+        (``agg/…``, ``prev/…``).  Their common units are gathered with positions padded to the feature width
+        and a validity mask, so participants of one width have equal shapes and train in one batched group;
+        the masked similarities equal those over the common units alone."""
         r, total, n = int(payload.meta["round"]), int(payload.meta["total"]), data.cid
         w_star, sel, fallback = self.aggregate_local(n, r, total, client_state, payload)
-        model = load_submodel(self._full, self.spec, w_star, sel, tag="train")
+        model, captured = self.train_template(sel)
         lr = scheduled_lr(self.ctx.train.lr, r, total, self.opt.lr_schedule, self.opt.lr_min_ratio)
-        extra, hook, frozen = None, None, []
         pos_cur, pos_prev = (self.common_positions(sel, client_state["sel"]) if client_state is not None
                              else (torch.zeros(0, dtype=torch.long),) * 2)
         # the window may jump past the previous one when Eq. 6 changes c: no common unit, no contrastive term
         skipped = bool(self.opt.contrastive and client_state is not None and pos_cur.numel() == 0)
+        terms: tuple[LossTerm, ...] = ()
+        refs: TensorDict = {}
+        frozen: list[nn.Module] = []
         if self.opt.contrastive and client_state is not None and not skipped:
-            agg = load_submodel(self._full, self.spec, w_star, sel, tag="aggregated").eval()
-            prev = load_submodel(self._full, self.spec, client_state["sub"], client_state["sel"], tag="prev").eval()
+            agg = build_submodel(self._full, self.spec, widths_of(sel), "aggregated")
+            prev = build_submodel(self._full, self.spec, widths_of(client_state["sel"]), "prev")
             frozen = [agg, prev]
+            width = self.feature_width(sel)
+            refs = {**{f"agg/{k}": v for k, v in w_star.items()},
+                    **{f"prev/{k}": v for k, v in client_state["sub"].items()},
+                    "pos_cur": _padded(pos_cur, width), "pos_prev": _padded(pos_prev, width),
+                    "pos_mask": _padded(torch.ones(pos_cur.numel()), width)}
+            terms = (self.contrastive_term(captured, _FeatureView.of(agg), _FeatureView.of(prev)),)
+
+        def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            fit = self.fit_stats(model, data, stats)
+            if frozen and stats.samples:
+                fit.flops += sum(forward_flops_per_sample(f, data.train.x) for f in frozen) * stats.samples
+            tensors, peer, new_state = self.publish(n, r, total, state, sel, client_state)
+            meta = {
+                "sel": {g: v.tolist() for g, v in sel.items()},
+                "peer_bytes": peer,
+                "submodel_bytes": state_bytes(new_state["sub"]),
+                "fallback_elements": fallback,
+                "contrastive_skipped": int(skipped),
+                "lr": lr,
+            }
+            return Message(tensors, meta, fit), new_state
+
+        return ClientProgram(model=model, init=w_star, spec=LocalSpec.from_train(self.ctx.train, lr=lr),
+                             finalize=finalize, terms=terms, refs=refs)
+
+    def train_template(self, sel: Selection) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        """The (cached) sub-model template for ``sel``'s widths and the dict its head hook fills with the
+        penultimate features of every forward pass (the contrastive term's ẑ)."""
+        model = build_submodel(self._full, self.spec, widths_of(sel), "train")
+        if id(model) not in _CAPTURED:
             captured: dict[str, torch.Tensor] = {}
-            hook = model.head.register_forward_hook(lambda m, i, o: captured.__setitem__("z", i[0]))
-            tau, lam, sim = float(self.opt.tau), float(self.opt.lam), self.opt.similarity
+            model.head.register_forward_hook(lambda m, i, o: captured.__setitem__("z", i[0]))
+            _CAPTURED[id(model)] = captured
+        return model, _CAPTURED[id(model)]
 
-            def extra(m: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-                with torch.no_grad():
-                    z_agg, z_prev = agg.features(x), prev.features(x)
-                z = captured["z"]
-                return lam * contrastive_loss(z[..., pos_cur], z_agg[..., pos_cur], z_prev[..., pos_prev], tau, sim)
+    def feature_width(self, sel: Selection) -> int:
+        g = self.spec.feature_group
+        return int(self._full.head.in_features) if g is None else int(sel[g].numel())
 
-        try:
-            stats = train_local(model, data.train, self.ctx.train, gen, extra_loss=extra, lr=lr)
-        finally:
-            if hook is not None:
-                hook.remove()
-        fit = self.fit_stats(model, data, stats)
-        if frozen and stats.samples:
-            fit.flops += sum(forward_flops_per_sample(f, data.train.x) for f in frozen) * stats.samples
-        tensors, peer, new_state = self.publish(n, r, total, state_of(model), sel, client_state)
-        meta = {
-            "sel": {g: v.tolist() for g, v in sel.items()},
-            "peer_bytes": peer,
-            "submodel_bytes": state_bytes(new_state["sub"]),
-            "fallback_elements": fallback,
-            "contrastive_skipped": int(skipped),
-            "lr": lr,
-        }
-        return Message(tensors, meta, fit), new_state
+    def contrastive_term(self, captured: dict[str, torch.Tensor], agg: nn.Module, prev: nn.Module) -> LossTerm:
+        """λ·ℓ_con per sample (Eq. 7-8) over the common units (``refs["pos_*"]``)."""
+        tau, lam, sim = float(self.opt.tau), float(self.opt.lam), self.opt.similarity
+
+        def con(params: TensorDict, buffers: TensorDict, refs: TensorDict, x: torch.Tensor, y: torch.Tensor,
+                logits: torch.Tensor) -> torch.Tensor:
+            z = captured.pop("z")  # this forward pass's ẑ (not kept beyond it)
+            with torch.no_grad():
+                z_agg = functional_call(agg, _prefixed(refs, "agg/"), (x,), strict=False)
+                z_prev = functional_call(prev, _prefixed(refs, "prev/"), (x,), strict=False)
+            m = refs["pos_mask"].to(z.dtype)
+            cur, old = refs["pos_cur"], refs["pos_prev"]
+            per = contrastive_loss(z[..., cur] * m, z_agg[..., cur] * m, z_prev[..., old] * m, tau, sim,
+                                   reduction="none")
+            return lam * per.reshape(z.shape[0], -1).mean(1)
+
+        return LossTerm("msfusion-contrastive", con, per_sample=True)
 
     def evaluate(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
