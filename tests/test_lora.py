@@ -149,6 +149,17 @@ def test_same_seed_same_metrics(base, fed):
     assert [strip_timing(r) for r in a.history] == [strip_timing(r) for r in b.history]
 
 
+def test_the_first_run_in_a_process_equals_later_runs(base, fed):
+    """The shared adapted model is built lazily, possibly inside a client's seeded step (local-lora builds it
+    in ``fit``); building it must not move the global RNG that the step's LoRA dropout draws from."""
+    from fedfuse.adapters.lora import clear_cache
+
+    clear_cache()
+    first, _ = run(fed, "local-lora", base, rounds=1, seed=4, lora_dropout=0.5)
+    later, _ = run(fed, "local-lora", base, rounds=1, seed=4, lora_dropout=0.5)
+    assert first.history[0]["train_loss"] == later.history[0]["train_loss"]
+
+
 def test_fedlora_finetunes_only_for_evaluation(base, fed):
     it, s_it = run(fed, "fedit", base, rounds=1)
     lo, s_lo = run(fed, "fedlora", base, rounds=1, ft_epochs=2)

@@ -185,7 +185,12 @@ def adapter_model(base: str, spec: LoraSpec, device: torch.device | str = "cpu")
     """The process-wide wrapped model for (base, LoRA spec, device): the base is loaded once."""
     key = (base, spec, str(torch.device(device)))
     if key not in _MODELS:
-        _MODELS[key] = AdapterModel(base, spec, device)
+        # Built lazily, possibly inside a client's seeded step: building (random init before the base's weights
+        # are loaded, peft's own init) must not move the global RNG streams that step's dropout draws from, or
+        # the first run in a process would differ from every later one.
+        cuda = torch.device(device).type == "cuda"
+        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if cuda else []):
+            _MODELS[key] = AdapterModel(base, spec, device)
     return _MODELS[key]
 
 
