@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.engine.client import train_local
+from fedfuse.engine.client import TrainStats
 from fedfuse.engine.peers import TOPOLOGIES, deliver, mail_of, own_tensors, peer_graph, route_peers, unpack_mail
+from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
 
@@ -161,15 +162,22 @@ class DPSGD(Algorithm):
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
+        return run_program(self.client_program(payload, client_state, data), data, gen)
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """Node n's round as a declared program: gossip-average its own model with the models its neighbours
+        sent (:meth:`combine`), train the result with the run's local spec, then send it to the neighbours."""
         n, r, total = data.cid, int(payload.meta["round"]), int(payload.meta["total"])
         own = client_state["model"] if client_state is not None else self.initial_state()
         x = self.combine(n, r, own, unpack_mail(payload.tensors, "sim/"))
-        model = self.ctx.load(x)
-        stats = train_local(model, data.train, self.ctx.train, gen)
-        new = state_of(model)
-        peer, sent = self.send(n, r, total, new)
-        return (Message({**{f"sim/own/{k}": v for k, v in new.items()}, **peer}, {"peer_bytes": sent},
-                        self.fit_stats(model, data, stats)), {"model": new})
+        model = self.ctx.model({})
+
+        def finalize(new: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            peer, sent = self.send(n, r, total, new)
+            return (Message({**{f"sim/own/{k}": v for k, v in new.items()}, **peer}, {"peer_bytes": sent},
+                            self.fit_stats(model, data, stats)), {"model": new})
+
+        return ClientProgram(model=model, init=x, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize)
 
     def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
         return {c: Message() for c in clients}

@@ -16,7 +16,8 @@ from fedfuse.algorithms.base import (
     evaluate_splits,
     state_of,
 )
-from fedfuse.engine.client import train_local
+from fedfuse.engine.client import TrainStats
+from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
 from fedfuse.types import ClientData, Message, TensorDict
 
 
@@ -46,9 +47,18 @@ class Local(Algorithm):
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
+        return run_program(self.client_program(payload, client_state, data), data, gen)
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """Train the client's own model (the shared initial model the first time) with the run's local spec;
+        the reply carries only its statistics, the model stays in the client's state."""
         model, _ = self._own_model(client_state)
-        stats = train_local(model, data.train, self.ctx.train, gen)
-        return Message(stats=self.fit_stats(model, data, stats)), {"model": state_of(model)}
+        init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+        def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            return Message(stats=self.fit_stats(model, data, stats)), {"model": state}
+
+        return ClientProgram(model=model, init=init, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         return state
