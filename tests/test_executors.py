@@ -330,3 +330,19 @@ def test_executor_is_a_validated_config_key():
         validate(apply(RunConfig(), {"executor": "gpu-magic"}))
     with pytest.raises(ValueError, match="unknown executor"):
         make_executor("nope", [], 0)
+
+
+def test_a_subclass_with_a_custom_fit_does_not_inherit_its_parents_program():
+    """Dis-PFL overrides D-PSGD's ``fit`` (a masked step): it must run its own ``fit``, not D-PSGD's program."""
+    from fedfuse.algorithms import ALGORITHMS
+    from fedfuse.algorithms.base import Algorithm
+
+    dispfl, dpsgd = ALGORITHMS["dispfl"], ALGORITHMS["dpsgd"]
+    assert issubclass(dispfl, dpsgd) and "client_program" in vars(dpsgd)
+    assert dispfl.client_program is Algorithm._no_program
+
+    class Custom(ALGORITHMS["fedavg"]):
+        def fit(self, payload, client_state, data, gen):
+            raise AssertionError("not called here")
+
+    assert Custom.client_program(None, Message(), None, None) is None

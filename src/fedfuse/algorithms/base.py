@@ -58,6 +58,16 @@ class Algorithm:
         self.ctx = ctx
         self.opt = options if options is not None else self.Options()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that overrides ``fit`` without declaring its own ``client_program`` has a custom client step:
+        it must not inherit a parent's program (Dis-PFL's masked step is not D-PSGD's), so it declares none."""
+        super().__init_subclass__(**kwargs)
+        if "fit" in cls.__dict__ and "client_program" not in cls.__dict__:
+            cls.client_program = Algorithm._no_program  # type: ignore[method-assign]
+
+    def _no_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram | None:
+        return None
+
     # ---- options -------------------------------------------------------------------------------
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
@@ -136,8 +146,6 @@ class Algorithm:
         :meth:`loss_terms` with the run's local spec, reply with the full trained state and the standard
         metadata.  Subclasses that override ``fit`` get ``None`` unless they also override this method.
         """
-        if type(self).fit is not Algorithm.fit:
-            return None
         return self.standard_program(payload, client_state, data)
 
     def loss_terms(self, payload: Message) -> tuple[tuple[LossTerm, ...], TensorDict]:

@@ -43,8 +43,9 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState, state_of
-from fedfuse.engine.client import TrainConfig, class_counts, retrain_config, train_local
+from fedfuse.engine.client import TrainConfig, TrainStats, class_counts, retrain_config
 from fedfuse.engine.context import client_initial_state
+from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
 from fedfuse.fusion.match import MatchingOptions, class_weighted_average, match_group
 from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather
 from fedfuse.models.base import layer_index
@@ -56,21 +57,6 @@ from fedfuse.types import ClientData, Message, TensorDict
 
 def base_sizes(ctx: RunContext) -> list[int]:
     return [g.size for g in chain_spec(ctx.model())]
-
-
-def train_above(
-    model: torch.nn.Module, frozen: set[str], data: ClientData, cfg: TrainConfig, gen: torch.Generator, **kw: Any
-):
-    """Train ``model`` with the parameters in ``frozen`` fixed; returns the stats and the trained count."""
-    params = [p for k, p in model.named_parameters() if k not in frozen]
-    for k, p in model.named_parameters():
-        p.requires_grad_(k not in frozen)
-    try:
-        stats = train_local(model, data.train, cfg, gen, params=params, **kw)
-    finally:
-        for p in model.parameters():
-            p.requires_grad_(True)
-    return stats, sum(p.numel() for p in params)
 
 
 class FedMA(Algorithm):
@@ -181,49 +167,64 @@ class FedMA(Algorithm):
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
+        return run_program(self.client_program(payload, client_state, data), data, gen)
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """One FedMA stage of a client as a declared program.
+
+        Stage 0 trains the whole own-size model (from its initialisation, its own last base, or the global model
+        rebuilt through the client's assignments).  Stage s ≥ 1 grows layer s−1 to the matched global size,
+        loads the received matched layer and retrains only the layers above it: the layers up to the matched
+        one are a frozen set (``trainable`` = the rest), under the retraining spec (the code's local_retrain:
+        its own optimiser, epochs and, for the last stage, the head's schedule).  The finalize replies with the
+        next layer to match (or the head) and the class counts."""
         s, K = int(payload.meta["stage"]), len(self.spec)
         cid = data.cid
         counts = class_counts(data, self.ctx.num_classes)
+        trainable: frozenset[str] | None = None
         if s == 0:
             if payload.meta.get("init") or payload.meta.get("own"):
                 own = payload.meta.get("own") and client_state is not None and "base" in client_state
                 start = client_state["base"] if own else client_initial_state(self.ctx, cid, self.opt.init)
-                sizes = base_sizes(self.ctx)
             else:  # rebuild the original-size model from the global one through this client's assignments
                 start = dict(payload.tensors)
                 gspec = chain_spec(self.ctx.model(payload.meta))
                 for g, a in zip(gspec, client_state["assign"]):
                     start = gather(start, g, a)
-                sizes = base_sizes(self.ctx)
-            model = self.ctx.load(start, self._opts(sizes))
+            sizes = base_sizes(self.ctx)
+            model = self.ctx.model(self._opts(sizes))
             if payload.meta.get("init") or self.opt.retrain_schedule == "run":
-                stats = train_local(model, data.train, self.ctx.train, gen)
+                spec = LocalSpec.from_train(self.ctx.train)
             else:  # the code's fedma_comm: full retraining with local_retrain's schedule
                 cfg, epochs = self._retrain(last=False)
-                stats = train_local(model, data.train, cfg, gen, epochs=epochs)
-            trained = sum(p.numel() for p in model.parameters())
+                spec = LocalSpec.from_train(cfg, epochs=epochs)
         else:
             sizes = list(client_state["sizes"])
             cur = client_state["model"]
             g = chain_spec(self.ctx.model(self._opts(sizes)))[s - 1]
-            cur = expand(cur, g, payload.meta["assign"], int(payload.meta["size"]), roles=("out",))
-            cur.update(payload.tensors)
+            start = expand(cur, g, payload.meta["assign"], int(payload.meta["size"]), roles=("out",))
+            start.update(payload.tensors)
             sizes[s - 1] = int(payload.meta["size"])
-            model = self.ctx.load(cur, self._opts(sizes))
+            model = self.ctx.model(self._opts(sizes))
             frozen = self._frozen_keys(model, g)
+            trainable = frozenset(k for k, _ in model.named_parameters() if k not in frozen)
             cfg, epochs = self._retrain(last=s == K)
-            stats, trained = train_above(model, frozen, data, cfg, gen, epochs=epochs)
-        new_state = state_of(model)
-        if s < K:
-            g = chain_spec(model)[s]
-            up = {k: new_state[k] for k in g.keys("in") + g.keys("stat")}
-        else:
-            up = {k: new_state[k] for k in self.head}
-        fit = self.fit_stats(model, data, stats)
-        fit.trained_params = int(trained)
-        assign = list(client_state["assign"]) if client_state and "assign" in client_state else []
-        if s > 0:  # keep this round's maps for the next round's rebuild
-            assign = [*assign[: s - 1], list(payload.meta["assign"])]
-        base = new_state if s == 0 else (client_state or {}).get("base")  # own-size model of the last stage 0
-        new_client = {"model": new_state, "sizes": sizes, "assign": assign, "base": base}
-        return Message(up, {"class_counts": counts}, fit), new_client
+            spec = LocalSpec.from_train(cfg, epochs=epochs)
+        trained = sum(p.numel() for k, p in model.named_parameters() if trainable is None or k in trainable)
+
+        def finalize(new_state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            if s < K:
+                g = chain_spec(model)[s]
+                up = {k: new_state[k] for k in g.keys("in") + g.keys("stat")}
+            else:
+                up = {k: new_state[k] for k in self.head}
+            fit = self.fit_stats(model, data, stats)
+            fit.trained_params = int(trained)
+            assign = list(client_state["assign"]) if client_state and "assign" in client_state else []
+            if s > 0:  # keep this round's maps for the next round's rebuild
+                assign = [*assign[: s - 1], list(payload.meta["assign"])]
+            base = new_state if s == 0 else (client_state or {}).get("base")  # own-size model of the last stage 0
+            new_client = {"model": new_state, "sizes": sizes, "assign": assign, "base": base}
+            return Message(up, {"class_counts": counts}, fit), new_client
+
+        return ClientProgram(model=model, init=start, spec=spec, finalize=finalize, trainable=trainable)
