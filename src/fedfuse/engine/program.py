@@ -166,22 +166,35 @@ def term_values(
 def run_program(program: ClientProgram, data: ClientData, gen: torch.Generator) -> tuple[Message, Any]:
     """The reference execution: load ``init`` into the module and train it with ``train_local``.
 
-    Gives exactly today's sequential results (same batches, same operations, same optimiser).
+    Gives exactly today's sequential results (same batches, same operations, same optimiser).  During training
+    the logit mask is a forward hook and the frozen set (parameters outside ``trainable``) has
+    ``requires_grad`` off, so autograd computes no gradient for it; both are undone before ``finalize`` runs,
+    so the finalize sees the template as the batched executor leaves it.
     """
     model = program.model
     model.load_state_dict(program.init, strict=True)
-    mask_hook = None
+    undo = []
     if program.logit_mask is not None:  # training-mode forward passes see masked logits (loss, terms, SAM)
-        mask_hook = model.register_forward_hook(lambda m, i, o: program.masked(o) if m.training else o)
+        undo.append(model.register_forward_hook(lambda m, i, o: program.masked(o) if m.training else o).remove)
+    params = None
+    if program.trainable is not None:
+        named = dict(model.named_parameters())
+        params = [named[n] for n in program.optimised_names()]
+        frozen = [p for n, p in named.items() if n not in program.trainable and p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        undo.append(lambda: [p.requires_grad_(True) for p in frozen])
     try:
-        return _run_loaded(program, model, data, gen)
+        stats = _train(program, model, data, gen, params)
     finally:
-        if mask_hook is not None:
-            mask_hook.remove()
+        for fn in reversed(undo):
+            fn()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return program.finalize(state, stats)
 
 
-def _run_loaded(program: ClientProgram, model: nn.Module, data: ClientData,
-                gen: torch.Generator) -> tuple[Message, Any]:
+def _train(program: ClientProgram, model: nn.Module, data: ClientData, gen: torch.Generator,
+           params: list[torch.nn.Parameter] | None) -> TrainStats:
     extra = None
     if program.terms:
         terms, refs = program.terms, program.refs
@@ -191,10 +204,6 @@ def _run_loaded(program: ClientProgram, model: nn.Module, data: ClientData,
             assert out is not None
             return out
 
-    params = None
-    if program.trainable is not None:
-        named = dict(model.named_parameters())
-        params = [named[n] for n in program.optimised_names()]
     before = None
     spec = program.spec
     if spec.two_pass:
@@ -205,7 +214,5 @@ def _run_loaded(program: ClientProgram, model: nn.Module, data: ClientData,
 
         before = sam_step(model, spec.sam_rho, spec.two_pass == "asam", spec.sam_eta, loss=objective,
                           names=program.optimised_names())
-    stats = train_local(model, data.train, spec.as_train(), gen, extra_loss=extra, params=params,
-                        before_step=before)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return program.finalize(state, stats)
+    return train_local(model, data.train, spec.as_train(), gen, extra_loss=extra, params=params,
+                       before_step=before)
