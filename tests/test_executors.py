@@ -90,11 +90,12 @@ def test_batched_indices_are_the_sequential_permutations():
     spec = LocalSpec(epochs=2, batch_size=4)
     group = [(j, _program(MLP(), spec)) for j in _jobs(2)]
     scheds = [spec.schedule(10), spec.schedule(7)]
-    idx, mask = ex._batches(group, scheds, max(map(len, scheds)))
+    idx, mask, gens = ex._batches(group, scheds, max(map(len, scheds)))
     for i, (job, _) in enumerate(group):
         gen = job_generator(11, job)
         n = len(clients[i].train)
         expected = [torch.randperm(n, generator=gen) for _ in range(2)]
+        assert torch.equal(gens[i].get_state(), gen.get_state())  # left where training leaves it
         got = [idx[i, t][mask[i, t] > 0] - (10 if i else 0) for t in range(len(scheds[i]))]
         assert torch.equal(torch.cat(got), torch.cat(expected))
     assert mask[1, len(scheds[1]):].sum() == 0  # the shorter client is padded with masked steps
@@ -333,16 +334,62 @@ def test_executor_is_a_validated_config_key():
 
 
 def test_a_subclass_with_a_custom_fit_does_not_inherit_its_parents_program():
-    """Dis-PFL overrides D-PSGD's ``fit`` (a masked step): it must run its own ``fit``, not D-PSGD's program."""
+    """A subclass that replaces its parent's ``fit`` (say, a masked variant of D-PSGD) runs that ``fit``, not the
+    parent's program, unless it declares its own program (as Dis-PFL does)."""
     from fedfuse.algorithms import ALGORITHMS
     from fedfuse.algorithms.base import Algorithm
 
-    dispfl, dpsgd = ALGORITHMS["dispfl"], ALGORITHMS["dpsgd"]
-    assert issubclass(dispfl, dpsgd) and "client_program" in vars(dpsgd)
-    assert dispfl.client_program is Algorithm._no_program
+    dpsgd = ALGORITHMS["dpsgd"]
 
-    class Custom(ALGORITHMS["fedavg"]):
+    class Custom(dpsgd):
         def fit(self, payload, client_state, data, gen):
             raise AssertionError("not called here")
 
+    assert "client_program" in vars(dpsgd) and Custom.client_program is Algorithm._no_program
     assert Custom.client_program(None, Message(), None, None) is None
+    assert "client_program" in vars(ALGORITHMS["dispfl"])  # declares its own
+
+
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.5, 1e-3)])
+def test_gradient_masks_freeze_entries_per_client_and_batched_equals_sequential(momentum, wd):
+    """Dis-PFL's sparse step as data: each client's 0/1 masks multiply its gradients before the step; masked
+    entries never move under plain SGD (with weight decay they only decay, as under ``torch.optim``)."""
+    clients = _clients([14, 9, 14])
+    spec = LocalSpec(epochs=2, batch_size=4, lr=0.1, momentum=momentum, weight_decay=wd, grad_clip=1.0)
+    model = MLP()
+    g = torch.Generator().manual_seed(1)
+    masks = [{k: (torch.rand(p.shape, generator=g) < 0.5).float() for k, p in model.named_parameters()}
+             for _ in range(3)]
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    group = [(j, ClientProgram(model=model, init=init, spec=spec, finalize=_identity_finalize,
+                               grad_masks=masks[j.cid])) for j in _jobs(3)]
+    ex = BatchedExecutor(clients, seed=3)
+    out = _compare(ex, group)
+    if not wd:
+        for c, (state, _) in out.items():
+            for k, mk in masks[c].items():
+                assert torch.equal(state[k][mk == 0], init[k][mk == 0]), k
+                assert not torch.equal(state[k][mk == 1], init[k][mk == 1]), k
+
+
+def test_a_finalize_may_continue_the_clients_generator():
+    clients = _clients([10, 7])
+    spec = LocalSpec(epochs=2, batch_size=4, lr=0.1)
+    model = MLP()
+    draws: dict[str, list] = {"seq": [], "bat": []}
+
+    def program(tag):
+        def finalize(state, stats, gen):
+            draws[tag].append(torch.randint(0, 10**6, (3,), generator=gen))
+            return state, stats
+        return ClientProgram(model=model, init={k: v.detach().clone() for k, v in model.state_dict().items()},
+                             spec=spec, finalize=finalize, finalize_rng=True)
+
+    ex = BatchedExecutor(clients, seed=8)
+    jobs = _jobs(2)
+    ex.train_group([(j, program("bat")) for j in jobs])
+    for j in jobs:
+        ex._run_program(program("seq"), j)
+    for a, b in zip(draws["seq"], draws["bat"], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(draws["seq"][0], draws["seq"][1])

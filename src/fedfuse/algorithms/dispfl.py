@@ -42,10 +42,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState, state_of
+from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
 from fedfuse.algorithms.dpsgd import DPSGD
-from fedfuse.engine.client import task_loss, train_local
+from fedfuse.engine.client import TrainStats, task_loss
 from fedfuse.engine.peers import TOPOLOGIES, unpack_mail
+from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
 from fedfuse.types import ClientData, Message, TensorDict
@@ -188,6 +189,14 @@ class DisPFL(DPSGD):
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
+        return run_program(self.client_program(payload, client_state, data), data, gen)
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """Participant n's round as a declared program: the sparse average of its own model and its neighbours'
+        (values + bitmap masks) happens here; training is the run's local spec at the decayed learning rate
+        with its mask as ``grad_masks`` (only the mask's entries move); the finalize (which continues the
+        client's generator) screens gradients on one batch, prunes and regrows the mask, and sends the trained
+        sparse model with the mask it was trained with."""
         n, r, total = data.cid, int(payload.meta["round"]), int(payload.meta["total"])
         if client_state is None:
             mask = self.initial_mask(n)
@@ -213,22 +222,26 @@ class DisPFL(DPSGD):
             models[j], masks[j] = w_j, m_j
         x = sparse_average(n, models, masks, mask) if len(models) > 1 else \
             {k: (v * mask[k] if k in mask else v.clone()) for k, v in own.items()}
-        model = self.ctx.load(x)
-        dev_mask = {k: m.to(next(model.parameters()).device) for k, m in mask.items()}
-        params = dict(model.named_parameters())
-
-        def keep_on_mask(m: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> None:
-            for k, p in params.items():
-                if p.grad is not None:
-                    p.grad.mul_(dev_mask[k])
-
+        model = self.ctx.model({})
+        device = next(model.parameters()).device
         lr = self.ctx.train.lr * float(self.opt.lr_decay) ** r
-        stats = train_local(model, data.train, self.ctx.train, gen, lr=lr, before_step=keep_on_mask)
+
+        def finalize(new: TensorDict, stats: TrainStats, gen: torch.Generator) -> tuple[Message, ClientState]:
+            return self.publish(n, r, total, new, mask, stats, data, gen)
+
+        return ClientProgram(model=model, init=x, spec=LocalSpec.from_train(self.ctx.train, lr=lr),
+                             finalize=finalize, grad_masks={k: m.to(device) for k, m in mask.items()},
+                             finalize_rng=True)
+
+    def publish(self, n: int, r: int, total: int, new: TensorDict, mask: TensorDict, stats: TrainStats,
+                data: ClientData, gen: torch.Generator) -> tuple[Message, ClientState]:
+        """After training with ``mask``: FLOPs at the mask's density, the mask update (gradient screening on one
+        batch drawn from ``gen``, cosine-annealed prune and regrow) and the sparse message to the neighbours."""
+        model = self.ctx.load(new)
         fit = self.fit_stats(model, data, stats)
         density = self.density(mask)
         dense_flops = fit.flops / max(stats.samples, 1)
         fit.flops = fit.flops * density
-        new = state_of(model)
         new_mask = mask
         if not self.opt.static and len(data.train):
             grads = None

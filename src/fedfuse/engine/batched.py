@@ -72,7 +72,7 @@ def _signature(program: ClientProgram) -> tuple:
 
     mask = None if program.logit_mask is None else tuple(program.logit_mask.shape)
     return (id(program.model), program.spec, terms, program.trainable, shapes(program.init), shapes(program.refs),
-            mask)
+            mask, shapes(program.grad_masks or {}))
 
 
 class BatchedExecutor(SequentialExecutor):
@@ -180,7 +180,7 @@ class BatchedExecutor(SequentialExecutor):
         x_all = torch.cat([d.x for d in datas]) if C > 1 else datas[0].x
         y_all = torch.cat([d.y for d in datas]) if C > 1 else datas[0].y
         device = x_all.device
-        idx, mask = self._batches(group, scheds, T)
+        idx, mask, gens = self._batches(group, scheds, T)
         idx, mask = idx.to(device), mask.to(device)
         counts = mask.sum(-1)  # (C, T) real samples per step
         sizes = scheds[0]
@@ -191,6 +191,7 @@ class BatchedExecutor(SequentialExecutor):
         P = {n: torch.stack([p.init[n] for p in progs]).detach().clone() for n in param_names}
         Bf = {n: torch.stack([p.init[n] for p in progs]).detach().clone() for n in buffer_names}
         R = {k: torch.stack([p.refs[k] for p in progs]).detach() for k in p0.refs}
+        G = {k: torch.stack([p.grad_masks[k] for p in progs]).to(device) for k in (p0.grad_masks or {})}
         if p0.logit_mask is not None:  # one mask per client, batched with the references
             R[_LOGIT_MASK] = torch.stack([p.logit_mask for p in progs]).to(device)
         for n in opt_names:
@@ -251,6 +252,9 @@ class BatchedExecutor(SequentialExecutor):
                     grads = tuple(g.get(n) for n in opt_names)
                 if spec.two_pass:  # SAM/ASAM: the step uses the gradient at w + ε (fedfuse.engine.sam)
                     grads = self._second_pass(spec, opt_names, P, Bf, R, x, y, m, grads, batched, fused)
+                if G:  # per-client gradient masks, after SAM's second pass and before clipping (as sequential)
+                    grads = tuple(g if g is None or n not in G else g * G[n].to(g.dtype)
+                                  for n, g in zip(opt_names, grads, strict=True))
                 active = None if exact else (t < steps_of)
                 opt.step(list(grads), active)
                 loss_acc += task.detach().to(acc_dtype) * counts[:, t].to(acc_dtype)
@@ -267,7 +271,7 @@ class BatchedExecutor(SequentialExecutor):
                 state[k] = src[i].detach().clone()
             n_samples = int(sum(scheds[i]))
             stats = TrainStats(steps=len(scheds[i]), samples=n_samples, loss_sum=losses[i])
-            out[job.cid] = prog.finalize(state, stats)
+            out[job.cid] = prog.finish(state, stats, gens[i])
         return out
 
     @staticmethod
@@ -297,18 +301,21 @@ class BatchedExecutor(SequentialExecutor):
         return out
 
     def _batches(self, group: list[tuple[Job, ClientProgram]], scheds: list[list[int]],
-                 T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global sample indices (C, T, B) and masks, drawn exactly as ``train_local`` draws them."""
+                 T: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Generator]]:
+        """Global sample indices (C, T, B) and masks, drawn exactly as ``train_local`` draws them, and each
+        client's generator in the state training leaves it in (for a finalize that draws more)."""
         C = len(group)
         B = max((max(s) for s in scheds if s), default=1)
         idx = torch.zeros(C, T, B, dtype=torch.long)
         mask = torch.zeros(C, T, B)
         offset = 0
+        gens = []
         for i, (job, prog) in enumerate(group):
             n = len(self.clients[job.cid].train)
             steps = len(scheds[i])
+            gen = job_generator(self.seed, job)
+            gens.append(gen)
             if steps:
-                gen = job_generator(self.seed, job)
                 bs = min(prog.spec.batch_size, n)
                 per_epoch = math.ceil(n / bs)
                 rows, t = [], 0
@@ -322,7 +329,7 @@ class BatchedExecutor(SequentialExecutor):
                 idx[i, :steps, :bs] = torch.where(valid, table + offset, torch.full_like(table, offset))
                 mask[i, :steps, :bs] = valid.float()
             offset += n
-        return idx, mask
+        return idx, mask, gens
 
 
 class _StackedOptimizer:

@@ -15,7 +15,11 @@ A program says
 - which parameters are optimised (``trainable``; ``None`` = every parameter with ``requires_grad``);
 - which output classes take part in training (``logit_mask``: the logits of the other classes are set to 0
   before the loss, HeteroFL's masked cross-entropy; evaluation is unmasked);
-- how the client finalises its reply from the trained state and the training statistics (``finalize``).
+- which gradient entries may move (``grad_masks``: 0/1 tensors per parameter multiplied into the gradient
+  before clipping and the step, Dis-PFL's sparse training);
+- how the client finalises its reply from the trained state and the training statistics (``finalize``;
+  with ``finalize_rng`` it also receives the client's generator after training drew its batches from it,
+  for post-training draws such as Dis-PFL's gradient-screening batch).
 
 Executors never import algorithms: anything with a ``client_program(payload, client_state, data)`` method
 (:class:`ProgramSource`) can be run; it returns ``None`` when its client step is not declared, and the
@@ -41,8 +45,9 @@ from fedfuse.types import ClientData, Message, TensorDict
 #: trained (name → tensor), ``refs`` the program's per-client constant tensors.
 TermFn = Callable[[TensorDict, TensorDict, TensorDict, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-#: ``finalize(trained_state, stats) -> (reply, new_client_state)``.
-Finalize = Callable[[TensorDict, TrainStats], tuple[Message, Any]]
+#: ``finalize(trained_state, stats) -> (reply, new_client_state)``; with ``ClientProgram.finalize_rng`` it is
+#: called as ``finalize(trained_state, stats, generator)``.
+Finalize = Callable[..., tuple[Message, Any]]
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,12 @@ class ClientProgram:
     refs: TensorDict = field(default_factory=dict)
     trainable: frozenset[str] | None = None
     logit_mask: torch.Tensor | None = None  # bool (num_classes,): False = logit set to 0 in training
+    grad_masks: TensorDict | None = None  # parameter name → 0/1 tensor of its shape multiplied into the gradient
+    finalize_rng: bool = False  # finalize(state, stats, generator): the generator continues after training
+
+    def finish(self, state: TensorDict, stats: TrainStats, gen: torch.Generator) -> tuple[Message, Any]:
+        """Call ``finalize`` (with ``gen`` when the program asks for it)."""
+        return self.finalize(state, stats, gen) if self.finalize_rng else self.finalize(state, stats)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with the classes outside ``logit_mask`` set to 0 (unchanged without a mask)."""
@@ -190,7 +201,7 @@ def run_program(program: ClientProgram, data: ClientData, gen: torch.Generator) 
         for fn in reversed(undo):
             fn()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return program.finalize(state, stats)
+    return program.finish(state, stats, gen)
 
 
 def _train(program: ClientProgram, model: nn.Module, data: ClientData, gen: torch.Generator,
@@ -204,7 +215,7 @@ def _train(program: ClientProgram, model: nn.Module, data: ClientData, gen: torc
             assert out is not None
             return out
 
-    before = None
+    before: Any = None
     spec = program.spec
     if spec.two_pass:
         def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -214,5 +225,17 @@ def _train(program: ClientProgram, model: nn.Module, data: ClientData, gen: torc
 
         before = sam_step(model, spec.sam_rho, spec.two_pass == "asam", spec.sam_eta, loss=objective,
                           names=program.optimised_names())
+    if program.grad_masks:
+        masks, second = program.grad_masks, before
+        named = dict(model.named_parameters())
+
+        def before(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:  # after SAM's second pass, if any
+            if second is not None:
+                second(m, x, y)
+            for k, mk in masks.items():
+                g = named[k].grad
+                if g is not None:
+                    g.mul_(mk.to(g.device, g.dtype))
+
     return train_local(model, data.train, spec.as_train(), gen, extra_loss=extra, params=params,
                        before_step=before)
