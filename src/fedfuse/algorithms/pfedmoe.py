@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.engine.client import train_flops_per_sample, train_local
+from fedfuse.engine.client import TrainStats, train_flops_per_sample
+from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
@@ -136,18 +137,32 @@ class PFedMoE(Algorithm):
     def fit(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
     ) -> tuple[Message, ClientState]:
+        return run_program(self.client_program(payload, client_state, data), data, gen)
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """The client step as a declared program: the MoE module (received global expert, the client's local
+        model and gate) trained with the run's local spec; the global expert's head is outside the trainable
+        set (it never travels).  The finalize sends the global expert and keeps the local model and gate."""
         cs = client_state or self._local_init(data.cid)
         moe = self._load(payload, cs)
-        params = self.trainable(moe)
-        stats = train_local(moe, data.train, self.ctx.train, gen, params=params)
-        flops = 0.0
-        if stats.samples:
-            flops = train_flops_per_sample(moe, data.train.x, data.train.y, key=("pfedmoe", self.ctx.model_name))
-        fit = FitStats(num_examples=len(data.train), samples=stats.samples, steps=stats.steps,
-                       train_loss=stats.mean_loss, flops=float(flops * stats.samples),
-                       trained_params=int(sum(p.numel() for p in params)))
-        expert = self.expert_state(state_of(moe.global_expert))
-        return Message(expert, stats=fit), {"local": state_of(moe.local_model), "gate": state_of(moe.gate)}
+        init = {k: v.detach().clone() for k, v in moe.state_dict().items()}
+        ids = {id(p) for p in self.trainable(moe)}
+        trainable = frozenset(k for k, p in moe.named_parameters() if id(p) in ids)
+        n_trained = int(sum(p.numel() for k, p in moe.named_parameters() if k in trainable))
+
+        def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            flops = 0.0
+            if stats.samples:
+                flops = train_flops_per_sample(moe, data.train.x, data.train.y, key=("pfedmoe", self.ctx.model_name))
+            fit = FitStats(num_examples=len(data.train), samples=stats.samples, steps=stats.steps,
+                           train_loss=stats.mean_loss, flops=float(flops * stats.samples), trained_params=n_trained)
+            part = {name: {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+                    for name in ("global_expert", "local_model", "gate")}
+            return (Message(self.expert_state(part["global_expert"]), stats=fit),
+                    {"local": part["local_model"], "gate": part["gate"]})
+
+        return ClientProgram(model=moe, init=init, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize,
+                             trainable=trainable)
 
     def evaluate(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
