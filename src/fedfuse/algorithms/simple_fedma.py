@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
 from fedfuse.engine.context import client_initial_state
+from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import align_to
 from fedfuse.fusion.permute import PermGroup, perm_spec
@@ -66,13 +66,12 @@ class SimpleFedMA(Algorithm):
         msg = Message(state["global"])
         return {c: msg for c in clients}
 
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """The standard step, from the client's own seeded initialisation in round 0 with ``init=distinct``
+        (the code's distinct initial models) and from the received global model afterwards."""
         if payload.meta.get("init") == "distinct":
             payload = Message(client_initial_state(self.ctx, data.cid, "distinct"))
-        model, stats = self.train_payload(payload, data, gen)
-        return Message(state_of(model), stats=stats), client_state
+        return self.standard_program(payload, client_state, data)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         cids = sorted(results)
