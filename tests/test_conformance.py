@@ -153,9 +153,10 @@ def test_declared_programs_are_batched_not_fallen_back():
     term on frozen models' features), D-PSGD (gossip average, then the standard step), Dis-PFL (gradient masks,
     a finalize that continues the client's generator), Local, FedMA (frozen matched layers, per-stage
     retraining specs), pFedMoE (a mixture module with an untrained expert head) and Simple-FedMA (the standard step
-    on a transformer, distinct initialisations in round 0) really run vmapped."""
+    on a transformer, distinct initialisations in round 0), the one-shot and ensemble baselines' local models and
+    Fed-ET's small models really run vmapped."""
     for algorithm in ("fedavg", "fedprox", "fedmr", "fedmut", "fedexp", "fedavg-ft", "fedsam", "fedasam", "fedmerge",
                       "ifca", "heterofl", "fedrolex", "msfusion", "dpsgd", "dispfl", "local", "fedma", "pfedmoe",
-                      "simple-fedma"):
+                      "simple-fedma", "oneshot-avg", "oneshot-match", "ensemble", "fedet"):
         exp = _run(algorithm, "batched")
         assert exp.executor.fallbacks == {}, (algorithm, exp.executor.fallbacks)

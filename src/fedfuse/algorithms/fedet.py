@@ -45,7 +45,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
-from fedfuse.engine.client import train_flops_per_sample, train_local
+from fedfuse.engine.client import TrainStats, train_flops_per_sample
+from fedfuse.engine.program import ClientProgram, LocalSpec
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng, torch_generator
@@ -183,14 +184,16 @@ class FedET(Algorithm):
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
         return {c: Message(state["edge"][self.group(c)], {"group": self.group(c)}) for c in clients}
 
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """The standard step on the client's small model (its architecture group ``g``), replying with it."""
         g = int(payload.meta["group"])
         model = self.small(g)
-        model.load_state_dict(payload.tensors)
-        stats = train_local(model, data.train, self.ctx.train, gen)
-        return Message(state_of(model), {"group": g}, self.fit_stats(model, data, stats)), client_state
+
+        def finalize(st: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            return Message(st, {"group": g}, self.fit_stats(model, data, stats)), client_state
+
+        return ClientProgram(model=model, init=dict(payload.tensors), spec=LocalSpec.from_train(self.ctx.train),
+                             finalize=finalize)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         if not results or self.public is None or not len(self.public):

@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.engine.client import class_counts, evaluate_model, retrain_config, train_local
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits
+from fedfuse.engine.client import TrainStats, class_counts, evaluate_model, retrain_config
 from fedfuse.engine.context import client_initial_state
+from fedfuse.engine.program import ClientProgram, LocalSpec
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import MatchingOptions, match_network
 from fedfuse.fusion.permute import chain_spec, group_sizes
@@ -53,15 +54,20 @@ class _LocalModels(Algorithm):
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
         return {c: Message(meta={"init": self.opt.init}) for c in clients}  # nothing is downloaded
 
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """Train the client's own model (its seeded initialisation the first time) with the run's local spec;
+        reply with it and the client's class counts, and keep it."""
         start = client_state["model"] if client_state else client_initial_state(self.ctx, data.cid, self.opt.init)
-        model = self.ctx.load(start)
-        stats = train_local(model, data.train, self.ctx.train, gen)
-        st = state_of(model)
-        meta = {"class_counts": class_counts(data, self.ctx.num_classes)}
-        return Message(st, meta, self.fit_stats(model, data, stats)), {"model": st}
+        return self._program(start, LocalSpec.from_train(self.ctx.train), data)
+
+    def _program(self, start: TensorDict, spec: LocalSpec, data: ClientData) -> ClientProgram:
+        model = self.ctx.model({})
+        counts = class_counts(data, self.ctx.num_classes)
+
+        def finalize(st: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            return Message(st, {"class_counts": counts}, self.fit_stats(model, data, stats)), {"model": st}
+
+        return ClientProgram(model=model, init=dict(start), spec=spec, finalize=finalize)
 
 
 class OneShotAverage(_LocalModels):
@@ -87,21 +93,17 @@ class OneShotAverage(_LocalModels):
             return {c: msg for c in clients}
         return super().configure_fit(state, info, clients)
 
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """The local models' step; in the FedAvg continuation, the received average retrained with the
+        continuation's schedule (the code's local_retrain, or the run's optimiser)."""
         if not payload.meta.get("continue"):
-            return super().fit(payload, client_state, data, gen)
-        model = self.ctx.load(payload.tensors)
+            return super().client_program(payload, client_state, data)
         o = self.opt
         if o.retrain_schedule == "code":
             cfg, epochs = retrain_config(self.ctx.train, "code", o.retrain_epochs, o.retrain_lr, weight_decay=1e-4)
         else:
             cfg, epochs = retrain_config(self.ctx.train, "run", self.ctx.train.local_epochs)
-        stats = train_local(model, data.train, cfg, gen, epochs=epochs)
-        st = state_of(model)
-        meta = {"class_counts": class_counts(data, self.ctx.num_classes)}
-        return Message(st, meta, self.fit_stats(model, data, stats)), {"model": st}
+        return self._program(payload.tensors, LocalSpec.from_train(cfg, epochs=epochs), data)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         cids = sorted(results)
