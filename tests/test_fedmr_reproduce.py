@@ -167,3 +167,8 @@ def test_a_run_claimed_by_a_live_process_is_skipped(tmp_path):
     assert R._claimed_by_other(d)  # a live other process
     (d / ".running").write_text("999999999")
     assert not R._claimed_by_other(d)  # a dead one: stale claim
+    assert R._claim(d) and (d / ".running").read_text() == str(os.getpid())  # the stale claim is replaced
+    (d / ".running").write_text(str(os.getppid()))
+    assert not R._claim(d)  # a live other process holds it: not taken
+    (d / ".running").unlink()
+    assert R._claim(d) and R._claim(d)  # free, then our own claim

@@ -210,11 +210,12 @@ def run(args: argparse.Namespace) -> int:
                 run_dir = out / setting / _slug(label) / f"seed{seed}"
                 if reuse and (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").exists():
                     continue  # --reuse: finished earlier, keep it
-                if _claimed_by_other(run_dir):
+                if not _claim(run_dir):
                     print(f"[fedmr] {setting} {label} seed {seed}: running in another process, skipped", flush=True)
                     continue
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / ".running").write_text(str(os.getpid()))
+                if reuse and (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").exists():
+                    (run_dir / ".running").unlink(missing_ok=True)  # finished by another process meanwhile
+                    continue
                 t0 = time.perf_counter()
                 try:
                     _, history = run_one(run_config(label, setting, seed, preset, data_dir), run_dir,
@@ -229,6 +230,26 @@ def run(args: argparse.Namespace) -> int:
     text = write_tables(out, preset, time.perf_counter() - t_all)
     print(text)
     return 0
+
+
+def _claim(run_dir: Path) -> bool:
+    """Mark ``run_dir`` as run by this process, atomically (``O_EXCL``): ``False`` when a live other process
+    holds it.  A claim left by a process that is gone is replaced.  Without the atomic create, two processes
+    that checked at the same moment both ran (and interleaved) one run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker = run_dir / ".running"
+    for _ in range(3):
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _claimed_by_other(run_dir):
+                return False
+            marker.unlink(missing_ok=True)  # stale (its process is gone) or our own leftover
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
 
 
 def _claimed_by_other(run_dir: Path) -> bool:
