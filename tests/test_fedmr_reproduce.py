@@ -157,18 +157,24 @@ def test_tiny_grid_end_to_end(tmp_path, monkeypatch):
 
 def test_a_run_claimed_by_a_live_process_is_skipped(tmp_path):
     import os
+    import shutil
 
     d = tmp_path / "run"
-    assert not R._claimed_by_other(d)  # nothing there
-    d.mkdir()
-    (d / ".running").write_text(str(os.getpid()))
+    m = R._marker(d)
+    assert m.parent == d.parent and not R._claimed_by_other(d)  # nothing there
+    m.write_text(str(os.getpid()))
     assert not R._claimed_by_other(d)  # our own claim
-    (d / ".running").write_text(str(os.getppid()))
+    m.write_text(str(os.getppid()))
     assert R._claimed_by_other(d)  # a live other process
-    (d / ".running").write_text("999999999")
+    m.write_text("999999999")
     assert not R._claimed_by_other(d)  # a dead one: stale claim
-    assert R._claim(d) and (d / ".running").read_text() == str(os.getpid())  # the stale claim is replaced
-    (d / ".running").write_text(str(os.getppid()))
+    assert R._claim(d) and m.read_text() == str(os.getpid())  # the stale claim is replaced
+    m.write_text(str(os.getppid()))
     assert not R._claim(d)  # a live other process holds it: not taken
-    (d / ".running").unlink()
+    m.unlink()
     assert R._claim(d) and R._claim(d)  # free, then our own claim
+    # a fresh start deletes the run directory (sweep._run_job): the claim, a sibling, survives it
+    d.mkdir(exist_ok=True)
+    m.write_text(str(os.getppid()))
+    shutil.rmtree(d)
+    assert R._claimed_by_other(d)

@@ -214,14 +214,14 @@ def run(args: argparse.Namespace) -> int:
                     print(f"[fedmr] {setting} {label} seed {seed}: running in another process, skipped", flush=True)
                     continue
                 if reuse and (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").exists():
-                    (run_dir / ".running").unlink(missing_ok=True)  # finished by another process meanwhile
+                    _marker(run_dir).unlink(missing_ok=True)  # finished by another process meanwhile
                     continue
                 t0 = time.perf_counter()
                 try:
                     _, history = run_one(run_config(label, setting, seed, preset, data_dir), run_dir,
                                          progress=not getattr(args, "no_progress", False))
                 finally:
-                    (run_dir / ".running").unlink(missing_ok=True)
+                    _marker(run_dir).unlink(missing_ok=True)
                 acc = final_mean(history)
                 print(f"[fedmr] {setting:15s} {label:16s} seed {seed}: last-5 mean "
                       f"{100 * acc if acc is not None else float('nan'):.2f} % ({time.perf_counter() - t0:.0f} s)",
@@ -232,12 +232,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _marker(run_dir: Path) -> Path:
+    """The claim file of ``run_dir``: a sibling (``.seed0.running``), because a fresh start of a run deletes its
+    directory (``sweep._run_job``) — a marker inside it vanished at once and another process ran the same run."""
+    return run_dir.with_name(f".{run_dir.name}.running")
+
+
 def _claim(run_dir: Path) -> bool:
     """Mark ``run_dir`` as run by this process, atomically (``O_EXCL``): ``False`` when a live other process
-    holds it.  A claim left by a process that is gone is replaced.  Without the atomic create, two processes
-    that checked at the same moment both ran (and interleaved) one run."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    marker = run_dir / ".running"
+    holds it.  A claim left by a process that is gone is replaced."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    marker = _marker(run_dir)
     for _ in range(3):
         try:
             fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -253,9 +258,9 @@ def _claim(run_dir: Path) -> bool:
 
 
 def _claimed_by_other(run_dir: Path) -> bool:
-    """True when another live process of this machine is running ``run_dir`` (its ``.running`` holds a pid)."""
+    """True when another live process of this machine is running ``run_dir`` (its claim file holds a pid)."""
     try:
-        pid = int((run_dir / ".running").read_text().strip())
+        pid = int(_marker(run_dir).read_text().strip())
     except (OSError, ValueError):
         return False
     if pid == os.getpid():
