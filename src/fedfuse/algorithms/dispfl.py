@@ -46,7 +46,7 @@ from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
 from fedfuse.algorithms.dpsgd import DPSGD
 from fedfuse.engine.client import TrainStats, task_loss
 from fedfuse.engine.peers import TOPOLOGIES, unpack_mail
-from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
+from fedfuse.engine.program import ClientProgram, LocalSpec
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
 from fedfuse.types import ClientData, Message, TensorDict
@@ -185,11 +185,6 @@ class DisPFL(DPSGD):
 
     def density(self, masks: TensorDict) -> float:
         return float(sum(float(m.sum()) for m in masks.values()) / max(self.numel, 1))
-
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        return run_program(self.client_program(payload, client_state, data), data, gen)
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """Participant n's round as a declared program: the sparse average of its own model and its neighbours'

@@ -39,7 +39,7 @@ import torch
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.peers import TOPOLOGIES, deliver, mail_of, own_tensors, peer_graph, route_peers, unpack_mail
-from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
+from fedfuse.engine.program import ClientProgram, LocalSpec
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
 
@@ -158,11 +158,6 @@ class DPSGD(Algorithm):
                 out.update({f"sim/peer/{int(m)}/{k}": v for k, v in tensors.items()})
                 sent += int(sum(v.numel() * v.element_size() for v in tensors.values()))
         return out, sent
-
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        return run_program(self.client_program(payload, client_state, data), data, gen)
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """Node n's round as a declared program: gossip-average its own model with the models its neighbours

@@ -45,7 +45,7 @@ import torch
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState, state_of
 from fedfuse.engine.client import TrainConfig, TrainStats, class_counts, retrain_config
 from fedfuse.engine.context import client_initial_state
-from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
+from fedfuse.engine.program import ClientProgram, LocalSpec
 from fedfuse.fusion.match import MatchingOptions, class_weighted_average, match_group
 from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather
 from fedfuse.models.base import layer_index
@@ -163,11 +163,6 @@ class FedMA(Algorithm):
         idx = layer_index(model)
         top = max(idx[k] for k in group.keys("in") + group.keys("stat"))
         return {k for k, _ in model.named_parameters() if idx[k] <= top}
-
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        return run_program(self.client_program(payload, client_state, data), data, gen)
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """One FedMA stage of a client as a declared program.

@@ -17,7 +17,7 @@ from fedfuse.algorithms.base import (
     state_of,
 )
 from fedfuse.engine.client import TrainStats
-from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
+from fedfuse.engine.program import ClientProgram, LocalSpec
 from fedfuse.types import ClientData, Message, TensorDict
 
 
@@ -43,11 +43,6 @@ class Local(Algorithm):
             torch.manual_seed(self.ctx.seed)
             init: TensorDict = state_of(self.ctx.build())
         return self.ctx.load(init), False
-
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        return run_program(self.client_program(payload, client_state, data), data, gen)
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """Train the client's own model (the shared initial model the first time) with the run's local spec;

@@ -63,7 +63,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, TrainStats, cyclic_lr, scheduled_lr
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
-from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
+from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -346,11 +346,6 @@ class MSfusion(Algorithm):
         w_star, counts = combine(base, sel, self.spec, self.shapes, sources)
         fallback = 0 if client_state is None else int(sum(int((c == 0).sum()) for c in counts.values()))
         return w_star, sel, fallback
-
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        return run_program(self.client_program(payload, client_state, data), data, gen)
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """Participant n's round as a declared program: Eq. 5 (its sub-model w*_n from its own and its peers'

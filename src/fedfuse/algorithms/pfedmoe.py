@@ -24,7 +24,7 @@ from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import TrainStats, train_flops_per_sample
-from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
+from fedfuse.engine.program import ClientProgram, LocalSpec
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
@@ -134,11 +134,6 @@ class PFedMoE(Algorithm):
         return int(sum(v.numel() for k, v in state["expert"].items() if k in keys))
 
     # ---- client --------------------------------------------------------------------------------
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        return run_program(self.client_program(payload, client_state, data), data, gen)
-
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """The client step as a declared program: the MoE module (received global expert, the client's local
         model and gate) trained with the run's local spec; the global expert's head is outside the trainable
