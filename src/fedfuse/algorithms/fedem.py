@@ -15,6 +15,14 @@ Server: each learner is averaged n-weighted over the sampled clients (full state
 clients, the unsampled ones contributing their stale copy (= the current global learner).
 Prediction: Σ_m π_m softmax(f_m(x)).
 
+Declared client program: the E-step runs when the client prepares (:meth:`FedEM.client_program`); the
+M-step trains the M learners as one module (:class:`Learners`, logits stacked to (B, M, C)) on the objective
+Σ_m q_m(x) ℓ_m(x) per sample, whose responsibilities travel as extra target columns.  The learners share no
+parameter, so each learner's gradient and optimiser step (SGD, momentum, weight decay, Adam: all per
+parameter) are those of training it alone on the same batches; the batched executor trains many clients' M
+learners at once.  Two cases keep the separate loop (``fit``): gradient clipping (``--grad-clip``, a norm per
+learner, not over all M) and targets that are not one class per sample (language models).
+
 Client cost (the point FedMerge makes): M models down and up, M models trained, M forward passes for the
 E-step — all in the bytes, ``flops`` and ``trained_params`` accounting.
 """
@@ -24,9 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import (
+    TrainStats,
     forward_flops_per_sample,
     make_optimizer,
     per_sample_losses,
@@ -34,10 +45,30 @@ from fedfuse.engine.client import (
     train_flops_per_sample,
 )
 from fedfuse.engine.context import init_states, model_params
+from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.mixture import e_step, pack, unpack
 from fedfuse.options import opt
 from fedfuse.types import ClientData, FitStats, Message
+
+
+class Learners(nn.Module):
+    """M learners as one module: ``forward(x)`` stacks their logits to (B, M, C)."""
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        super().__init__()
+        self.learners = nn.ModuleList(models)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([m(x) for m in self.learners], dim=1)
+
+
+def mixture_objective(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ_m q_m ℓ_m per sample: ``logits`` (B, M, C), ``targets`` (B, 1 + M) = [label, q_1 … q_M]."""
+    y = targets[:, 0].long()
+    q = targets[:, 1:]
+    ce = F.cross_entropy(logits.transpose(1, 2), y.unsqueeze(1).expand(-1, q.shape[1]), reduction="none")
+    return (q * ce).sum(1)
 
 
 class FedEM(Algorithm):
@@ -70,21 +101,66 @@ class FedEM(Algorithm):
         msg = self._message(state)
         return {c: msg for c in clients}
 
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
-        states = unpack(payload.tensors, int(payload.meta["m"]))
-        M = len(states)
+    def _e_step(self, states: list, client_state: ClientState, data: ClientData) -> tuple[torch.Tensor, torch.Tensor]:
+        """Responsibilities q (n, M) of the received learners on the client's data, and the new π."""
         pi = (client_state or self.init_client_state(data.cid))["pi"]
-        n, cfg = len(data.train), self.ctx.train
-        fit = FitStats(num_examples=n, trained_params=M * model_params(self.ctx))
-        if n == 0:
-            return Message(pack(states), stats=fit), {"pi": pi}
-        # E-step with the received learners
         losses = torch.stack([per_sample_losses(self.ctx.load(s), data.train, self.ctx.eval_batch_size)
                               for s in states])
         q, pi = e_step(losses, pi)
-        q = q.to(data.train.x.device, torch.float32)
+        return q.to(data.train.x.device, torch.float32), pi
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram | None:
+        """E-step, then the M-step as one program on :class:`Learners` (see the module docstring)."""
+        states = unpack(payload.tensors, int(payload.meta["m"]))
+        M, n = len(states), len(data.train)
+        if n == 0 or self.ctx.train.grad_clip > 0 or data.train.y.dim() != 1:
+            return None
+        q, pi = self._e_step(states, client_state, data)
+        model = self._learners(M)
+        init = {f"learners.{m}.{k}": v for m, s in enumerate(states) for k, v in s.items()}
+        targets = torch.cat([data.train.y.to(torch.float32).unsqueeze(1), q], dim=1)
+        one = model.learners[0]
+
+        def finalize(state: dict, stats: TrainStats) -> tuple[Message, ClientState]:
+            out = [{k[len(f"learners.{m}."):]: v for k, v in state.items() if k.startswith(f"learners.{m}.")}
+                   for m in range(M)]
+            fit = FitStats(num_examples=n, trained_params=M * model_params(self.ctx))
+            key = (self.ctx.model_name,)
+            fwd = forward_flops_per_sample(one, data.train.x, key=key)
+            train = train_flops_per_sample(one, data.train.x, data.train.y, key=key)
+            # per learner, as the separate loop counts: M trainings on the same batches
+            fit.samples, fit.steps = M * stats.samples, M * stats.steps
+            fit.train_loss = stats.mean_loss / M
+            fit.flops = float(M * n * fwd + fit.samples * train)
+            return Message(pack(out), stats=fit), {"pi": pi}
+
+        return ClientProgram(model=model, init=init, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize,
+                             objective=mixture_objective, targets=targets)
+
+    def _learners(self, M: int) -> Learners:
+        """The (cached) M-learner template; its own values are never read."""
+        cache = self.__dict__.setdefault("_stacks", {})
+        if M not in cache:
+            with torch.random.fork_rng(devices=[]):
+                cache[M] = Learners([self.ctx.build() for _ in range(M)])
+        return cache[M]
+
+    def fit(
+        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
+    ) -> tuple[Message, ClientState]:
+        """The declared program when there is one; otherwise the learners train one after another on the same
+        batch order (gradient clipping per learner; language-model targets)."""
+        program = self.client_program(payload, client_state, data)
+        if program is not None:
+            return run_program(program, data, gen)
+        states = unpack(payload.tensors, int(payload.meta["m"]))
+        M = len(states)
+        n, cfg = len(data.train), self.ctx.train
+        fit = FitStats(num_examples=n, trained_params=M * model_params(self.ctx))
+        if n == 0:
+            pi = (client_state or self.init_client_state(data.cid))["pi"]
+            return Message(pack(states), stats=fit), {"pi": pi}
+        q, pi = self._e_step(states, client_state, data)
         # M-step: the same batch order for every learner
         bs = min(cfg.batch_size, n)
         perms = [torch.randperm(n, generator=gen).to(data.train.x.device) for _ in range(cfg.local_epochs)]

@@ -71,8 +71,10 @@ def _signature(program: ClientProgram) -> tuple:
         return tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in d.items())
 
     mask = None if program.logit_mask is None else tuple(program.logit_mask.shape)
+    objective = None if program.objective is None else getattr(program.objective, "__code__", program.objective)
+    targets = None if program.targets is None else (tuple(program.targets.shape[1:]), program.targets.dtype)
     return (id(program.model), program.spec, terms, program.trainable, shapes(program.init), shapes(program.refs),
-            mask, shapes(program.grad_masks or {}))
+            mask, shapes(program.grad_masks or {}), objective, targets)
 
 
 class BatchedExecutor(SequentialExecutor):
@@ -173,7 +175,7 @@ class BatchedExecutor(SequentialExecutor):
         progs = [p for _, p in group]
         p0 = progs[0]
         model, spec = p0.model, p0.spec
-        datas = [self.clients[job.cid].train for job, _ in group]
+        datas = [prog.train_split(self.clients[job.cid]) for job, prog in group]
         scheds = [spec.schedule(len(d)) for d in datas]
         C, T = len(group), max(len(s) for s in scheds)
         exact = all(s == scheds[0] for s in scheds)
@@ -196,7 +198,7 @@ class BatchedExecutor(SequentialExecutor):
             R[_LOGIT_MASK] = torch.stack([p.logit_mask for p in progs]).to(device)
         for n in opt_names:
             P[n].requires_grad_(True)
-        terms = p0.terms
+        terms, objective = p0.terms, p0.objective
         tied = len(list(model.named_parameters(remove_duplicate=False))) != len(param_names)
 
         def loss_fn(params, buffers, refs, x, y, m):
@@ -204,7 +206,10 @@ class BatchedExecutor(SequentialExecutor):
             if _LOGIT_MASK in refs:
                 refs = dict(refs)
                 logits = logits.masked_fill(~refs.pop(_LOGIT_MASK), 0.0)
-            if m is None:
+            if objective is not None:
+                per = objective(logits, y)
+                task = per.mean() if m is None else (per * m).sum() / m.sum().clamp_min(1)
+            elif m is None:
                 task = task_loss(logits, y)
             else:
                 per = task_loss(logits, y, reduction="none").reshape(y.shape[0], -1).mean(1)  # per sample

@@ -21,6 +21,9 @@ from fedfuse.types import ClientData, Split
 
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 GradHook = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
+#: ``task(logits, y) -> scalar``: a batch loss that replaces the cross-entropy (FedEM's responsibility-weighted
+#: loss of M learners).
+TaskLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ def train_local(
     epochs: int | None = None,
     lr: float | None = None,
     before_step: GradHook | None = None,
+    task: TaskLoss | None = None,
 ) -> TrainStats:
     """Mini-batch training of ``model`` on ``data`` in place.
 
@@ -114,7 +118,8 @@ def train_local(
     independent of any global RNG).  ``extra_loss(model, x, y, logits)`` adds a term (FedProx, contrastive
     losses...).  ``params`` restricts the optimised parameters (FedMA freezes lower layers).
     ``before_step(model, x, y)`` runs after the backward pass and before clipping and the optimiser step; it
-    may replace the gradients (SAM's second pass).
+    may replace the gradients (SAM's second pass).  ``task(logits, y)`` replaces the cross-entropy as the batch
+    loss (and as the reported training loss).
     """
     model.train()
     n = len(data)
@@ -131,7 +136,7 @@ def train_local(
             idx = perm[start : start + bs]
             x, y = data.x[idx], data.y[idx]
             logits = model(x)
-            loss = task_loss(logits, y)
+            loss = task_loss(logits, y) if task is None else task(logits, y)
             total = loss if extra_loss is None else loss + extra_loss(model, x, y, logits)
             opt.zero_grad(set_to_none=True)
             total.backward()

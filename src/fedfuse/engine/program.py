@@ -15,6 +15,9 @@ A program says
 - which parameters are optimised (``trainable``; ``None`` = every parameter with ``requires_grad``);
 - which output classes take part in training (``logit_mask``: the logits of the other classes are set to 0
   before the loss, HeteroFL's masked cross-entropy; evaluation is unmasked);
+- what the loss is: cross-entropy on the client's labels unless the program declares an ``objective``, a
+  per-sample loss of the logits and per-sample ``targets`` that replace the labels (FedEM: M learners'
+  cross-entropies weighted by the E-step's responsibilities, carried as extra target columns);
 - which gradient entries may move (``grad_masks``: 0/1 tensors per parameter multiplied into the gradient
   before clipping and the step, Dis-PFL's sparse training);
 - how the client finalises its reply from the trained state and the training statistics (``finalize``;
@@ -38,12 +41,15 @@ from torch import nn
 
 from fedfuse.engine.client import TrainConfig, TrainStats, task_loss, train_local
 from fedfuse.engine.sam import sam_step
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Split, TensorDict
 
 #: ``fn(params, buffers, refs, x, y, logits) -> Tensor``: a scalar, or per-sample values ``(B,)`` when the
 #: term is declared ``per_sample``.  ``params``/``buffers`` are the functional state of the model being
 #: trained (name → tensor), ``refs`` the program's per-client constant tensors.
 TermFn = Callable[[TensorDict, TensorDict, TensorDict, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: ``objective(logits, targets) -> (B,)``: a per-sample training loss that replaces the cross-entropy.
+Objective = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: ``finalize(trained_state, stats) -> (reply, new_client_state)``; with ``ClientProgram.finalize_rng`` it is
 #: called as ``finalize(trained_state, stats, generator)``.
@@ -132,6 +138,16 @@ class ClientProgram:
     logit_mask: torch.Tensor | None = None  # bool (num_classes,): False = logit set to 0 in training
     grad_masks: TensorDict | None = None  # parameter name → 0/1 tensor of its shape multiplied into the gradient
     finalize_rng: bool = False  # finalize(state, stats, generator): the generator continues after training
+    objective: Objective | None = None  # per-sample loss (logits, targets) -> (B,) replacing the cross-entropy
+    targets: torch.Tensor | None = None  # per-sample training targets (n, ...) replacing data.train.y
+
+    def train_split(self, data: ClientData) -> Split:
+        """The samples the program trains on: the client's inputs with ``targets`` when declared."""
+        if self.targets is None:
+            return data.train
+        if len(self.targets) != len(data.train):
+            raise ValueError(f"targets has {len(self.targets)} rows for {len(data.train)} training samples")
+        return Split(data.train.x, self.targets.to(data.train.x.device))
 
     def finish(self, state: TensorDict, stats: TrainStats, gen: torch.Generator) -> tuple[Message, Any]:
         """Call ``finalize`` (with ``gen`` when the program asks for it)."""
@@ -215,15 +231,17 @@ def _train(program: ClientProgram, model: nn.Module, data: ClientData, gen: torc
             assert out is not None
             return out
 
+    objective = program.objective
+    task = None if objective is None else (lambda logits, y: objective(logits, y).mean())
     before: Any = None
     spec = program.spec
     if spec.two_pass:
-        def objective(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def full_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             logits = m(x)
-            loss = task_loss(logits, y)
+            loss = task_loss(logits, y) if task is None else task(logits, y)
             return loss if extra is None else loss + extra(m, x, y, logits)
 
-        before = sam_step(model, spec.sam_rho, spec.two_pass == "asam", spec.sam_eta, loss=objective,
+        before = sam_step(model, spec.sam_rho, spec.two_pass == "asam", spec.sam_eta, loss=full_loss,
                           names=program.optimised_names())
     if program.grad_masks:
         masks, second = program.grad_masks, before
@@ -237,5 +255,5 @@ def _train(program: ClientProgram, model: nn.Module, data: ClientData, gen: torc
                 if g is not None:
                     g.mul_(mk.to(g.device, g.dtype))
 
-    return train_local(model, data.train, spec.as_train(), gen, extra_loss=extra, params=params,
-                       before_step=before)
+    return train_local(model, program.train_split(data), spec.as_train(), gen, extra_loss=extra, params=params,
+                       before_step=before, task=task)
