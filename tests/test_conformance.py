@@ -154,10 +154,11 @@ def test_declared_programs_are_batched_not_fallen_back():
     a finalize that continues the client's generator), Local, FedMA (frozen matched layers, per-stage
     retraining specs), pFedMoE (a mixture module with an untrained expert head) and Simple-FedMA (the standard step
     on a transformer, distinct initialisations in round 0), the one-shot and ensemble baselines' local models and
-    Fed-ET's small models and FedEM's M learners (one stacked module, a responsibility-weighted objective)
-    really run vmapped."""
+    Fed-ET's small models, FedEM's M learners (one stacked module, a responsibility-weighted objective) and
+    FedGen's step (a frozen generator in the loss, its noise drawn up front as per-step constants) really run
+    vmapped."""
     for algorithm in ("fedavg", "fedprox", "fedmr", "fedmut", "fedexp", "fedavg-ft", "fedsam", "fedasam", "fedmerge",
                       "ifca", "heterofl", "fedrolex", "msfusion", "dpsgd", "dispfl", "local", "fedma", "pfedmoe",
-                      "simple-fedma", "oneshot-avg", "oneshot-match", "ensemble", "fedet", "fedem"):
+                      "simple-fedma", "oneshot-avg", "oneshot-match", "ensemble", "fedet", "fedem", "fedgen"):
         exp = _run(algorithm, "batched")
         assert exp.executor.fallbacks == {}, (algorithm, exp.executor.fallbacks)

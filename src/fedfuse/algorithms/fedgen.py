@@ -41,7 +41,8 @@ from torch.func import functional_call
 
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState, state_of
 from fedfuse.algorithms.fedavg import FedAvg
-from fedfuse.engine.client import train_local
+from fedfuse.engine.client import TrainStats
+from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
@@ -60,10 +61,14 @@ class Generator(nn.Module):
         self.bn = nn.BatchNorm1d(hidden_dim)
         self.out = nn.Linear(hidden_dim, latent_dim)
 
-    def forward(self, y: torch.Tensor, gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = torch.rand((y.shape[0], self.noise_dim), generator=gen, device=gen.device if gen else None)
+    def forward(self, y: torch.Tensor, gen: torch.Generator | None = None,
+                eps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """z = G(ε, y) with ε drawn from ``gen`` (or the given ``eps``, e.g. noise drawn up front)."""
+        if eps is None:
+            eps = torch.rand((y.shape[0], self.noise_dim), generator=gen, device=gen.device if gen else None)
         eps = eps.to(self.fc.weight.device)
-        onehot = F.one_hot(y.long(), self.num_classes).float()
+        # = F.one_hot(y, C), written as a comparison so that it runs under vmap (one_hot checks the values)
+        onehot = (y.long().unsqueeze(1) == torch.arange(self.num_classes, device=y.device)).float()
         return self.out(F.relu(self.bn(self.fc(torch.cat([eps, onehot], 1))))), eps
 
 
@@ -137,46 +142,81 @@ class FedGen(FedAvg):
         return {c: msg for c in clients}
 
     # ---- client -------------------------------------------------------------------------------------------
-    def fit(
-        self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator
-    ) -> tuple[Message, ClientState]:
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """FedAvg's step on Eq. 5's loss.  The generator G is frozen (eval mode) and its values travel as
+        ``refs``; every random draw of the two generator terms (the noise ε for the batch's labels, the labels
+        ŷ and noise of the teacher batch, in this order per step) is drawn up front from the client's own
+        stream (run seed, round, client) as ``step_refs``, so every executor uses the same draws.  The KL term
+        is per sample (its batch mean is ``batchmean``), the teacher term reads no batch."""
         r = int(payload.meta.get("round", 0))
         weights = {k: v for k, v in payload.tensors.items() if not k.startswith(GEN)}
-        model = self.ctx.load(weights)
-        extra = None
-        n_gen = 0
-        if r > 0 and (self.opt.generative_alpha > 0 or self.opt.generative_beta > 0):
-            g = self._gen
-            g.load_state_dict({k[len(GEN):]: v for k, v in payload.tensors.items() if k.startswith(GEN)})
-            g.eval()
-            for p in g.parameters():
-                p.requires_grad_(False)
-            alpha = decayed(self.opt.generative_alpha, r)
-            beta = decayed(self.opt.generative_beta, r)
-            ratio = self.opt.client_gen_batch / self.ctx.train.batch_size
+        model = self.ctx.model({})
+        spec = LocalSpec.from_train(self.ctx.train)
+        n, bg = len(data.train), self.opt.client_gen_batch
+        steps = spec.schedule(n)
+        terms: tuple[LossTerm, ...] = ()
+        refs: TensorDict = {}
+        per_step: TensorDict = {}
+        if r > 0 and steps and (self.opt.generative_alpha > 0 or self.opt.generative_beta > 0):
+            alpha, beta = decayed(self.opt.generative_alpha, r), decayed(self.opt.generative_beta, r)
+            ratio, noise, C = bg / self.ctx.train.batch_size, self.opt.noise_dim, self.ctx.num_classes
+            sgen = torch_generator(self.ctx.seed, "fedgen-client", r, data.cid)
+            eps1 = torch.zeros(len(steps), max(steps), noise)
+            ys = torch.zeros(len(steps), bg, dtype=torch.long)
+            eps2 = torch.zeros(len(steps), bg, noise)
+            for t, b in enumerate(steps):  # the order a step-by-step loop draws them
+                eps1[t, :b] = torch.rand((b, noise), generator=sgen)
+                ys[t] = torch.randint(0, C, (bg,), generator=sgen)
+                eps2[t] = torch.rand((bg, noise), generator=sgen)
             dev = data.train.x.device
-            sgen = torch.Generator(device="cpu").manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+            per_step = {"eps1": eps1.to(dev), "ys": ys.to(dev), "eps2": eps2.to(dev)}
+            refs = {k: v for k, v in payload.tensors.items() if k.startswith(GEN)}  # G's state, "gen/…"
+            g, head, hp = self._client_generator(), model.head, self.head_name + "."
 
-            def extra(m: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-                nonlocal n_gen
-                head = m.head
-                with torch.no_grad():
-                    z, _ = g(y, sgen)
-                    target = F.softmax(head(z), dim=1)
-                latent = beta * F.kl_div(F.log_softmax(logits, dim=1), target, reduction="batchmean")
-                ys = torch.randint(0, self.ctx.num_classes, (self.opt.client_gen_batch,), generator=sgen).to(dev)
-                with torch.no_grad():
-                    z2, _ = g(ys, sgen)
-                teacher = alpha * F.cross_entropy(head(z2), ys)
-                n_gen += int(y.shape[0]) + self.opt.client_gen_batch
-                return ratio * teacher + latent
+            def generated(refs: TensorDict, y: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+                return functional_call(g, {k[len(GEN):]: v for k, v in refs.items() if k.startswith(GEN)},
+                                       (y,), {"eps": eps})[0]
 
-        stats = train_local(model, data.train, self.ctx.train, gen, extra_loss=extra)
-        fit = self.fit_stats(model, data, stats)
-        fit.flops += n_gen * self.generator_flops_per_sample()
-        seen = max(stats.samples // max(len(data.train), 1), 1) if stats.samples else 0
+            def head_of(params: TensorDict, z: torch.Tensor) -> torch.Tensor:
+                return functional_call(head, {k[len(hp):]: v for k, v in params.items() if k.startswith(hp)}, (z,))
+
+            def latent(params: TensorDict, buffers: TensorDict, refs: TensorDict, x: torch.Tensor,
+                       y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+                with torch.no_grad():
+                    target = F.softmax(head_of(params, generated(refs, y, refs["eps1"][: y.shape[0]])), dim=1)
+                # KL(target ‖ softmax(logits)) per sample (its batch mean is F.kl_div(..., "batchmean")), written
+                # with xlogy because kl_div has no vmap batching rule
+                return beta * (torch.xlogy(target, target) - target * F.log_softmax(logits, dim=1)).sum(1)
+
+            def teacher(params: TensorDict, buffers: TensorDict, refs: TensorDict, x: torch.Tensor,
+                        y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+                with torch.no_grad():
+                    z = generated(refs, refs["ys"], refs["eps2"])
+                return ratio * alpha * F.cross_entropy(head_of(params, z), refs["ys"])
+
+            terms = (LossTerm("fedgen-latent", latent, per_sample=True),
+                     LossTerm("fedgen-teacher", teacher, uses_batch=False))
         hist = torch.bincount(data.train.y.long().cpu(), minlength=self.ctx.num_classes).numpy()
-        return Message(state_of(model), {"label_counts": (1 + seen * hist).tolist()}, fit), client_state
+        with_terms = bool(terms)
+
+        def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            fit = self.fit_stats(model, data, stats)
+            if with_terms:  # the generator's forward and the head on the generated samples, every step
+                fit.flops += (stats.samples + stats.steps * bg) * self.generator_flops_per_sample()
+            seen = max(stats.samples // max(n, 1), 1) if stats.samples else 0
+            return Message(state, {"label_counts": (1 + seen * hist).tolist()}, fit), client_state
+
+        return ClientProgram(model=model, init=weights, spec=spec, finalize=finalize, terms=terms, refs=refs,
+                             step_refs=per_step)
+
+    def _client_generator(self) -> Generator:
+        """The clients' frozen generator template (eval mode; values come from ``refs``)."""
+        if "_gen_client" not in self.__dict__:
+            with torch.random.fork_rng(devices=[]):
+                self._gen_client = self._new_generator().eval()
+            for p in self._gen_client.parameters():
+                p.requires_grad_(False)
+        return self._gen_client
 
     def generator_flops_per_sample(self) -> float:
         """Forward FLOPs of the generator plus forward/backward of the head on one generated sample."""

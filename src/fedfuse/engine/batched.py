@@ -73,8 +73,9 @@ def _signature(program: ClientProgram) -> tuple:
     mask = None if program.logit_mask is None else tuple(program.logit_mask.shape)
     objective = None if program.objective is None else getattr(program.objective, "__code__", program.objective)
     targets = None if program.targets is None else (tuple(program.targets.shape[1:]), program.targets.dtype)
+    per_step = tuple((k, tuple(v.shape[1:]), v.dtype, str(v.device)) for k, v in program.step_refs.items())
     return (id(program.model), program.spec, terms, program.trainable, shapes(program.init), shapes(program.refs),
-            mask, shapes(program.grad_masks or {}), objective, targets)
+            mask, shapes(program.grad_masks or {}), objective, targets, per_step)
 
 
 class BatchedExecutor(SequentialExecutor):
@@ -194,6 +195,7 @@ class BatchedExecutor(SequentialExecutor):
         Bf = {n: torch.stack([p.init[n] for p in progs]).detach().clone() for n in buffer_names}
         R = {k: torch.stack([p.refs[k] for p in progs]).detach() for k in p0.refs}
         G = {k: torch.stack([p.grad_masks[k] for p in progs]).to(device) for k in (p0.grad_masks or {})}
+        S = {k: torch.stack([_pad_steps(p.step_refs[k], T) for p in progs]).to(device) for k in p0.step_refs}
         if p0.logit_mask is not None:  # one mask per client, batched with the references
             R[_LOGIT_MASK] = torch.stack([p.logit_mask for p in progs]).to(device)
         for n in opt_names:
@@ -242,8 +244,9 @@ class BatchedExecutor(SequentialExecutor):
                 else:
                     sel, m = idx[:, t], mask[:, t]
                 x, y = x_all[sel], y_all[sel]
+                Rt = {**R, **{k: v[:, t] for k, v in S.items()}} if S else R  # this step's constants
                 if fused is None:
-                    total, task = batched(P, Bf, R, x, y, m)
+                    total, task = batched(P, Bf, Rt, x, y, m)
                     grads = torch.autograd.grad(total.sum(), [P[n] for n in opt_names], allow_unused=True)
                     if not writes_buffers and opt_names:
                         used = [n for n, g in zip(opt_names, grads, strict=True) if g is not None]
@@ -253,10 +256,10 @@ class BatchedExecutor(SequentialExecutor):
                     used, fn = fused
                     with torch.no_grad():
                         fixed = {n: v for n, v in P.items() if n not in used}
-                    g, (_, task) = fn({n: P[n] for n in used}, fixed, Bf, R, x, y, m)
+                    g, (_, task) = fn({n: P[n] for n in used}, fixed, Bf, Rt, x, y, m)
                     grads = tuple(g.get(n) for n in opt_names)
                 if spec.two_pass:  # SAM/ASAM: the step uses the gradient at w + ε (fedfuse.engine.sam)
-                    grads = self._second_pass(spec, opt_names, P, Bf, R, x, y, m, grads, batched, fused)
+                    grads = self._second_pass(spec, opt_names, P, Bf, Rt, x, y, m, grads, batched, fused)
                 if G:  # per-client gradient masks, after SAM's second pass and before clipping (as sequential)
                     grads = tuple(g if g is None or n not in G else g * G[n].to(g.dtype)
                                   for n, g in zip(opt_names, grads, strict=True))
@@ -335,6 +338,13 @@ class BatchedExecutor(SequentialExecutor):
                 mask[i, :steps, :bs] = valid.float()
             offset += n
         return idx, mask, gens
+
+
+def _pad_steps(t: torch.Tensor, steps: int) -> torch.Tensor:
+    """``t`` (its steps, ...) zero-padded to ``steps`` rows (the padded steps of a shorter client are inactive)."""
+    if t.shape[0] >= steps:
+        return t[:steps]
+    return torch.cat([t, t.new_zeros((steps - t.shape[0], *t.shape[1:]))])
 
 
 class _StackedOptimizer:

@@ -13,6 +13,9 @@ A program says
 - the loss: the task loss (cross-entropy) plus declared :class:`LossTerm` s, pure functions of the functional
   parameters, buffers, per-client reference tensors ``refs`` (e.g. FedProx's anchor) and the batch;
 - which parameters are optimised (``trainable``; ``None`` = every parameter with ``requires_grad``);
+- per-step constants (``step_refs``: tensors whose leading dimension is the optimiser step; at step t the
+  terms read ``refs[k] = step_refs[k][t]``): random draws a term consumes step by step, drawn up front in the
+  order a loop would draw them (FedGen's generator noise and labels), so every executor sees the same draws;
 - which output classes take part in training (``logit_mask``: the logits of the other classes are set to 0
   before the loss, HeteroFL's masked cross-entropy; evaluation is unmasked);
 - what the loss is: cross-entropy on the client's labels unless the program declares an ``objective``, a
@@ -140,6 +143,7 @@ class ClientProgram:
     finalize_rng: bool = False  # finalize(state, stats, generator): the generator continues after training
     objective: Objective | None = None  # per-sample loss (logits, targets) -> (B,) replacing the cross-entropy
     targets: torch.Tensor | None = None  # per-sample training targets (n, ...) replacing data.train.y
+    step_refs: TensorDict = field(default_factory=dict)  # name → (steps, ...): refs[name] = step_refs[name][t]
 
     def train_split(self, data: ClientData) -> Split:
         """The samples the program trains on: the client's inputs with ``targets`` when declared."""
@@ -223,11 +227,13 @@ def run_program(program: ClientProgram, data: ClientData, gen: torch.Generator) 
 def _train(program: ClientProgram, model: nn.Module, data: ClientData, gen: torch.Generator,
            params: list[torch.nn.Parameter] | None) -> TrainStats:
     extra = None
+    step = [0]  # the optimiser step the terms are computing for (indexes ``step_refs``)
     if program.terms:
-        terms, refs = program.terms, program.refs
+        terms, refs, per_step = program.terms, program.refs, program.step_refs
 
         def extra(m: nn.Module, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-            out = term_values(terms, dict(m.named_parameters()), dict(m.named_buffers()), refs, x, y, logits)
+            now = {**refs, **{k: v[step[0]] for k, v in per_step.items()}} if per_step else refs
+            out = term_values(terms, dict(m.named_parameters()), dict(m.named_buffers()), now, x, y, logits)
             assert out is not None
             return out
 
@@ -254,6 +260,14 @@ def _train(program: ClientProgram, model: nn.Module, data: ClientData, gen: torc
                 g = named[k].grad
                 if g is not None:
                     g.mul_(mk.to(g.device, g.dtype))
+
+    if program.step_refs:  # after any second pass and the gradient masks: the step is over, advance
+        inner = before
+
+        def before(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+            if inner is not None:
+                inner(m, x, y)
+            step[0] += 1
 
     return train_local(model, program.train_split(data), spec.as_train(), gen, extra_loss=extra, params=params,
                        before_step=before, task=task)
