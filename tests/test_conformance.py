@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fedfuse.algorithms import ALGORITHMS
+from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.batched import BatchedExecutor
 from fedfuse.experiment import Experiment, strip_timing
@@ -162,3 +163,26 @@ def test_declared_programs_are_batched_not_fallen_back():
                       "simple-fedma", "oneshot-avg", "oneshot-match", "ensemble", "fedet", "fedem", "fedgen"):
         exp = _run(algorithm, "batched")
         assert exp.executor.fallbacks == {}, (algorithm, exp.executor.fallbacks)
+
+
+@pytest.mark.parametrize("algorithm", ["fedit", "fedlora", "local-lora", "fedmerge-lora"])
+def test_lora_adapter_programs_run_vmapped_on_a_shared_base(algorithm, monkeypatch):
+    """The LoRA algorithms declare adapter-only programs on the shared frozen base (``shared_base``): without
+    dropout they train batched (one base for all clients, adapters stacked) and match the sequential run; the
+    programs' state is the adapter alone."""
+    pytest.importorskip("peft")
+
+    def no_dropout(algorithm: str, executor: str) -> RunConfig:
+        cfg = _BASE_CFG(algorithm, executor)
+        return apply(cfg, {"algorithm_options": {**cfg.algorithm_options, "lora_dropout": 0.0}})
+
+    monkeypatch.setitem(globals(), "_cfg", no_dropout)
+    seq, bat = _run(algorithm, "sequential"), _run(algorithm, "batched")
+    assert bat.executor.fallbacks == {}
+    _assert_close_history(seq.history, bat.history, f"{algorithm} batched vs sequential")
+    fed = bat.fed
+    prog = bat.algo.client_program(bat.algo.configure_fit(bat.state, RoundInfo(0, 1), [0])[0], None, fed.clients[0])
+    assert prog.shared_base and set(prog.init) == set(bat.algo.am.keys) == set(prog.trainable)
+
+
+_BASE_CFG = _cfg

@@ -13,7 +13,7 @@ clients into ``personal_rouge1`` / ``personal_perplexity_clients``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +22,12 @@ import torch.nn.functional as F
 
 from fedfuse.adapters.evaluate import decode, greedy, lm_stats, rouge1, rouge_rows
 from fedfuse.adapters.lora import AdapterModel, LoraSpec, adapter_model
-from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import TrainStats, train_local
+from fedfuse.engine.program import ClientProgram, LocalSpec
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
-from fedfuse.types import ClientData, Federation, FitStats, TensorDict
+from fedfuse.types import ClientData, Federation, FitStats, Message, TensorDict
 
 Mixture = tuple[list[TensorDict], list[float]]  # adapters and their mixture weights (one adapter: [1.0])
 
@@ -74,6 +75,16 @@ class LoraAlgorithm(Algorithm):
         return self.am.numel
 
     # ---- client work --------------------------------------------------------------------------------
+    def adapter_program(self, adapter: TensorDict, data: ClientData,
+                        finalize: Callable[[TensorDict, TrainStats], tuple[Message, ClientState]], *,
+                        epochs: int | None = None, lr: float | None = None) -> ClientProgram:
+        """Train ``adapter`` on the shared frozen base as a declared program: the wrapped model is the template
+        with ``shared_base`` (its base weights are read, once for every client), the adapter tensors are the
+        per-client state and the trainable set; ``finalize(trained_adapter, stats)`` builds the reply."""
+        am = self.am
+        return ClientProgram(model=am.module, init=dict(adapter), finalize=finalize, trainable=frozenset(am.keys),
+                             spec=LocalSpec.from_train(self.ctx.train, epochs=epochs, lr=lr), shared_base=True)
+
     def train_adapter(self, adapter: TensorDict, data: ClientData, gen: torch.Generator, *,
                       epochs: int | None = None, lr: float | None = None) -> tuple[TensorDict, TrainStats]:
         am = self.am.load(adapter)

@@ -22,9 +22,11 @@ import torch
 
 from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
+from fedfuse.engine.client import TrainStats
+from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message
+from fedfuse.types import ClientData, Message, TensorDict
 
 
 class FedIT(LoraAlgorithm):
@@ -42,10 +44,12 @@ class FedIT(LoraAlgorithm):
         msg = Message(state["adapter"])
         return {c: msg for c in clients}
 
-    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
-            gen: torch.Generator) -> tuple[Message, ClientState]:
-        adapter, stats = self.train_adapter(payload.tensors, data, gen)
-        return Message(adapter, stats=self.adapter_stats(data, stats)), client_state
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """Train the received global adapter on the frozen base; reply with the trained adapter."""
+        def finalize(adapter: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            return Message(adapter, stats=self.adapter_stats(data, stats)), client_state
+
+        return self.adapter_program(payload.tensors, data, finalize)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         clients = sorted(results)
@@ -105,10 +109,12 @@ class LocalLoRA(LoraAlgorithm):
     def _own(self, client_state: ClientState) -> dict[str, torch.Tensor]:
         return client_state["adapter"] if client_state else self.new_adapter("lora-init")
 
-    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
-            gen: torch.Generator) -> tuple[Message, ClientState]:
-        adapter, stats = self.train_adapter(self._own(client_state), data, gen)
-        return Message(stats=self.adapter_stats(data, stats)), {"adapter": adapter}
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """Train the client's own adapter; it stays in the client state, nothing is uploaded."""
+        def finalize(adapter: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            return Message(stats=self.adapter_stats(data, stats)), {"adapter": adapter}
+
+        return self.adapter_program(self._own(client_state), data, finalize)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         return self.tag_round(state, info)

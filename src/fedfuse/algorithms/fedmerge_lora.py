@@ -41,7 +41,8 @@ from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.adapters.evaluate import row_losses
 from fedfuse.adapters.lora import cross_term_gap
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
-from fedfuse.engine.client import make_optimizer, task_loss
+from fedfuse.engine.client import TrainStats, make_optimizer, task_loss
+from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import delta, weighted_average
 from fedfuse.fusion.merge import (
     cluster_ari,
@@ -134,10 +135,12 @@ class FedMergeLoRA(LoraAlgorithm):
         meta = self.eval_meta(state)
         return {c: Message(self.merged(state, c), dict(meta)) for c in clients}
 
-    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
-            gen: torch.Generator) -> tuple[Message, ClientState]:
-        adapter, stats = self.train_adapter(payload.tensors, data, gen)
-        return Message(delta(adapter, payload.tensors), stats=self.adapter_stats(data, stats)), client_state
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        """Train the received merged adapter; reply with its delta (trained − received)."""
+        def finalize(adapter: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            return Message(delta(adapter, payload.tensors), stats=self.adapter_stats(data, stats)), client_state
+
+        return self.adapter_program(payload.tensors, data, finalize)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         state = self.tag_round(state, info)

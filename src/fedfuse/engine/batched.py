@@ -75,7 +75,7 @@ def _signature(program: ClientProgram) -> tuple:
     targets = None if program.targets is None else (tuple(program.targets.shape[1:]), program.targets.dtype)
     per_step = tuple((k, tuple(v.shape[1:]), v.dtype, str(v.device)) for k, v in program.step_refs.items())
     return (id(program.model), program.spec, terms, program.trainable, shapes(program.init), shapes(program.refs),
-            mask, shapes(program.grad_masks or {}), objective, targets, per_step)
+            mask, shapes(program.grad_masks or {}), objective, targets, per_step, program.shared_base)
 
 
 class BatchedExecutor(SequentialExecutor):
@@ -188,8 +188,12 @@ class BatchedExecutor(SequentialExecutor):
         counts = mask.sum(-1)  # (C, T) real samples per step
         sizes = scheds[0]
 
-        param_names = [n for n, _ in model.named_parameters()]
+        p0.check_shared_base()
+        param_names = [n for n, _ in model.named_parameters() if not p0.shared_base or n in p0.init]
         buffer_names = [n for n, _ in model.named_buffers() if n in p0.init]
+        # a shared frozen base (LoRA): the template's own tensors, one copy for every client (not vmapped)
+        base = {n: t.detach() for n, t in (*model.named_parameters(), *model.named_buffers())
+                if p0.shared_base and n not in p0.init}
         opt_names = p0.optimised_names()
         P = {n: torch.stack([p.init[n] for p in progs]).detach().clone() for n in param_names}
         Bf = {n: torch.stack([p.init[n] for p in progs]).detach().clone() for n in buffer_names}
@@ -201,10 +205,10 @@ class BatchedExecutor(SequentialExecutor):
         for n in opt_names:
             P[n].requires_grad_(True)
         terms, objective = p0.terms, p0.objective
-        tied = len(list(model.named_parameters(remove_duplicate=False))) != len(param_names)
+        tied = len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.named_parameters()))
 
         def loss_fn(params, buffers, refs, x, y, m):
-            logits = functional_call(model, {**params, **buffers}, (x,), strict=False, tie_weights=tied)
+            logits = functional_call(model, {**base, **params, **buffers}, (x,), strict=False, tie_weights=tied)
             if _LOGIT_MASK in refs:
                 refs = dict(refs)
                 logits = logits.masked_fill(~refs.pop(_LOGIT_MASK), 0.0)
@@ -269,7 +273,7 @@ class BatchedExecutor(SequentialExecutor):
         finally:
             model.train(was_training)
 
-        keys = list(model.state_dict().keys())
+        keys = [k for k in model.state_dict() if not p0.shared_base or k in p0.init]
         losses = loss_acc.tolist()
         out: dict[int, Any] = {}
         for i, (job, prog) in enumerate(group):

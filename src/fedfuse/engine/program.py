@@ -8,7 +8,10 @@ executor: the sequential executor runs it on a stateful module (bit-identical to
 A program says
 
 - where training starts: the architecture ``model`` (a template; its own values are never read) and the
-  full starting state ``init`` (parameters and buffers, e.g. the received global model);
+  full starting state ``init`` (parameters and buffers, e.g. the received global model).  With
+  ``shared_base=True`` the template's values of every key outside ``init`` *are* read: they are a frozen base
+  shared by all clients (LoRA's base model), ``init`` holds only the per-client tensors (the adapter), and
+  only those are loaded, stacked per client by the batched executor and handed to ``finalize``;
 - the local spec (:class:`LocalSpec`): epochs, batch size, optimiser, learning rate, clipping, step cap;
 - the loss: the task loss (cross-entropy) plus declared :class:`LossTerm` s, pure functions of the functional
   parameters, buffers, per-client reference tensors ``refs`` (e.g. FedProx's anchor) and the batch;
@@ -144,6 +147,14 @@ class ClientProgram:
     objective: Objective | None = None  # per-sample loss (logits, targets) -> (B,) replacing the cross-entropy
     targets: torch.Tensor | None = None  # per-sample training targets (n, ...) replacing data.train.y
     step_refs: TensorDict = field(default_factory=dict)  # name → (steps, ...): refs[name] = step_refs[name][t]
+    shared_base: bool = False  # the template's values outside ``init`` are a frozen base shared by all clients
+
+    def check_shared_base(self) -> None:
+        """With ``shared_base``, everything the optimiser moves must be per-client (in ``init``)."""
+        if self.shared_base:
+            outside = [n for n in self.optimised_names() if n not in self.init]
+            if outside:
+                raise ValueError(f"shared_base: optimised parameters outside init: {outside[:3]}")
 
     def train_split(self, data: ClientData) -> Split:
         """The samples the program trains on: the client's inputs with ``targets`` when declared."""
@@ -203,7 +214,10 @@ def run_program(program: ClientProgram, data: ClientData, gen: torch.Generator) 
     so the finalize sees the template as the batched executor leaves it.
     """
     model = program.model
-    model.load_state_dict(program.init, strict=True)
+    program.check_shared_base()
+    loaded = model.load_state_dict(program.init, strict=not program.shared_base)
+    if program.shared_base and loaded.unexpected_keys:
+        raise KeyError(f"init keys the model does not have: {loaded.unexpected_keys[:3]}")
     undo = []
     if program.logit_mask is not None:  # training-mode forward passes see masked logits (loss, terms, SAM)
         undo.append(model.register_forward_hook(lambda m, i, o: program.masked(o) if m.training else o).remove)
@@ -220,7 +234,8 @@ def run_program(program: ClientProgram, data: ClientData, gen: torch.Generator) 
     finally:
         for fn in reversed(undo):
             fn()
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()
+             if not program.shared_base or k in program.init}
     return program.finish(state, stats, gen)
 
 
