@@ -317,9 +317,9 @@ def test_federation_is_fast() -> None:
         (1, 28, 28),
     )
     part = make_partition("iid", ds, 100, seed=0)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: robust to other jobs on the machine
     fed = build_federation(ds, part, seed=0)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0
     assert fed.num_clients == 100 and len(fed.clients[0].train) == 540
 
 
