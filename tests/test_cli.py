@@ -156,7 +156,7 @@ def test_list_into_a_closed_pipe_exits_quietly():
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    cmd = f"{sys.executable} -m fedfuse.cli list | head -1"
+    cmd = f"{sys.executable} -m fedfuse list | head -1"  # the package's __main__
     p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0 and p.stdout == "algorithms:\n" and "Traceback" not in p.stderr
     # a reader that closes before anything is written
