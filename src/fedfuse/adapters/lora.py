@@ -177,6 +177,46 @@ class AdapterModel:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.module(ids)
 
+    def stack(self, m: int) -> AdapterStack:
+        """The (cached) :class:`AdapterStack` of ``m`` adapters on this base; its own values are never read."""
+        cache = self.__dict__.setdefault("_stacks", {})
+        if m not in cache:
+            cache[m] = AdapterStack(self.module, self.keys, m).to(self.device)
+        return cache[m]
+
+
+class AdapterStack(nn.Module):
+    """M adapters on one frozen LoRA-wrapped base as one module: ``forward(ids)`` runs the base once per adapter
+    (its own LoRA tensors replaced by adapter m's through ``functional_call``) and stacks the logits to
+    (B, M, T, V).  Adapter m's tensors are the parameters ``adapters.{m}.{i}``, i indexing ``keys``; the base
+    (``base.*``, its LoRA tensors included) is never trained through this module."""
+
+    def __init__(self, module: nn.Module, keys: Sequence[str], m: int) -> None:
+        super().__init__()
+        self.base = module
+        self.keys = list(keys)
+        params = dict(module.named_parameters())
+        self.adapters = nn.ModuleList(
+            nn.ParameterList(nn.Parameter(torch.zeros_like(params[k])) for k in self.keys) for _ in range(m))
+
+    @staticmethod
+    def name(m: int, i: int) -> str:
+        return f"adapters.{m}.{i}"
+
+    def state_of(self, adapters: Sequence[Mapping[str, torch.Tensor]]) -> TensorDict:
+        """The stack's tensors (``adapters.{m}.{i}``) holding ``adapters`` (adapter dicts keyed like ``keys``)."""
+        return {self.name(m, i): a[k] for m, a in enumerate(adapters) for i, k in enumerate(self.keys)}
+
+    def adapters_of(self, state: Mapping[str, torch.Tensor]) -> list[TensorDict]:
+        """The inverse of :meth:`state_of`."""
+        return [{k: state[self.name(m, i)] for i, k in enumerate(self.keys)} for m in range(len(self.adapters))]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch.func import functional_call
+
+        return torch.stack([functional_call(self.base, dict(zip(self.keys, ps)), (ids,)) for ps in self.adapters],
+                           dim=1)
+
 
 _MODELS: dict[tuple, AdapterModel] = {}
 

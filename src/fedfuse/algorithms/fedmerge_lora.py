@@ -26,7 +26,13 @@ There are no buffers or integer entries in an adapter; tensors a client did not 
 
 ``fedem-lora`` (FedEM with a personalised router over LoRA modules, seed 001 App. B.2) lives here too:
 M adapters are all sent, trained with the E-step responsibilities and averaged; each client's router is
-its mixture weights π (learned by EM), and its prediction is Σ_m π_m softmax(f_m(x)).
+its mixture weights π (learned by EM), and its prediction is Σ_m π_m softmax(f_m(x)).  Its client step is a
+declared program, as FedEM's: the E-step when the client prepares, then the M adapters train as one
+:class:`~fedfuse.adapters.lora.AdapterStack` on the objective Σ_m q_m ℓ_m per row (ℓ_m the row's mean token
+loss under adapter m; tokens and responsibilities travel as target columns).  The adapters share no tensor, so
+each one's gradient and optimiser step are those of training it alone on the same batches; LoRA dropout draws
+its masks adapter after adapter within each step instead of adapter by adapter over the whole run.  Gradient
+clipping (a norm per adapter) keeps the separate loop.
 """
 
 from __future__ import annotations
@@ -36,13 +42,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.adapters.evaluate import row_losses
 from fedfuse.adapters.lora import cross_term_gap
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import TrainStats, make_optimizer, task_loss
-from fedfuse.engine.program import ClientProgram
+from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
 from fedfuse.fusion.average import delta, weighted_average
 from fedfuse.fusion.merge import (
     cluster_ari,
@@ -54,6 +61,17 @@ from fedfuse.fusion.merge import (
 from fedfuse.fusion.mixture import e_step
 from fedfuse.options import opt
 from fedfuse.types import ClientData, FitStats, Message, TensorDict
+
+
+def lm_mixture_objective(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ_m q_m ℓ_m per row: ``logits`` (B, M, T, V); ``targets`` (B, T + M) = [token ids (−100 = not counted)
+    as floats, q_1 … q_M]; ℓ_m = the row's summed token loss under adapter m over its counted tokens."""
+    M = logits.shape[1]
+    y = targets[:, :-M].long()
+    q = targets[:, -M:]
+    tok = F.cross_entropy(logits.permute(0, 3, 1, 2), y.unsqueeze(1).expand(-1, M, -1), reduction="none")
+    counted = (y != -100).sum(1).clamp_min(1).to(tok.dtype)
+    return (q * tok.sum(2)).sum(1) / counted
 
 
 def adapter_keys(keys: list[str], spec: str) -> list[str]:
@@ -208,18 +226,52 @@ class FedEMLoRA(LoraAlgorithm):
         msg.meta.update(self.eval_meta(state))
         return {c: msg for c in clients}
 
-    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
-            gen: torch.Generator) -> tuple[Message, ClientState]:
-        adapters = unpack(payload.tensors, int(payload.meta["m"]))
+    def _e_step(self, adapters: list[TensorDict], client_state: ClientState,
+                data: ClientData) -> tuple[torch.Tensor, torch.Tensor]:
+        """Responsibilities q (n × M, float32 on the data's device) and the client's new π."""
         pi = (client_state or self.init_client_state(data.cid))["pi"]
-        n, cfg, am = len(data.train), self.ctx.train, self.am
-        if n == 0:
-            return Message(pack(adapters), stats=FitStats(trained_params=0)), {"pi": pi}
-        am.module.eval()
+        self.am.module.eval()
         losses = torch.stack([row_losses(self.predictor(([a], [1.0])), data.train, self.ctx.eval_batch_size)
                               for a in adapters])
         q, pi = e_step(losses.cpu(), pi)
-        q = q.to(data.train.x.device, torch.float32)
+        return q.to(data.train.x.device, torch.float32), pi
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram | None:
+        """E-step, then the M adapters trained as one stack on the mixture objective (module docstring)."""
+        adapters = unpack(payload.tensors, int(payload.meta["m"]))
+        M, n = len(adapters), len(data.train)
+        if n == 0 or self.ctx.train.grad_clip > 0:
+            return None
+        q, pi = self._e_step(adapters, client_state, data)
+        stack = self.am.stack(M)
+        targets = torch.cat([data.train.y.to(torch.float32), q], dim=1)
+
+        def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            fwd, train = self.flops_per_row(data)
+            samples = M * int(stats.samples)  # per adapter, as the separate loop counts
+            fit = FitStats(num_examples=n, samples=samples, steps=M * int(stats.steps),
+                           train_loss=float(stats.mean_loss) / M, flops=float(train * samples + fwd * n * M),
+                           trained_params=M * self.am.numel)
+            return Message(pack(stack.adapters_of(state)), stats=fit), {"pi": pi}
+
+        init = stack.state_of(adapters)
+        return ClientProgram(model=stack, init=init, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize,
+                             trainable=frozenset(init), objective=lm_mixture_objective, targets=targets,
+                             shared_base=True)
+
+    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
+            gen: torch.Generator) -> tuple[Message, ClientState]:
+        """The declared program when there is one; otherwise (gradient clipping per adapter, or no data) the
+        adapters train one after another on the same batch order."""
+        program = self.client_program(payload, client_state, data)
+        if program is not None:
+            return run_program(program, data, gen)
+        adapters = unpack(payload.tensors, int(payload.meta["m"]))
+        n, cfg, am = len(data.train), self.ctx.train, self.am
+        if n == 0:
+            pi = (client_state or self.init_client_state(data.cid))["pi"]
+            return Message(pack(adapters), stats=FitStats(trained_params=0)), {"pi": pi}
+        q, pi = self._e_step(adapters, client_state, data)
         bs = min(cfg.batch_size, n)
         perms = [torch.randperm(n, generator=gen).to(data.train.x.device) for _ in range(cfg.local_epochs)]
         out, loss_sum, samples, steps = [], 0.0, 0, 0
