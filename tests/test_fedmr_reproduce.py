@@ -10,6 +10,7 @@ import yaml
 
 from fedfuse.algorithms.fedmr import model_units
 from fedfuse.config import RunConfig, apply, validate
+from fedfuse.experiment import strip_timing
 from fedfuse.models import build_model
 from fedfuse.reproduce import fedmr as R
 
@@ -153,6 +154,37 @@ def test_tiny_grid_end_to_end(tmp_path, monkeypatch):
     args.reuse = False
     R.run(args)
     assert len(calls) == 4  # without --reuse every run of the grid is run again
+
+
+def test_jobs_split_the_grid_and_match_a_serial_run(tmp_path):
+    """--jobs 2: a spawned sibling and this process share the grid through the claim files; every run happens
+    exactly once and its metrics equal the serial run's (the sibling gets the resolved preset, not argv)."""
+    tiny = {
+        "name": "tiny", "training": {**R.AUTHORS_TRAINING, "local_epochs": 1, "eval_every": 1, "lr": 0.05},
+        "rounds": 2, "warmup": 1, "seed_list": [0, 1], "methods": ["FedAvg", "FedMR"],
+        "settings": {"digits-dir0.5": {"dataset": "digits", "model": "mlp", "clients": 6, "clients_per_round": 3,
+                                       "partition": "dirichlet", "partition_options": {"alpha": 0.5},
+                                       "dataset_options": {}}},
+    }
+    serial, par = tmp_path / "serial", tmp_path / "par"
+    R.run_grid(tiny, serial, "", reuse=False, started=0.0, progress=False)
+    import multiprocessing as mp
+    import time
+
+    started = time.time()
+    w = mp.get_context("spawn").Process(target=R._grid_worker, args=(tiny, par, "", False, started, 1))
+    w.start()
+    R.run_grid(tiny, par, "", reuse=False, started=started, progress=False)
+    w.join()
+    assert w.exitcode == 0
+    runs = sorted(p.parent.relative_to(par) for p in par.rglob("summary.json"))
+    assert len(runs) == 4 and not list(par.rglob(".*.running"))
+    for rel in runs:
+        a = [strip_timing(json.loads(x)) for x in (serial / rel / "metrics.jsonl").read_text().splitlines()]
+        b = [strip_timing(json.loads(x)) for x in (par / rel / "metrics.jsonl").read_text().splitlines()]
+        assert a == b, rel
+    # a run finished before this invocation is run again without --reuse, one finished during it is not
+    assert not R._finished(par / runs[0], time.time() + 5) and R._finished(par / runs[0], started)
 
 
 def test_a_run_claimed_by_a_live_process_is_skipped(tmp_path):

@@ -137,6 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override SGD momentum (preset: 0.5 as the authors' code; the paper's text says 0.9)")
     p.add_argument("--local-epochs", type=int, default=0, help="override the preset's 5 local epochs")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for these CNNs)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="run up to N runs at once (N - 1 worker processes beside this one, each with --threads "
+                        "torch threads; metrics identical to a serial run)")
     p.set_defaults(seeds="")  # empty = the preset's number of seeds (3; quick: 1)
 
 
@@ -192,9 +195,13 @@ def _slug(label: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.set_num_threads(max(1, int(getattr(args, "threads", 1) or 1)))
+    threads = max(1, int(getattr(args, "threads", 1) or 1))
+    torch.set_num_threads(threads)
     data_dir = getattr(args, "data_dir", None) or os.environ.get("FEDFUSE_DATA") or "../shared/data"
     preset = resolve_preset(args)
+    jobs = int(getattr(args, "jobs", 1) or 1)
+    if jobs < 1:
+        raise ValueError(f"--jobs: must be >= 1, got {jobs}")
     default_out = "runs/reproduce-fedmr-" + preset["name"]
     if preset["training"]["momentum"] != AUTHORS_TRAINING["momentum"]:
         default_out += f"-momentum{preset['training']['momentum']:g}"
@@ -202,34 +209,75 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "preset.yaml").write_text(yaml.safe_dump(
         {k: v for k, v in preset.items() if k != "seed_list"} | {"seeds": preset["seed_list"]}, sort_keys=False))
-    reuse = bool(getattr(args, "reuse", False))
-    t_all = time.perf_counter()
+    reuse, progress = bool(getattr(args, "reuse", False)), not getattr(args, "no_progress", False)
+    t_all, started = time.perf_counter(), time.time()
+    workers = []
+    if jobs > 1:  # siblings take runs through the claim files; none runs a run another has finished meanwhile
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        workers = [ctx.Process(target=_grid_worker, args=(preset, out, data_dir, reuse, started, threads))
+                   for _ in range(jobs - 1)]
+        for w in workers:
+            w.start()
+    try:
+        run_grid(preset, out, data_dir, reuse=reuse, started=started, progress=progress and not workers,
+                 on_done=lambda: write_tables(out, preset, time.perf_counter() - t_all, plots=False))
+    finally:
+        for w in workers:
+            w.join()
+    if any(w.exitcode for w in workers):
+        raise RuntimeError(f"{sum(1 for w in workers if w.exitcode)} of {len(workers)} worker processes failed "
+                           "(their runs are missing from the table; rerun with --reuse)")
+    text = write_tables(out, preset, time.perf_counter() - t_all)
+    print(text)
+    return 0
+
+
+def run_grid(preset: dict[str, Any], out: Path, data_dir: str, *, reuse: bool, started: float, progress: bool,
+             on_done: Any = None) -> None:
+    """Run every (setting, method, seed) of ``preset`` under ``out`` that no other process holds (claim files)
+    and that is not finished: with ``reuse`` a finished run is kept; a run finished at or after ``started``
+    (by a sibling process of this invocation) is always kept."""
     for setting in preset["settings"]:
         for label in preset["methods"]:
             for seed in preset["seed_list"]:
                 run_dir = out / setting / _slug(label) / f"seed{seed}"
-                if reuse and (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").exists():
-                    continue  # --reuse: finished earlier, keep it
+                if _finished(run_dir, None if reuse else started):
+                    continue
                 if not _claim(run_dir):
                     print(f"[fedmr] {setting} {label} seed {seed}: running in another process, skipped", flush=True)
                     continue
-                if reuse and (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").exists():
+                if _finished(run_dir, None if reuse else started):
                     _marker(run_dir).unlink(missing_ok=True)  # finished by another process meanwhile
                     continue
                 t0 = time.perf_counter()
                 try:
                     _, history = run_one(run_config(label, setting, seed, preset, data_dir), run_dir,
-                                         progress=not getattr(args, "no_progress", False))
+                                         progress=progress)
                 finally:
                     _marker(run_dir).unlink(missing_ok=True)
                 acc = final_mean(history)
                 print(f"[fedmr] {setting:15s} {label:16s} seed {seed}: last-5 mean "
                       f"{100 * acc if acc is not None else float('nan'):.2f} % ({time.perf_counter() - t0:.0f} s)",
                       flush=True)
-                write_tables(out, preset, time.perf_counter() - t_all, plots=False)
-    text = write_tables(out, preset, time.perf_counter() - t_all)
-    print(text)
-    return 0
+                if on_done is not None:
+                    on_done()
+
+
+def _grid_worker(preset: dict[str, Any], out: Path, data_dir: str, reuse: bool, started: float,
+                 threads: int) -> None:
+    """A ``--jobs`` sibling: the same grid, no progress bars, no tables (the parent writes them)."""
+    torch.set_num_threads(threads)
+    run_grid(preset, out, data_dir, reuse=reuse, started=started, progress=False)
+
+
+def _finished(run_dir: Path, since: float | None) -> bool:
+    """Finished (summary and metrics written), and with ``since`` at or after that time."""
+    summary = run_dir / "summary.json"
+    if not (summary.exists() and (run_dir / "metrics.jsonl").exists()):
+        return False
+    return since is None or summary.stat().st_mtime >= since
 
 
 def _marker(run_dir: Path) -> Path:
