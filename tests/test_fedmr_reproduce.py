@@ -44,6 +44,18 @@ def test_paper_scale_is_the_papers_federation():
     assert set(cpu) == set(s) | {"mnist-dir0.1", "mnist-dir0.5"} and all(cpu[k]["model"] == s[k]["model"] for k in s)
 
 
+def test_full_scale_has_the_papers_data_per_client_and_defaults_to_the_headline_pair():
+    full = R.PRESETS["full"]
+    s = full["settings"]["cifar10-dir0.1"]
+    assert s["dataset_options"]["train_limit"] / s["clients"] == 500  # the paper's 50,000 / 100
+    assert s["clients_per_round"] == 10 and "test_limit" not in s["dataset_options"]
+    assert full["rounds"] >= 300 and full["training"] == R.AUTHORS_TRAINING
+    p = R.resolve_preset(ns(scale="full"))
+    assert list(p["settings"]) == ["cifar10-dir0.1"] and p["methods"] == ["FedAvg", "FedMR"]
+    assert R.resolve_preset(ns(scale="full", methods="FedMR two-stage"))["methods"] == ["FedMR two-stage"]
+    assert set(R.resolve_preset(ns(scale="full", settings="mnist-dir0.1"))["settings"]) == {"mnist-dir0.1"}
+
+
 def test_mnist_settings_are_the_cifar_settings_with_another_dataset():
     """``--settings mnist-dir0.1`` = the cpu CIFAR-10 Dir(0.1) run with only dataset and model changed."""
     assert list(R.resolve_preset(ns())["settings"]) == ["cifar10-dir0.1", "cifar10-dir0.5", "cifar10-iid", "femnist"]
