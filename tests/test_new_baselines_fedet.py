@@ -60,6 +60,18 @@ def test_public_set_is_held_out_of_client_training():
     assert sum(exp.ctx.client_sizes) == sum(len(c.train) for c in exp.fed.clients)
 
 
+def test_a_new_run_handed_a_prepared_federation_starts_from_its_source():
+    """``exp.fed`` is the federation after Fed-ET held its public set aside; a run handed it (the Python API's
+    reuse of a loaded federation) must not hold a second public set out of the reduced data."""
+    a = Experiment(_cfg())
+    assert a.fed.source is not None and a.fed.source.source is None
+    b = Experiment(_cfg(), fed=a.fed)
+    assert [len(c.train) for c in b.fed.clients] == [len(c.train) for c in a.fed.clients]
+    assert b.fed.info["public_size"] == a.fed.info["public_size"]
+    c = Experiment(_cfg(algorithm="fedavg", algorithm_options={}), fed=a.fed)  # another algorithm: all the data
+    assert [len(x.train) for x in c.fed.clients] == [len(x.train) for x in a.fed.source.clients]
+
+
 def test_shared_representation_layer_and_heterogeneous_small_models():
     exp = Experiment(_cfg())
     assert exp.algo.mode == "head"

@@ -137,6 +137,9 @@ class Federation:
     partition: str = ""
     class_names: list[str] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: the federation an algorithm's ``setup`` started from (Fed-ET holds a public set aside); ``None`` when
+    #: this one is not derived.  A new run handed a derived federation starts again from its source.
+    source: Federation | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_clients(self) -> int:

@@ -105,12 +105,15 @@ def assemble(cfg: RunConfig, device: torch.device, *, fed: Federation | None = N
              lookup: AlgorithmLookup | None = None) -> tuple[Federation, RunContext, Any]:
     """The federation, run context and algorithm of a validated config, exactly as every engine builds them
     (the in-process loop, and a Flower node rebuilding the run from the config it is sent)."""
+    if fed is not None and fed.source is not None:  # another run's prepared federation: start from its data
+        fed = fed.source
     fed = fed if fed is not None else build_federation(cfg, device)
     ctx = build_context(cfg, fed, device)
     algo = build_algorithm(cfg, ctx, lookup)
     setup = getattr(algo, "setup", None)
     if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
-        fed = setup(fed.blinded()).with_truth_of(fed)  # it never sees the ground truth
+        prepared = setup(fed.blinded()).with_truth_of(fed)  # it never sees the ground truth
+        fed = dataclasses.replace(prepared, source=fed)
         ctx.client_sizes = fed.client_sizes()
     return fed, ctx, algo
 
