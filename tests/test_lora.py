@@ -207,7 +207,7 @@ def test_fedem_lora_stack_program_equals_training_each_adapter_alone(base, fed):
 
 
 def test_lm_mixture_objective_hand_case():
-    from fedfuse.algorithms.fedmerge_lora import lm_mixture_objective
+    from fedfuse.fusion.mixture import mixture_objective as lm_mixture_objective
 
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 4, 5)  # B=2 rows, M=3 adapters, T=4 tokens, V=5

@@ -118,7 +118,7 @@ def test_fedem_declared_m_step_equals_training_each_learner_alone(train):
 
 
 def test_fedem_mixture_objective_hand_case():
-    from fedfuse.algorithms.fedem import mixture_objective
+    from fedfuse.fusion.mixture import mixture_objective
 
     logits = torch.tensor([[[2.0, 0.0], [0.0, 1.0]], [[0.0, 0.0], [3.0, -1.0]]])  # (B=2, M=2, C=2)
     targets = torch.tensor([[0.0, 0.25, 0.75], [1.0, 1.0, 0.0]])  # label, q_1, q_2

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
@@ -47,7 +46,7 @@ from fedfuse.engine.client import (
 from fedfuse.engine.context import init_states, model_params
 from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
 from fedfuse.fusion.average import weighted_average
-from fedfuse.fusion.mixture import e_step, pack, unpack
+from fedfuse.fusion.mixture import e_step, mixture_objective, pack, unpack
 from fedfuse.options import opt
 from fedfuse.types import ClientData, FitStats, Message
 
@@ -61,14 +60,6 @@ class Learners(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack([m(x) for m in self.learners], dim=1)
-
-
-def mixture_objective(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ_m q_m ℓ_m per sample: ``logits`` (B, M, C), ``targets`` (B, 1 + M) = [label, q_1 … q_M]."""
-    y = targets[:, 0].long()
-    q = targets[:, 1:]
-    ce = F.cross_entropy(logits.transpose(1, 2), y.unsqueeze(1).expand(-1, q.shape[1]), reduction="none")
-    return (q * ce).sum(1)
 
 
 class FedEM(Algorithm):

@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.adapters.evaluate import row_losses
@@ -58,20 +57,9 @@ from fedfuse.fusion.merge import (
     row_softmax,
     server_step,
 )
-from fedfuse.fusion.mixture import e_step
+from fedfuse.fusion.mixture import e_step, mixture_objective
 from fedfuse.options import opt
 from fedfuse.types import ClientData, FitStats, Message, TensorDict
-
-
-def lm_mixture_objective(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ_m q_m ℓ_m per row: ``logits`` (B, M, T, V); ``targets`` (B, T + M) = [token ids (−100 = not counted)
-    as floats, q_1 … q_M]; ℓ_m = the row's summed token loss under adapter m over its counted tokens."""
-    M = logits.shape[1]
-    y = targets[:, :-M].long()
-    q = targets[:, -M:]
-    tok = F.cross_entropy(logits.permute(0, 3, 1, 2), y.unsqueeze(1).expand(-1, M, -1), reduction="none")
-    counted = (y != -100).sum(1).clamp_min(1).to(tok.dtype)
-    return (q * tok.sum(2)).sum(1) / counted
 
 
 def adapter_keys(keys: list[str], spec: str) -> list[str]:
@@ -256,7 +244,7 @@ class FedEMLoRA(LoraAlgorithm):
 
         init = stack.state_of(adapters)
         return ClientProgram(model=stack, init=init, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize,
-                             trainable=frozenset(init), objective=lm_mixture_objective, targets=targets,
+                             trainable=frozenset(init), objective=mixture_objective, targets=targets,
                              shared_base=True)
 
     def fit(self, payload: Message, client_state: ClientState, data: ClientData,

@@ -2,7 +2,8 @@
 
 Pure functions on named tensors: :func:`pack` / :func:`unpack` carry ``count`` state dicts in one
 :class:`~fedfuse.types.Message` (key ``m{j}/{name}``); :func:`e_step` turns per-sample losses of M models into
-responsibilities and new mixture weights.
+responsibilities and new mixture weights; :func:`mixture_objective` is the M-step's per-sample loss of M models
+trained as one module.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from fedfuse.types import TensorDict
 
@@ -35,4 +37,22 @@ def e_step(losses: torch.Tensor, pi: torch.Tensor) -> tuple[torch.Tensor, torch.
     return q, q.mean(0) if q.shape[0] else pi.to(torch.float64)
 
 
-__all__ = ["e_step", "pack", "unpack"]
+def mixture_objective(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ_m q_m ℓ_m per sample, the M-step objective of M models stacked into one module (FedEM, FedEM-LoRA).
+
+    Classification: ``logits`` (B, M, C), ``targets`` (B, 1 + M) = [label, q_1 … q_M], ℓ_m the cross-entropy.
+    Sequences: ``logits`` (B, M, T, V), ``targets`` (B, T + M) = [token ids as floats (−100 = not counted),
+    q_1 … q_M], ℓ_m the row's summed token loss over its counted tokens.  The models share no parameter, so
+    each one's gradient is that of its own q-weighted loss.
+    """
+    M = logits.shape[1]
+    if logits.dim() == 3:  # one target per sample
+        logits = logits.unsqueeze(2)
+    y = targets[:, :-M].long()
+    q = targets[:, -M:]
+    tok = F.cross_entropy(logits.permute(0, 3, 1, 2), y.unsqueeze(1).expand(-1, M, -1), reduction="none")
+    counted = (y != -100).sum(1).clamp_min(1).to(tok.dtype)
+    return (q * tok.sum(2)).sum(1) / counted
+
+
+__all__ = ["e_step", "mixture_objective", "pack", "unpack"]
