@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,19 @@ def test_documented_command_parses(doc: str, command: str, capsys: pytest.Captur
             build_config(args)
         except (ConfigError, ValueError, KeyError) as e:
             pytest.fail(f"{doc}: `{command}` builds no valid configuration: {e}")
+
+
+def python_blocks() -> list[tuple[str, int, str]]:
+    return [(doc.name, i, textwrap.dedent(b))
+            for doc in DOCS for i, b in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), re.S))]
+
+
+def test_python_blocks_compile() -> None:
+    """Every ``python`` block of README.md and docs/ is valid Python (indented snippets dedented)."""
+    blocks = python_blocks()
+    assert blocks
+    for doc, i, code in blocks:
+        try:
+            compile(code, f"{doc} block {i}", "exec")
+        except SyntaxError as e:
+            pytest.fail(f"{doc}, python block {i}: {e}")
