@@ -41,8 +41,8 @@ def test_kill9_and_resume_under_faults_is_bit_identical(tmp_path, capsys):
     try:
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
-            m = killed / "metrics.jsonl"
-            if m.exists() and len(m.read_text().splitlines()) >= kill_after:
+            m = killed / "metrics.jsonl"  # the round's record is written before its checkpoint: wait for both
+            if m.exists() and len(m.read_text().splitlines()) >= kill_after and (killed / "checkpoint.pt").exists():
                 break
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
