@@ -87,12 +87,11 @@ def test_documented_command_parses(doc: str, command: str, capsys: pytest.Captur
     parser = make_parser()
     argv = shlex.split(command)[1:]
     try:
-        parser.parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # argparse reports an unknown flag, a bad choice or a missing argument this way
         if e.code == 0:  # --help
             return
         pytest.fail(f"{doc}: `{command}` does not parse: {capsys.readouterr().err.strip()[-300:]} ({e.code})")
-    args = parser.parse_args(argv)
     if args.command == "run" and not (args.config or args.resume):
         try:  # the configuration it builds is valid: algorithm, model, dataset, partition, every --set key
             build_config(args)
