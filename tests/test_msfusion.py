@@ -233,3 +233,23 @@ def test_batched_equals_sequential_with_the_contrastive_term(model, extra):
     no_con = runs["sequential", 0.0].history
     assert no_con[0]["train_loss"] == seq[0]["train_loss"]  # round 1 has no term
     assert no_con[2]["train_loss"] != seq[2]["train_loss"]
+
+
+def test_holder_churn_counts_units_changing_hands():
+    """Equal μ, c = 1, N = 4, K = 40 (gap G = 10): each window gains ζ units and drops ζ.  Windows of 15 (not a
+    multiple of G): no unit is both gained and dropped, 2·N·ζ units change holders; windows of 10 or 20
+    (multiples of G): the unit one window drops is the one another gains, N·ζ.  Frozen windows: 0; Eq. 6
+    moves windows although ζ = 0.  Round 1 has no previous round: 0."""
+    def churn(mu, **opts):
+        exp = Experiment(cfg(clients=4, clients_per_round=4, rounds=3, model_options={"widths": [40]},
+                             algorithm_options={"mu": mu, "contrastive": False, **opts}))
+        exp.run()
+        return [h["holder_churn"] for h in exp.history]
+
+    assert churn(0.375, zeta=1, dynamic=False) == [0.0, pytest.approx(2 * 4 / 40), pytest.approx(2 * 4 / 40)]
+    assert churn(0.375, zeta=3, dynamic=False)[1:] == [pytest.approx(2 * 4 * 3 / 40)] * 2
+    assert churn(0.25, zeta=1, dynamic=False)[1:] == [pytest.approx(4 / 40)] * 2
+    assert churn(0.5, zeta=1, dynamic=False)[1:] == [pytest.approx(4 / 40)] * 2
+    assert churn(0.5, zeta=0, dynamic=False) == [0.0, 0.0, 0.0]
+    moved = churn(0.5, zeta=0, dynamic=True, update_every=1, schedule_rounds=2)  # c: 1 → 0.625 → 0.25
+    assert moved[0] == 0.0 and moved[1] > 0.0 and moved[2] > 0.0

@@ -282,6 +282,7 @@ class MSfusion(Algorithm):
         n = len(results)
         order = sorted(results)
         cover, adj = [], []
+        churn = self.holder_churn(info.index, info.total, order) if info.index > 0 else 0.0
         for g, k in self.spec.groups.items():
             held = torch.zeros(k, dtype=torch.bool)
             for c in order:
@@ -296,6 +297,7 @@ class MSfusion(Algorithm):
             "overlap_c": self.overlap_control(info.index, info.total),
             "coverage": float(np.mean(cover)) if cover else 1.0,
             "adjacent_overlap": float(np.mean(adj)) if adj else 0.0,
+            "holder_churn": churn,
             "peer_bytes_per_participant": float(np.mean([m["peer_bytes"] for m in metas])),
             "full_submodel_bytes_per_participant": float(np.mean([m["submodel_bytes"] for m in metas])),
             "flops_per_participant": float(np.mean([f.flops for f in fits])),
@@ -308,6 +310,23 @@ class MSfusion(Algorithm):
         if self.serverless:  # the relay only keeps the envelopes for their next delivery
             return {"mailbox": mailbox, "diag": diag}
         return {**state, "global": glob, "mailbox": mailbox, "diag": diag}
+
+    def holder_churn(self, r: int, total: int, participants: list[int]) -> float:
+        """The fraction of hidden units whose set of holders differs between rounds r − 1 and r (mean over the
+        unit groups): how many units change hands this round.  Equal μ and c: every window gains ζ units and
+        drops ζ; a unit counts once.  When the window length is not a multiple of the gap G (N = 10, K = 200,
+        μ = 0.125: windows of 25, 20 apart) no unit is both gained and dropped, 2·N·ζ/K (0.1); when it is,
+        the unit one window drops is the one another gains, N·ζ/K.  0 with ζ = 0 and a constant c.
+        ``docs/msfusion.md`` ties it to the accuracy dips on MNIST shards."""
+        fracs = []
+        for g, k in self.spec.groups.items():
+            now = torch.zeros(len(participants), k, dtype=torch.bool)
+            before = torch.zeros_like(now)
+            for i, c in enumerate(participants):
+                now[i, self.selection(c, r, total)[g]] = True
+                before[i, self.selection(c, r - 1, total)[g]] = True
+            fracs.append(float((now != before).any(dim=0).double().mean()))
+        return float(np.mean(fracs)) if fracs else 0.0
 
     def reply_shapes(self, cid: int, reply: Message) -> dict[str, tuple[int, ...]]:
         """The shapes of a participant's ``sim/own/`` sub-model implied by the selection in its metadata (for the
