@@ -318,14 +318,16 @@ class MSfusion(Algorithm):
         μ = 0.125: windows of 25, 20 apart) no unit is both gained and dropped, 2·N·ζ/K (0.1); when it is,
         the unit one window drops is the one another gains, N·ζ/K.  0 with ζ = 0 and a constant c.
         ``docs/msfusion.md`` ties it to the accuracy dips on MNIST shards."""
+        now = [self.selection(c, r, total) for c in participants]
+        before = [self.selection(c, r - 1, total) for c in participants]
         fracs = []
         for g, k in self.spec.groups.items():
-            now = torch.zeros(len(participants), k, dtype=torch.bool)
-            before = torch.zeros_like(now)
-            for i, c in enumerate(participants):
-                now[i, self.selection(c, r, total)[g]] = True
-                before[i, self.selection(c, r - 1, total)[g]] = True
-            fracs.append(float((now != before).any(dim=0).double().mean()))
+            held_now = torch.zeros(len(participants), k, dtype=torch.bool)
+            held_before = torch.zeros_like(held_now)
+            for i in range(len(participants)):
+                held_now[i, now[i][g]] = True
+                held_before[i, before[i][g]] = True
+            fracs.append(float((held_now != held_before).any(dim=0).double().mean()))
         return float(np.mean(fracs)) if fracs else 0.0
 
     def reply_shapes(self, cid: int, reply: Message) -> dict[str, tuple[int, ...]]:
