@@ -367,8 +367,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     check_device(cfg.device)
     if cfg.late_replies == "next-round":
         registry = registered_algorithms()
-        if not getattr(registry[cfg.algorithm], "accepts_late", False):
-            late = sorted(n for n, c in registry.items() if getattr(c, "accepts_late", False))
+        if not registry[cfg.algorithm].accepts_late:
+            late = sorted(n for n, c in registry.items() if c.accepts_late)
             raise ConfigError(f"late_replies: {cfg.algorithm!r} cannot fuse a reply from an earlier round; "
                               f"next-round works with {', '.join(late)}")
     cfg = dataclasses.replace(cfg, model=resolved_model(cfg))

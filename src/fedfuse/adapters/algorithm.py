@@ -49,7 +49,6 @@ class LoraOptions:
 class LoraAlgorithm(Algorithm):
     """Base of the LoRA algorithms: the frozen base + LoRA wrapper is shared by every client in-process."""
 
-    personalized = True
 
     @dataclass
     class Options(LoraOptions):

@@ -1,54 +1,63 @@
-"""The algorithm seam.
+"""The algorithm contract: everything an algorithm may do, declared on :class:`Algorithm`.
 
-An algorithm is a small class with server hooks and client hooks.  The engine owns the round loop
-and never names an algorithm; an algorithm never runs the loop.
+An algorithm is a subclass of :class:`Algorithm` with a ``name``, a ``description``, an ``Options`` dataclass
+and the hooks it overrides.  The engine owns the round loop and never names an algorithm; it calls every hook
+below unconditionally (each has a working default here), so this file is the whole contract.  The engine sees
+an algorithm through the protocol :class:`fedfuse.engine.contract.Algorithm`, which lists the same members.
 
-Server side (may read and return server state):
-    ``init_state`` → ``select_clients`` → ``configure_fit`` → [clients] → ``exchange`` →
-    ``aggregate_fit`` → ``global_model`` / ``configure_evaluate``.
-Client side (pure: a function of payload, the client's own persistent state, its data and a
-generator; never sees server state):
-    ``fit(payload, client_state, data, gen) -> (result, client_state)``
-    ``evaluate(payload, client_state, data, gen) -> metrics``
+Class attributes (declarations the engine reads):
+    ``name``, ``description`` — registry name and one-line description (``fedfuse list``);
+    ``Options`` — a dataclass of the options ``--set key=value`` may change (``fedfuse.options.opt``);
+    ``accepts_late`` — a reply from an earlier round can join a later fusion (``late_replies=next-round``);
+    ``default_sampling`` — the client sampler ``sampling: auto`` uses;
+    ``echo_meta`` — payload meta keys copied into the reply's meta before fusion (what the server sent);
+    ``reply_kind`` — ``"state"`` / ``"delta"`` / ``"other"`` / ``None``: what a reply is, for the update checks;
+    ``node_private`` — client-state entries that never leave a Flower node.
+
+Hooks in round order (server side may read and return server state; client side is pure: a function of the
+payload, the client's own persistent state, its data and a generator, never of server state):
+    once:       ``setup(fed)`` → ``init_state()`` → ``init_client_state(cid)`` for every client
+    each round: ``select_clients(info, rng)`` → for each of ``num_stages(state, info)`` stages:
+                ``configure_fit`` → [clients: ``client_program`` (declared step), else ``fit``] →
+                ``reply_shapes`` (update checks) → ``exchange`` → ``aggregate_fit``
+    evaluation: ``global_model`` → ``configure_evaluate`` → [clients: ``evaluate``] → ``diagnostics``;
+                ``server_parameters`` for the accounting
+    at the end: ``finish(state, fed, out_dir)``
 
 A round may have several *stages* (FedMA matches one layer per stage); ``RoundInfo.stage`` says which.
-
-Optional hooks the loop calls when an algorithm defines them:
-    ``diagnostics(state, fed, info) -> dict`` — extra metrics merged into the round's record at evaluation
-    rounds (e.g. FedMerge's ARI, FedMR's model similarity); may write plots to ``ctx.out_dir``;
-    ``finish(state, fed, out_dir)`` — end-of-run artefacts (heat-maps, tables).
+Only ``diagnostics`` and ``finish`` see the partition's ground truth (``fed.groups()``); every other hook gets
+the blinded federation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedfuse.engine.client import (
-    EvalStats,
-    TrainStats,
-    evaluate_model,
-    train_flops_per_sample,
-    train_local,
-)
+from fedfuse.engine.client import EvalStats, TrainStats, evaluate_model, train_flops_per_sample
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState, state_of
 from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
-from fedfuse.types import ClientData, FitStats, Message, TensorDict
+from fedfuse.types import ClientData, Federation, FitStats, Message, TensorDict
 
 __all__ = ["Algorithm", "ClientState", "RoundInfo", "RunContext", "ServerState", "evaluate_splits", "state_of"]
 
 
 class Algorithm:
-    """Base class; subclasses set ``name``, ``description`` and optionally an ``Options`` dataclass."""
+    """Base class of every algorithm; subclasses set ``name``, ``description`` and optionally ``Options``."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
-    personalized: ClassVar[bool] = False  # personal models differ from the global one
+    accepts_late: ClassVar[bool] = False
+    default_sampling: ClassVar[str] = "uniform"
+    echo_meta: ClassVar[tuple[str, ...]] = ()
+    reply_kind: ClassVar[str | None] = None  # None: the round's replies vote (keys a subset of the payload's)
+    node_private: tuple[str, ...] = ()  # may be a property when it depends on the options
 
     @dataclass
     class Options:
@@ -74,6 +83,12 @@ class Algorithm:
         return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
                 for f in dataclasses.fields(cls.Options)}
 
+    # ---- once, before the first round -----------------------------------------------------------
+    def setup(self, fed: Federation) -> Federation:
+        """The federation the run uses, given the blinded one (no ground truth).  Return another federation to
+        hold data aside for the server (Fed-ET keeps a public set); the default returns ``fed`` itself."""
+        return fed
+
     # ---- server hooks --------------------------------------------------------------------------
     def init_state(self) -> ServerState:
         """Initial server state: named tensors and plain data (checkpointed as is)."""
@@ -86,6 +101,7 @@ class Algorithm:
         return None
 
     def num_stages(self, state: ServerState, info: RoundInfo) -> int:
+        """How many configure → fit → aggregate stages this round has (FedMA: one per layer)."""
         return 1
 
     @property
@@ -100,14 +116,22 @@ class Algorithm:
         return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
 
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        """The payload of every client taking part in this stage (default: the global model)."""
         msg = Message(state["global"])
         return {c: msg for c in clients}
+
+    def reply_shapes(self, cid: int, reply: Message) -> dict[str, tuple[int, ...]]:
+        """Shapes a reply's tensors must have, known from its meta (MSfusion: a sub-model's shape follows its
+        selection); the update checks compare these keys with it instead of a majority vote.  Default: none."""
+        return {}
 
     def exchange(self, info: RoundInfo, results: dict[int, Message]) -> tuple[dict[int, Message], int]:
         """Client-to-client messages after local work (peer protocols); returns results and bytes moved."""
         return results, 0
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        """The new server state from the stage's replies (sorted by client id, screened).  Every algorithm
+        defines it."""
         raise NotImplementedError
 
     def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]] | None:
@@ -115,6 +139,7 @@ class Algorithm:
         return state["global"], {}
 
     def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
+        """What every client evaluates (default: the global model, or an empty message without one)."""
         g = self.global_model(state)
         msg = Message() if g is None else Message(g[0], dict(g[1]))
         return {c: msg for c in clients}
@@ -172,15 +197,17 @@ class Algorithm:
         model = self.ctx.load(payload.tensors, payload.meta)
         return evaluate_splits(model, data, self.ctx.eval_batch_size)
 
-    # ---- shared client helpers -----------------------------------------------------------------
-    def train_payload(
-        self, payload: Message, data: ClientData, gen: torch.Generator, **train_kwargs: Any
-    ) -> tuple[nn.Module, FitStats]:
-        """Load the payload model, train it locally, and return it with the standard :class:`FitStats`."""
-        model = self.ctx.load(payload.tensors, payload.meta)
-        stats = train_local(model, data.train, self.ctx.train, gen, **train_kwargs)
-        return model, self.fit_stats(model, data, stats)
+    # ---- evaluation rounds and the end of the run -------------------------------------------------
+    def diagnostics(self, state: ServerState, fed: Federation, info: RoundInfo) -> dict[str, Any]:
+        """Extra metrics merged into an evaluation round's record (FedMerge's ARI, FedMR's model similarity).
+        Gets the full federation, ground truth included; may write plots to ``ctx.out_dir``.  Default: none."""
+        return {}
 
+    def finish(self, state: ServerState, fed: Federation, out_dir: Path | None) -> None:
+        """End-of-run artefacts written to ``out_dir`` (heat-maps, tables); ``None`` when the run writes
+        nothing.  Default: nothing."""
+
+    # ---- shared client helpers -----------------------------------------------------------------
     def fit_stats(self, model: nn.Module, data: ClientData, stats: TrainStats) -> FitStats:
         """The standard record of one local training of ``model`` on ``data.train``: FLOPs from a profiled
         step times the samples processed, and every parameter that requires grad as trained."""

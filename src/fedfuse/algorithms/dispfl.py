@@ -151,7 +151,6 @@ def unpack_mask(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 class DisPFL(DPSGD):
     name = "dispfl"
     description = "Dis-PFL: decentralised personalised sparse training (ERK masks, sparse neighbour averaging)"
-    personalized = True
 
     @dataclass
     class Options:

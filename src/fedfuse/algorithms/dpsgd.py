@@ -81,7 +81,6 @@ def mix_states(states: Mapping[int, Mapping[str, torch.Tensor]], weights: Mappin
 class DPSGD(Algorithm):
     name = "dpsgd"
     description = "D-PSGD: serverless gossip averaging with neighbours then local SGD (ring/full/random graphs)"
-    personalized = True
 
     @dataclass
     class Options:

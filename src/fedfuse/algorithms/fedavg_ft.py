@@ -18,7 +18,6 @@ from fedfuse.types import ClientData, Message
 class FedAvgFT(FedAvg):
     name = "fedavg-ft"
     description = "FedAvg-FT (FedAvg+): FedAvg, then local fine-tuning before personalised evaluation"
-    personalized = True
 
     @dataclass
     class Options(FedAvg.Options):

@@ -65,7 +65,6 @@ class Learners(nn.Module):
 class FedEM(Algorithm):
     name = "fedem"
     description = "FedEM: M shared learners + per-client mixture weights, trained by federated EM"
-    personalized = True
 
     @dataclass
     class Options:

@@ -94,7 +94,6 @@ def shared_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
 class FedMerge(Algorithm):
     name = "fedmerge"
     description = "FedMerge: d global models, each client receives its learned weighted merge Σ_j w_ij Θ_j"
-    personalized = True
     reply_kind = "delta"  # clients send Δθ, not a model: update checks measure the reply itself
 
     @dataclass

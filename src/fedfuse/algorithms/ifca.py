@@ -41,7 +41,6 @@ def pick_cluster(losses: Sequence[float]) -> int:
 class IFCA(Algorithm):
     name = "ifca"
     description = "IFCA: K cluster models; each client trains the one with the lowest loss on its data"
-    personalized = True
 
     @dataclass
     class Options:

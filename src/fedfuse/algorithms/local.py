@@ -24,7 +24,6 @@ from fedfuse.types import ClientData, Message, TensorDict
 class Local(Algorithm):
     name = "local"
     description = "Local: each client trains alone on its own data (no communication)"
-    personalized = True
 
     def init_state(self) -> ServerState:
         return {}

@@ -58,7 +58,6 @@ def make_gate(in_features: int, hidden: int) -> nn.Module:
 class PFedMoE(Algorithm):
     name = "pfedmoe"
     description = "pFedMoE: shared global expert + local expert, per-client gate and head; only the expert travels"
-    personalized = True
 
     @dataclass
     class Options:

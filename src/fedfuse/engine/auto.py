@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from fedfuse.engine.batched import BatchedExecutor, unbatchable_reason
-from fedfuse.engine.executor import ClientFn, Job, SequentialExecutor, job_generator, seed_global
+from fedfuse.engine.context import RunContext
+from fedfuse.engine.contract import Algorithm, ClientFn, Executor, Job
+from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
 from fedfuse.engine.processes import ProcessExecutor, available_cores
 from fedfuse.types import ClientData
 
@@ -36,7 +38,7 @@ class AutoExecutor:
         self.threads = threads
         self.probe_steps = probe_steps
         self.probe_clients = probe_clients
-        self.inner: Any = None
+        self.inner: Executor | None = None
         self.timings: dict[str, float] = {}  # seconds per client-step measured or estimated by the probe
 
     def _clock(self) -> float:
@@ -46,6 +48,9 @@ class AutoExecutor:
         return time.perf_counter()
 
     # ---- choice --------------------------------------------------------------------------------
+    def bind(self, ctx: RunContext) -> None:
+        """Nothing to learn: every executor it may choose runs in this process or reads the algorithm."""
+
     def restore(self, choice: str | None) -> None:
         """Reuse a recorded choice (resume)."""
         if choice:
@@ -59,10 +64,9 @@ class AutoExecutor:
         else:
             self.inner = SequentialExecutor(self.clients, self.seed)
 
-    def probe(self, target: Any, jobs: Sequence[Job]) -> str:
+    def probe(self, target: Algorithm, jobs: Sequence[Job]) -> str:
         jobs = list(jobs)[: self.probe_clients]
-        declare = getattr(target, "client_program", None)
-        progs = [declare(j.payload, j.state, self.clients[j.cid]) if declare else None for j in jobs]
+        progs = [target.client_program(j.payload, j.state, self.clients[j.cid]) for j in jobs]
         workers = min(available_cores(), len(jobs))
         seq = BatchedExecutor(self.clients, self.seed)  # its _run_program is the sequential execution
         if any(p is None for p in progs) or not jobs:
@@ -94,9 +98,10 @@ class AutoExecutor:
         return min(self.timings, key=self.timings.__getitem__)
 
     # ---- the seam ------------------------------------------------------------------------------
-    def fit(self, target: Any, jobs: Sequence[Job]) -> dict[int, Any]:
+    def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
         if self.inner is None:
             self._use(self.probe(target, jobs))
+        assert self.inner is not None
         return self.inner.fit(target, jobs)
 
     def map(self, fn: ClientFn, jobs: Sequence[Job]) -> dict[int, Any]:

@@ -36,7 +36,8 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedfuse.engine.client import TrainStats, task_loss
-from fedfuse.engine.executor import Job, SequentialExecutor, job_generator, seed_global
+from fedfuse.engine.contract import Algorithm, Job
+from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
 from fedfuse.engine.program import ClientProgram, run_program, term_values
 from fedfuse.engine.sam import stacked_perturbation
 from fedfuse.types import ClientData
@@ -95,12 +96,11 @@ class BatchedExecutor(SequentialExecutor):
         self.fallbacks: dict[str, int] = {}  # reason → clients run sequentially (for diagnostics and tests)
 
     # ---- the seam ------------------------------------------------------------------------------
-    def fit(self, target: Any, jobs: Sequence[Job]) -> dict[int, Any]:
+    def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
         out: dict[int, Any] = {}
         pending: list[tuple[Job, ClientProgram]] = []
-        declare = getattr(target, "client_program", None)
         for job in jobs:
-            prog = declare(job.payload, job.state, self.clients[job.cid]) if declare is not None else None
+            prog = target.client_program(job.payload, job.state, self.clients[job.cid])
             if prog is None:
                 self._note("no declared client program")
                 out[job.cid] = self.run_one(target.fit, job)

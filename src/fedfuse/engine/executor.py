@@ -14,31 +14,24 @@ Executors (``executor`` config key / ``--executor``):
 - ``auto`` — a short probe picks one of the above (``engine/auto.py``);
 - ``flower`` — Flower's simulation runtime, one message per job (``fedfuse/flower/``, ``pip install fedfuse[flower]``).
 
-The engine imports no algorithm: ``fit`` only needs an object with ``fit`` and, optionally,
-``client_program`` (:class:`~fedfuse.engine.program.ProgramSource`).
+The engine imports no algorithm: executors are typed with the protocols of :mod:`fedfuse.engine.contract`
+(``fit`` calls the algorithm's ``client_program`` and, when it declares none, its ``fit``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from fedfuse.engine.context import RunContext
+from fedfuse.engine.contract import Algorithm, ClientFn, Executor, Job
 from fedfuse.rng import derive_seed, torch_generator
-from fedfuse.types import ClientData, Message
+from fedfuse.types import ClientData
 
-
-@dataclass(frozen=True)
-class Job:
-    cid: int
-    payload: Message
-    state: Any  # the client's persistent state (the algorithm's ClientState)
-    keys: tuple[int | str, ...]  # (purpose, round, stage): combined with the seed and the client id
-
-
-ClientFn = Callable[[Message, Any, ClientData, torch.Generator], Any]
+__all__ = ["EXECUTOR_NAMES", "ClientFn", "Job", "SequentialExecutor", "job_generator", "make_executor",
+           "seed_global"]
 
 
 def job_generator(seed: int, job: Job) -> torch.Generator:
@@ -66,7 +59,7 @@ class SequentialExecutor:
             out[job.cid] = self.run_one(fn, job)
         return out
 
-    def fit(self, target: Any, jobs: Sequence[Job]) -> dict[int, Any]:
+    def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
         """The client step of ``target`` (an algorithm) for every job."""
         return self.map(target.fit, jobs)
 
@@ -74,6 +67,12 @@ class SequentialExecutor:
         # Dropout and other global-RNG users are seeded per job; data order uses the explicit generator.
         seed_global(self.seed, job)
         return fn(job.payload, job.state, self.clients[job.cid], job_generator(self.seed, job))
+
+    def bind(self, ctx: RunContext) -> None:
+        """Nothing to learn: in-process clients read the algorithm's own context."""
+
+    def restore(self, choice: str | None) -> None:
+        """Nothing to restore: this executor makes no choice."""
 
     def close(self) -> None:
         """Release workers (no-op here)."""
@@ -86,7 +85,7 @@ EXECUTOR_NAMES = ("sequential", "batched", "processes", "auto", "flower")
 
 
 def make_executor(name: str, clients: Sequence[ClientData], seed: int, *, threads: int = 0,
-                  config: Any = None) -> Any:
+                  config: Any = None) -> Executor:
     """The executor called ``name`` (one of :data:`EXECUTOR_NAMES`); ``config`` (the run's RunConfig) is
     needed by ``flower``, whose nodes rebuild the run from it."""
     if name == "sequential":

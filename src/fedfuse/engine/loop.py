@@ -22,7 +22,8 @@ import torch
 from fedfuse.config import ConfigError, RunConfig, check_resume, dump_yaml, resolve_device, validate
 from fedfuse.engine.client import TrainConfig, evaluate_model
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState
-from fedfuse.engine.executor import Job, make_executor
+from fedfuse.engine.contract import Algorithm, Executor, Job
+from fedfuse.engine.executor import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
 from fedfuse.engine.sampling import make_sampler
 from fedfuse.engine.validate import check_replies, is_state_like
@@ -74,13 +75,13 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
     )
 
 
-AlgorithmLookup = Callable[[str], Any]
+AlgorithmLookup = Callable[[str], Callable[..., Algorithm]]
 NO_LOOKUP = ("the engine does not know fedfuse's algorithms (one-way layers: engine -> algorithms is not an arrow); "
              "pass algorithm_lookup=fedfuse.algorithms.get_algorithm, or use fedfuse.experiment.Experiment / "
              "fedfuse.experiment.run, which bind the registry")
 
 
-def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup) -> Any:
+def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | None) -> Algorithm:
     """The configured algorithm.  ``lookup(name) -> class`` resolves the name (the api/cli layer passes fedfuse's
     registry, :func:`fedfuse.algorithms.get_algorithm`; the engine never imports ``fedfuse.algorithms``).
 
@@ -88,7 +89,7 @@ def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup) ->
     constructed and initialised once as a dry run (algorithms inspect the model's structure there)."""
     if lookup is None:
         raise TypeError(NO_LOOKUP)
-    cls = lookup(cfg.algorithm)
+    cls: Any = lookup(cfg.algorithm)
     try:
         algo = cls(ctx, cls.Options(**cfg.algorithm_options))
         with torch.random.fork_rng(devices=[]):
@@ -102,7 +103,7 @@ def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup) ->
 
 
 def assemble(cfg: RunConfig, device: torch.device, *, fed: Federation | None = None,
-             lookup: AlgorithmLookup | None = None) -> tuple[Federation, RunContext, Any]:
+             lookup: AlgorithmLookup | None = None) -> tuple[Federation, RunContext, Algorithm]:
     """The federation, run context and algorithm of a validated config, exactly as every engine builds them
     (the in-process loop, and a Flower node rebuilding the run from the config it is sent)."""
     if fed is not None and fed.source is not None:  # another run's prepared federation: start from its data
@@ -110,10 +111,10 @@ def assemble(cfg: RunConfig, device: torch.device, *, fed: Federation | None = N
     fed = fed if fed is not None else build_federation(cfg, device)
     ctx = build_context(cfg, fed, device)
     algo = build_algorithm(cfg, ctx, lookup)
-    setup = getattr(algo, "setup", None)
-    if setup is not None:  # an algorithm may hold data aside for the server (Fed-ET's public set)
-        prepared = setup(fed.blinded()).with_truth_of(fed)  # it never sees the ground truth
-        fed = dataclasses.replace(prepared, source=fed)
+    blinded = fed.blinded()
+    prepared = algo.setup(blinded)  # an algorithm may hold data aside for the server (Fed-ET's public set)
+    if prepared is not blinded:
+        fed = dataclasses.replace(prepared.with_truth_of(fed), source=fed)  # it never saw the ground truth
         ctx.client_sizes = fed.client_sizes()
     return fed, ctx, algo
 
@@ -139,7 +140,7 @@ class Experiment:
         cfg: RunConfig,
         *,
         fed: Federation | None = None,
-        executor: Any | None = None,
+        executor: Executor | None = None,
         progress: bool = False,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         algorithm_lookup: AlgorithmLookup | None = None,
@@ -157,9 +158,7 @@ class Experiment:
         # fit/evaluate get the clients' data without the ground truth; only diagnostics/finish see self.fed
         self.executor = executor or make_executor(self.cfg.executor, self.fed.blinded().clients, self.cfg.seed,
                                                   threads=self.cfg.threads, config=self.cfg)
-        bind = getattr(self.executor, "bind", None)  # executors that send the local-training settings along
-        if bind is not None:
-            bind(self.ctx)
+        self.executor.bind(self.ctx)  # executors that send the local-training settings along
         self.progress = progress
         self.on_round = on_round
         self.out = Path(self.cfg.out) if self.cfg.out else None
@@ -214,9 +213,7 @@ class Experiment:
             self.ctx.train = dataclasses.replace(self.ctx.train, lr=float(ck["lr"]))
         if ck["config"].get("rounds") != self.cfg.rounds:  # a resume that extends the run
             dump_yaml(self.cfg, self.out / "config.yaml")
-        restore = getattr(self.executor, "restore", None)  # auto: keep the executor the probe chose
-        if restore is not None:
-            restore(ck.get("executor"))
+        self.executor.restore(ck.get("executor"))  # auto: keep the executor the probe chose
         self.sampler.load_state_dict(ck.get("sampler", {}))
         self.late_box = ck.get("late_box", {})
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
@@ -236,7 +233,7 @@ class Experiment:
             "late_box": self.late_box,
             "config": self.cfg.to_dict(),
             "lr": self.ctx.train.lr,
-            "executor": _describe(self.executor),
+            "executor": self.executor.describe(),
         }
         tmp = self.out / (CHECKPOINT + ".tmp")
         torch.save(ck, tmp)
@@ -276,9 +273,7 @@ class Experiment:
                 self.on_round(rec)
         if bar is not None:
             bar.close()
-        close = getattr(self.executor, "close", None)
-        if close is not None:
-            close()
+        self.executor.close()
         summary = self.summary()
         if self.out:
             self._finish(summary)
@@ -345,8 +340,7 @@ class Experiment:
             # a dropped-out client received its payload but never replies (and does no work)
             jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage))
                     for c in payloads if fates.get(c) != DROPOUT]
-            fit = getattr(self.executor, "fit", None)  # executors that own the loop run declared programs
-            outs = fit(algo, jobs) if fit is not None else self.executor.map(algo.fit, jobs)
+            outs = self.executor.fit(algo, jobs)  # the executor runs declared programs or calls fit
             for job in jobs:  # a job without a reply (a Flower node died, a reply timed out) is a dropout
                 if job.cid not in outs and job.cid not in dropped:
                     dropped.append(job.cid)
@@ -365,7 +359,7 @@ class Experiment:
                 if res is None:
                     continue
                 results[c] = res
-                for key in getattr(algo, "echo_meta", ()):  # server-side bookkeeping of what was sent
+                for key in algo.echo_meta:  # server-side bookkeeping of what was sent
                     if key in payloads[c].meta:
                         res.meta.setdefault(key, payloads[c].meta[key])
                 if c in sampling_weight:
@@ -486,9 +480,7 @@ class Experiment:
         if self.fed.task == "lm":
             out["perplexity"] = _exp(out["loss"])
             out["personal_perplexity"] = _exp(out["personal_loss"])
-        extra = getattr(self.algo, "diagnostics", None)
-        if extra is not None:
-            out.update(extra(self.state, self.fed, RoundInfo(index=r, total=self.cfg.rounds)))
+        out.update(self.algo.diagnostics(self.state, self.fed, RoundInfo(index=r, total=self.cfg.rounds)))
         return out
 
     def _track_best(self, rec: dict[str, Any]) -> None:
@@ -518,7 +510,7 @@ class Experiment:
             "best": _block(self.best or final),
             "totals": dataclasses.asdict(self.totals),
             "wall_seconds": self.totals.wall_seconds,
-            "executor": _describe(self.executor),
+            "executor": self.executor.describe(),
         }
 
     def _finish(self, summary: dict[str, Any]) -> None:
@@ -531,9 +523,7 @@ class Experiment:
             from fedfuse.plots import plot_curves
 
             plot_curves(self.history, self.out / "curves.png", title=f"{self.cfg.algorithm} on {self.cfg.dataset}")
-        finish = getattr(self.algo, "finish", None)
-        if finish is not None:
-            finish(self.state, self.fed, self.out)
+        self.algo.finish(self.state, self.fed, self.out)
 
 
 def outs_results(outs: dict[int, Any]) -> dict[int, Message]:
@@ -558,11 +548,6 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str,
     if not isinstance(ck, dict) or any(k not in ck for k in needed):
         raise ConfigError(f"--resume: {path} is not a fedfuse run checkpoint (missing entries)")
     return ck
-
-
-def _describe(executor: Any) -> str:
-    describe = getattr(executor, "describe", None)
-    return describe() if describe is not None else str(getattr(executor, "name", type(executor).__name__))
 
 
 def _block(rec: dict[str, Any]) -> dict[str, Any]:

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from fedfuse.engine.executor import ClientFn, Job, SequentialExecutor, job_generator, seed_global
-from fedfuse.types import ClientData
+from fedfuse.engine.contract import Algorithm, ClientFn, Job
+from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
+from fedfuse.types import ClientData, Message
 
 
 def available_cores() -> int:
@@ -118,7 +119,7 @@ class ProcessExecutor(SequentialExecutor):
             out[job.cid] = _to_device(_loads(raw), device)
         return out
 
-    def fit(self, target: Any, jobs: Sequence[Job]) -> dict[int, Any]:
+    def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
         return self.map(target.fit, jobs)
 
     def close(self) -> None:
@@ -140,7 +141,7 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     """Move tensors inside replies (Messages, dicts, tuples, lists) to ``device``."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
-    if hasattr(obj, "tensors") and hasattr(obj, "to"):
+    if isinstance(obj, Message):
         return obj.to(device)
     if isinstance(obj, dict):
         return {k: _to_device(v, device) for k, v in obj.items()}

@@ -30,9 +30,9 @@ A program says
   with ``finalize_rng`` it also receives the client's generator after training drew its batches from it,
   for post-training draws such as Dis-PFL's gradient-screening batch).
 
-Executors never import algorithms: anything with a ``client_program(payload, client_state, data)`` method
-(:class:`ProgramSource`) can be run; it returns ``None`` when its client step is not declared, and the
-executor then calls the object's opaque ``fit``.
+Executors never import algorithms: they call ``client_program(payload, client_state, data)`` of the
+:class:`fedfuse.engine.contract.Algorithm` they are handed; it returns ``None`` when the client step is not
+declared, and the executor then calls the algorithm's opaque ``fit``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -179,15 +179,6 @@ class ClientProgram:
 
     def with_spec(self, **changes: Any) -> ClientProgram:
         return dataclasses.replace(self, spec=dataclasses.replace(self.spec, **changes))
-
-
-class ProgramSource(Protocol):
-    """What executors need from an algorithm (structural: executors never import algorithms)."""
-
-    def client_program(self, payload: Message, client_state: Any, data: ClientData) -> ClientProgram | None: ...
-
-    def fit(self, payload: Message, client_state: Any, data: ClientData,
-            gen: torch.Generator) -> tuple[Message, Any]: ...
 
 
 def term_values(

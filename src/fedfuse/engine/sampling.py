@@ -28,7 +28,7 @@ aggregation, Σ = 1), N·p_i/m for ``uniform`` (unbiased for without-replacement
 expectation).  FedAvg-family algorithms keep their own weighting; CluSamp (:mod:`fedfuse.algorithms.clusamp`)
 aggregates with these weights as Fraboni's code does.  A client drawn twice trains once and counts twice.
 
-``auto`` (the run default) uses the algorithm's ``default_sampling`` class attribute, or ``uniform``.
+``auto`` (the run default) uses the algorithm's ``default_sampling`` (``uniform`` unless it declares another).
 Algorithms that choose their own participants (MSfusion, D-PSGD, FedMA: everyone, every round) ignore the
 policy when every client takes part and reject a non-uniform policy otherwise.
 """
@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfuse.engine.context import RoundInfo
+from fedfuse.engine.contract import Algorithm
 from fedfuse.types import Message, TensorDict
 
 SAMPLINGS = ("auto", "uniform", "size-weighted", "clustered", "clustered-size")
@@ -148,7 +150,7 @@ class Sampler:
         self.param_keys = param_keys
         self.counts: dict[int, int] = {}
 
-    def select(self, algo: Any, info: Any, rng: np.random.Generator) -> list[int]:
+    def select(self, algo: Algorithm, info: RoundInfo, rng: np.random.Generator) -> list[int]:
         clients = algo.select_clients(info, rng)
         self.counts = {c: 1 for c in clients}
         return clients
@@ -174,7 +176,7 @@ class SizeWeightedSampler(Sampler):
     def distributions(self, rng: np.random.Generator) -> np.ndarray:
         return np.tile(self.p, (self.m, 1))
 
-    def select(self, algo: Any, info: Any, rng: np.random.Generator) -> list[int]:
+    def select(self, algo: Algorithm, info: RoundInfo, rng: np.random.Generator) -> list[int]:
         drawn = draw(self.distributions(rng), rng)
         self.counts = {c: drawn.count(c) for c in sorted(set(drawn))}
         return sorted(self.counts)
@@ -250,17 +252,17 @@ SAMPLERS: dict[str, type[Sampler]] = {
 }
 
 
-def make_sampler(name: str, algo: Any) -> Sampler:
+def make_sampler(name: str, algo: Algorithm) -> Sampler:
     """The sampler named ``name`` (``auto`` → the algorithm's ``default_sampling``) for ``algo``'s run.
 
     An algorithm with its own participation rule says so in ``selects_own_clients`` (the engine does not
     inspect algorithm classes)."""
     if name == "auto":
-        name = str(getattr(algo, "default_sampling", "uniform"))
+        name = algo.default_sampling
     if name not in SAMPLERS:
         raise ValueError(f"sampling={name!r}; choose one of: {', '.join(SAMPLINGS)}")
     ctx = algo.ctx
-    own = bool(getattr(algo, "selects_own_clients", False))
+    own = algo.selects_own_clients
     if name != "uniform" and own and ctx.clients_per_round < ctx.num_clients:
         raise ValueError(
             f"sampling={name!r}: algorithm {algo.name!r} chooses its own participants; use sampling=uniform "

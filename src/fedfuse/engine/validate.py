@@ -30,20 +30,20 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from fedfuse.engine.contract import Algorithm
 from fedfuse.engine.faults import update_norm
 from fedfuse.engine.peers import PEER_PREFIX
 from fedfuse.types import Message
 
 
-def is_state_like(algo: object, sent: Mapping[int, Message], replies: Mapping[int, Message]) -> bool:
+def is_state_like(algo: Algorithm, sent: Mapping[int, Message], replies: Mapping[int, Message]) -> bool:
     """Whether replies are the sent model trained further (keys a subset of the payload's keys).
 
-    An algorithm may say so with a ``reply_kind`` attribute: ``"state"``, ``"delta"`` (same keys and shapes as
-    the payload, but a difference) or ``"other"`` (replies are not in the payload's space, e.g. FedMA's
-    own-size layers); without it the round's replies vote."""
-    kind = getattr(algo, "reply_kind", None)
-    if kind is not None:
-        return kind == "state"
+    An algorithm says so in ``reply_kind``: ``"state"``, ``"delta"`` (same keys and shapes as the payload, but a
+    difference) or ``"other"`` (replies are not in the payload's space, e.g. FedMA's own-size layers); with
+    ``None`` the round's replies vote."""
+    if algo.reply_kind is not None:
+        return algo.reply_kind == "state"
     votes = [bool(r.tensors) and bool(sent[c].tensors) and set(r.tensors) <= set(sent[c].tensors)
              for c, r in replies.items() if c in sent]
     return bool(votes) and sum(votes) * 2 > len(votes)
@@ -91,7 +91,7 @@ def _signature(v: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 
 
 def check_replies(
-    algo: object,
+    algo: Algorithm,
     sent: Mapping[int, Message],
     replies: Mapping[int, Message],
     sizes: Sequence[int] | np.ndarray | None = None,
@@ -100,7 +100,7 @@ def check_replies(
     """Reasons, per client id, for the replies that must not be fused (see the module docstring)."""
     bad: dict[int, str] = {}
     state_like = is_state_like(algo, sent, replies)
-    kind = getattr(algo, "reply_kind", None)
+    kind = algo.reply_kind
     same_space = state_like or kind == "delta" or (kind is None and _overlap_matches(sent, replies))
     for c, r in replies.items():
         known = int(sizes[c]) if sizes is not None and 0 <= c < len(sizes) else None
@@ -116,12 +116,11 @@ def check_replies(
     for k, cnt in by_key.items():
         sig, n = cnt.most_common(1)[0]
         modal[k] = (sig, n, sum(cnt.values()))
-    declared = getattr(algo, "reply_shapes", None)
     for c, r in replies.items():
         if c in bad:
             continue
         payload = sent.get(c, Message()).tensors if same_space else {}
-        expected = declared(c, r) if callable(declared) else {}
+        expected = algo.reply_shapes(c, r)
         for k, v in r.tensors.items():
             if k in expected:
                 if tuple(v.shape) != tuple(expected[k]):

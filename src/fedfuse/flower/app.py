@@ -105,11 +105,12 @@ def handle(msg: Message, context: Context) -> Message:
     body = wire.unpack(msg.content)
     payload = wire.from_records(msg.content[wire.PAYLOAD_ARRAYS], msg.content[wire.PAYLOAD_SKELETON])
     data = run.fed.clients[cid]
-    private = tuple(getattr(run.algo, "node_private", ()))
+    private = tuple(run.algo.node_private)
     state = restore_private(body["state"], private, context, cid)
     job = Job(cid, payload.to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
     seed_global(seed, job)
-    result = getattr(run.algo, method)(job.payload, job.state, data, job_generator(seed, job))
+    hook = {"fit": run.algo.fit, "evaluate": run.algo.evaluate}[method]
+    result = hook(job.payload, job.state, data, job_generator(seed, job))
     if private and method == "fit":  # evaluation reads the kept entries but leaves them as they are
         result = (result[0], keep_private(result[1], private, context, cid))
     content = wire.pack({"result": result})

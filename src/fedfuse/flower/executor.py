@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from fedfuse.engine.executor import ClientFn, Job
+from fedfuse.engine.contract import Algorithm, ClientFn, Job
 from fedfuse.flower import wire
 
 log = logging.getLogger("fedfuse")
@@ -137,8 +137,11 @@ class FlowerExecutor:
             log.warning("flower: client %d did not reply: %s", cid, reason)
         return out
 
-    def fit(self, target: Any, jobs: Sequence[Job]) -> dict[int, Any]:
+    def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
         return self.map(target.fit, jobs)
+
+    def restore(self, choice: str | None) -> None:
+        """Nothing to restore: the nodes are the grid's."""
 
     def close(self) -> None:
         """Nothing to release (the grid belongs to the ServerApp)."""
