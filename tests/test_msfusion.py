@@ -108,7 +108,7 @@ def test_overlap_aggregation_matches_hand_average(num, topology, mu):
     states = {c: exp.client_states[c] for c in range(num)}
     payloads = algo.configure_fit(exp.state, type("I", (), {"index": 1, "total": 3})(), list(range(num)))
     for n in range(num):
-        w_star, _, _ = algo.aggregate_local(n, 1, 3, states[n], payloads[n])
+        w_star, _, _, _ = algo.aggregate_local(n, 1, 3, states[n], payloads[n])
         hand = hand_aggregate(algo, n, 1, 3, states, algo.initial_state(), neighbours(n, num, topology))
         for key, v in hand.items():
             torch.testing.assert_close(w_star[key], v, rtol=1e-6, atol=1e-7)

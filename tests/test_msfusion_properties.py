@@ -61,7 +61,7 @@ def simulate(algo: MSfusion, total: int, seed: int = 0) -> dict:
         sels = {}
         for n in range(num):
             mailbox = algo.configure_fit(mail_state, RoundInfo(r, total), [n])[n]
-            w_star, sel, _ = algo.aggregate_local(n, r, total, states[n], mailbox)
+            w_star, sel, _, _ = algo.aggregate_local(n, r, total, states[n], mailbox)
             sels[n] = sel
             k = algo.spec.groups[GROUP]
             idx = sel[GROUP]
@@ -182,7 +182,7 @@ def test_untouched_elements_keep_last_trained_value_not_w0():
     # round 3 with an empty mailbox and the round-0 state as its memory (no peer held unit 1 in round 2)
     state = {**state, "sel": algo.selection(0, 2, total),
              "sub": slice_state(state["known"], algo.spec, algo.selection(0, 2, total))}
-    w_star, sel, fallback = algo.aggregate_local(0, 3, total, state, Message({}, {"senders": []}))
+    w_star, sel, fallback, _ = algo.aggregate_local(0, 3, total, state, Message({}, {"senders": []}))
     pos = sel[GROUP].tolist().index(1)
     torch.testing.assert_close(w_star["hidden.0.weight"][pos], trained["hidden.0.weight"][1])
     assert not torch.allclose(w_star["hidden.0.weight"][pos], w0["hidden.0.weight"][1])

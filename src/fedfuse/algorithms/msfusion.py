@@ -44,8 +44,12 @@ global full model for evaluation — the paper's "Global Model Combination", not
 transmission once); the next round's ``configure_fit`` hands each participant its mailbox as ``sim/`` tensors.
 ``sim/`` tensors are simulation bookkeeping and are not counted (see :data:`fedfuse.types.SIM_PREFIX`), so
 ``bytes_down`` = ``bytes_up`` = 0 and ``bytes_peer`` is MSfusion's whole communication.
-The assembled global model averages each element over the participants that hold it;
-elements nobody holds keep their last value.  ``num_batches_tracked`` takes the max.
+The assembled global model (evaluated, and what ``global_model`` hands out) follows Algorithm 1's Global Model
+Combination: **from the current round's sub-models only**, each element averaged over the participants holding it
+this round; elements nobody holds this round are 0 (BN running variance 1).  ``num_batches_tracked`` takes the
+max.  ``assembly=last`` (keep every element's last combined value, the earlier default) and ``zero_stale`` (zero
+only elements trained in an earlier round, keep W⁰ for never-held ones) stay as options; ``docs/msfusion.md``
+measures all three on the same training runs (``compare_assemblies``).
 """
 
 from __future__ import annotations
@@ -61,7 +65,14 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
-from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, TrainStats, cyclic_lr, scheduled_lr
+from fedfuse.engine.client import (
+    CYCLIC_MIN_RATIO,
+    LR_SCHEDULES,
+    TrainStats,
+    cyclic_lr,
+    evaluate_model,
+    scheduled_lr,
+)
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
 from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm
 from fedfuse.fusion.slicing import (
@@ -71,12 +82,14 @@ from fedfuse.fusion.slicing import (
     combine,
     dim_indices,
     dss_indices,
+    fill_unheld,
     intersect_selection,
     overlap_fraction,
     overlap_part,
     slice_spec,
     slice_state,
     state_bytes,
+    unheld_value,
     widths_of,
     write_back,
 )
@@ -139,6 +152,28 @@ def _padded(v: torch.Tensor, width: int) -> torch.Tensor:
     return out
 
 
+ASSEMBLIES = ("current", "zero_stale", "last")
+
+
+def assemble(latest: TensorDict, counts: TensorDict, ever: TensorDict, w0: TensorDict, mode: str) -> TensorDict:
+    """The full model of one round from its sub-models (Algorithm 1's Global Model Combination).
+
+    ``latest`` is :func:`~fedfuse.fusion.slicing.combine` of the round's sub-models onto the previous latest
+    state (each element held this round = the average over its holders, the others their last combined value),
+    ``counts`` its holder counts, ``ever`` whether any participant has held an element in this or an earlier
+    round, ``w0`` the common initial model.  ``current``: elements nobody holds this round are 0 (BN running
+    variance 1); ``zero_stale``: only those held in an earlier round are, never-held ones keep W⁰; ``last``:
+    ``latest`` itself."""
+    if mode == "last":
+        return latest
+    if mode == "current":
+        return fill_unheld(latest, counts)
+    if mode == "zero_stale":
+        fill = {k: torch.where(ever[k], unheld_value(k, v), w0[k].to(v.dtype)) for k, v in latest.items()}
+        return fill_unheld(latest, counts, fill)
+    raise ValueError(f"assembly={mode!r}; choose one of {', '.join(ASSEMBLIES)}")
+
+
 def neighbours(n: int, num: int, topology: str) -> list[int]:
     """Connected participants of ``n``: everyone (``full``) or index neighbours n±1 mod N (``ring``)."""
     if topology == "full":
@@ -193,6 +228,18 @@ class MSfusion(Algorithm):
                                choices=LR_SCHEDULES)
         lr_min_ratio: float = opt(CYCLIC_MIN_RATIO, "floor of the cyclic schedule as a fraction of --lr (paper: "
                                   "0.001/0.0012)", gt=0.0, le=1.0)
+        assembly: str = opt("current", "the assembled (evaluated and fetched) full model: current = Algorithm 1's "
+                            "Global Model Combination, every element averaged over the participants holding it this "
+                            "round, elements nobody holds now 0 (BN running variance 1) | zero_stale = the same, but "
+                            "elements nobody has ever held keep W⁰ | last = every element keeps its last combined "
+                            "value (earlier default; stale off-block weights make long runs decline, "
+                            "docs/msfusion.md)", choices=ASSEMBLIES)
+        fallback: str = opt("memory", "an element of n's new sub-model that neither n nor a connected peer held last "
+                            "round takes: memory = n's own latest trained value, else W⁰ | combined = its latest "
+                            "combined value (the last average over the participants that held it; Algorithm 1's "
+                            "'split w_n from W^r'), counted as peer traffic", choices=("memory", "combined"))
+        compare_assemblies: bool = opt(False, "diagnostic: at every evaluation also score the other assemblies on "
+                                       "the global test set (global_accuracy_<assembly>; same training run)")
         global_model: str = opt("assembled", "assembled: every participant also hands its trained sub-model "
                                 "(sim/own/) to the simulation, which assembles the full model to evaluate on the "
                                 "global test set (the paper's Global Model Combination) | none: serverless — only "
@@ -203,6 +250,9 @@ class MSfusion(Algorithm):
     def __init__(self, ctx, options=None) -> None:
         super().__init__(ctx, options)
         self.serverless = self.opt.global_model == "none"
+        if self.serverless and self.opt.fallback == "combined":
+            raise ValueError("msfusion: fallback=combined needs the combined model, which global_model=none does "
+                             "not assemble; use fallback=memory")
         self._full = ctx.model({})
         self.spec: SliceSpec = slice_spec(self._full)
         self.shapes = {k: tuple(v.shape) for k, v in self._full.state_dict().items()}
@@ -245,7 +295,10 @@ class MSfusion(Algorithm):
     def init_state(self) -> ServerState:
         if self.serverless:  # the relay's state: undelivered envelopes and diagnostics, no model
             return {"mailbox": {}, "diag": {}}
-        return {"global": {k: v.clone() for k, v in self.initial_state().items()}, "mailbox": {}, "diag": {}}
+        w0 = self.initial_state()
+        return {"global": {k: v.clone() for k, v in w0.items()}, "latest": {k: v.clone() for k, v in w0.items()},
+                "ever": {k: torch.zeros(v.shape, dtype=torch.bool) for k, v in w0.items()},
+                "mailbox": {}, "diag": {}}
 
     def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]] | None:
         return None if self.serverless else (state["global"], {})
@@ -259,14 +312,27 @@ class MSfusion(Algorithm):
             box = state.get("mailbox", {}).get(c, {})
             senders = sorted({int(k.split("/", 1)[0]) for k in box})
             meta = {"round": info.index, "total": info.total, "senders": senders}
-            out[c] = Message(deliver(state.get("mailbox", {}), c), meta)
+            tensors = deliver(state.get("mailbox", {}), c)
+            if self.opt.fallback == "combined" and info.index > 0:  # W^r's values of n's window ("split w_n")
+                sel = self.selection(c, info.index, info.total)
+                latest = slice_state(self.latest(state), self.spec, sel)
+                tensors.update({f"sim/latest/{k}": v for k, v in latest.items()})
+            out[c] = Message(tensors, meta)
         return out
+
+    @staticmethod
+    def latest(state: ServerState) -> TensorDict:
+        """Every element's latest combined value (checkpoints of earlier versions kept it as ``global``)."""
+        return state.get("latest", state["global"])
 
     def exchange(self, info: RoundInfo, results: dict[int, Message]) -> tuple[dict[int, Message], int]:
         """Route every ``sim/peer/{m}/key`` tensor of sender n to m's mailbox as ``sim/mail/{n}/key``.
 
-        The transmission is counted once, here, as peer bytes; the ``sim/`` relay is not counted again."""
-        return route_peers(results)
+        The transmission is counted once, here, as peer bytes; the ``sim/`` relay is not counted again.  With
+        ``fallback=combined`` the elements a participant took from the combined model this round (fetched from
+        the peers that last held them) are counted here too."""
+        routed, moved = route_peers(results)
+        return routed, moved + int(sum(m.meta.get("fallback_bytes", 0) for m in results.values()))
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         full_sel = self.spec.full_selection()
@@ -278,7 +344,15 @@ class MSfusion(Algorithm):
                 subs.append((own_tensors(msg), sel))
             sels[c] = sel
             mailbox[c] = mail_of(msg)
-        glob = None if self.serverless else combine(state["global"], full_sel, self.spec, self.shapes, subs)[0]
+        extra: dict[str, Any] = {}
+        if not self.serverless:
+            latest, counts = combine(self.latest(state), full_sel, self.spec, self.shapes, subs)
+            ever = {k: state.get("ever", {}).get(k, torch.zeros(v.shape, dtype=torch.bool)) | (counts[k] > 0)
+                    for k, v in latest.items()}
+            glob = assemble(latest, counts, ever, self.initial_state(), self.opt.assembly)
+            extra = {"latest": latest, "ever": ever}
+            if self.opt.compare_assemblies:
+                extra["held"] = {k: v > 0 for k, v in counts.items()}
         n = len(results)
         order = sorted(results)
         cover, adj = [], []
@@ -305,11 +379,12 @@ class MSfusion(Algorithm):
             "split_ratio_params": float(np.mean([f.trained_params for f in fits]))
             / max(sum(p.numel() for p in self._full.parameters()), 1),
             "fallback_elements": int(sum(m["fallback_elements"] for m in metas)),
+            "fallback_bytes_per_participant": float(np.mean([m.get("fallback_bytes", 0) for m in metas])),
             "contrastive_skipped": int(sum(m.get("contrastive_skipped", 0) for m in metas)),
         }
         if self.serverless:  # the relay only keeps the envelopes for their next delivery
             return {"mailbox": mailbox, "diag": diag}
-        return {**state, "global": glob, "mailbox": mailbox, "diag": diag}
+        return {**state, "global": glob, **extra, "mailbox": mailbox, "diag": diag}
 
     def holder_churn(self, r: int, total: int, participants: list[int]) -> float:
         """The fraction of hidden units whose set of holders differs between rounds r − 1 and r (mean over the
@@ -344,7 +419,16 @@ class MSfusion(Algorithm):
         return 0  # no central server: the full model is assembled only for evaluation
 
     def diagnostics(self, state: ServerState, fed: Any, info: RoundInfo) -> dict[str, Any]:
-        return dict(state.get("diag", {}))
+        """The round's protocol diagnostics; with ``compare_assemblies`` also the global test accuracy and loss
+        of every assembly (``global_accuracy_<mode>``) of the same round's sub-models."""
+        out = dict(state.get("diag", {}))
+        if self.opt.compare_assemblies and "held" in state and fed is not None:
+            counts = {k: v.long() for k, v in state["held"].items()}
+            for mode in ASSEMBLIES:
+                model = self.ctx.load(assemble(state["latest"], counts, state["ever"], self.initial_state(), mode))
+                st = evaluate_model(model, fed.test, self.ctx.eval_batch_size)
+                out[f"global_accuracy_{mode}"], out[f"global_loss_{mode}"] = st.accuracy, st.loss
+        return out
 
     # ---- participant side --------------------------------------------------------------------------
     def aggregate_local(
@@ -352,11 +436,17 @@ class MSfusion(Algorithm):
     ) -> tuple[TensorDict, Selection, int]:
         """Eq. 5 at participant n: its round-r sub-model w*_n from its own previous values and the peers'.
 
-        An element that neither n nor a connected peer held in round r−1 takes the last value n knows for it
-        (``client_state["known"]``: n's latest trained value, else the common initial model W⁰)."""
+        An element that neither n nor a connected peer held in round r−1 takes, with ``fallback=memory``, the
+        last value n knows for it (``client_state["known"]``: n's latest trained value, else the common initial
+        model W⁰); with ``fallback=combined``, its latest combined value (``sim/latest/`` in the payload).
+        Returns (w*_n, its selection, the number of fallback elements, their bytes when fetched)."""
         sel = self.selection(n, r, total)
-        known = self.initial_state() if client_state is None else client_state.get("known", self.initial_state())
-        base = slice_state(known, self.spec, sel)
+        fetched = {k[len("sim/latest/"):]: v for k, v in payload.tensors.items() if k.startswith("sim/latest/")}
+        if fetched:
+            base = fetched
+        else:
+            known = self.initial_state() if client_state is None else client_state.get("known", self.initial_state())
+            base = slice_state(known, self.spec, sel)
         sources = []
         if client_state is not None:
             sources.append((client_state["sub"], client_state["sel"]))
@@ -365,8 +455,11 @@ class MSfusion(Algorithm):
             tensors = {k[len(prefix):]: v for k, v in payload.tensors.items() if k.startswith(prefix)}
             sources.append((tensors, intersect_selection(self.selection(s, r - 1, total), sel)))
         w_star, counts = combine(base, sel, self.spec, self.shapes, sources)
-        fallback = 0 if client_state is None else int(sum(int((c == 0).sum()) for c in counts.values()))
-        return w_star, sel, fallback
+        if client_state is None:
+            return w_star, sel, 0, 0
+        fallback = int(sum(int((c == 0).sum()) for c in counts.values()))
+        fetched_bytes = int(sum(int((counts[k] == 0).sum()) * v.element_size() for k, v in fetched.items()))
+        return w_star, sel, fallback, fetched_bytes
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """Participant n's round as a declared program: Eq. 5 (its sub-model w*_n from its own and its peers'
@@ -380,7 +473,7 @@ class MSfusion(Algorithm):
         and a validity mask, so participants of one width have equal shapes and train in one batched group;
         the masked similarities equal those over the common units alone."""
         r, total, n = int(payload.meta["round"]), int(payload.meta["total"]), data.cid
-        w_star, sel, fallback = self.aggregate_local(n, r, total, client_state, payload)
+        w_star, sel, fallback, fallback_bytes = self.aggregate_local(n, r, total, client_state, payload)
         model, captured = self.train_template(sel)
         lr = scheduled_lr(self.ctx.train.lr, r, total, self.opt.lr_schedule, self.opt.lr_min_ratio)
         pos_cur, pos_prev = (self.common_positions(sel, client_state["sel"]) if client_state is not None
@@ -411,6 +504,7 @@ class MSfusion(Algorithm):
                 "peer_bytes": peer,
                 "submodel_bytes": state_bytes(new_state["sub"]),
                 "fallback_elements": fallback,
+                "fallback_bytes": fallback_bytes,
                 "contrastive_skipped": int(skipped),
                 "lr": lr,
             }

@@ -354,6 +354,26 @@ def zero_unselected(
     return out
 
 
+def unheld_value(key: str, like: torch.Tensor) -> torch.Tensor:
+    """What an element nobody holds contributes to a model assembled from sub-models only: 0, and 1 for a BN
+    running variance (with its weight and bias 0 the channel outputs 0 either way; 1 avoids dividing by √eps)."""
+    return torch.ones_like(like) if key.endswith("running_var") else torch.zeros_like(like)
+
+
+def fill_unheld(
+    state: Mapping[str, torch.Tensor], counts: Mapping[str, torch.Tensor],
+    fill: Mapping[str, torch.Tensor] | None = None,
+) -> TensorDict:
+    """``state`` with every element whose holder count (from :func:`combine`) is 0 replaced by ``fill[key]``
+    (default :func:`unheld_value`); held elements are unchanged.  Scalars (``num_batches_tracked``) are held
+    by every source that has the key."""
+    out: TensorDict = {}
+    for key, v in state.items():
+        f = unheld_value(key, v) if fill is None else fill[key].to(v.dtype)
+        out[key] = torch.where(counts[key] > 0, v, f)
+    return out
+
+
 def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
     return int(sum(v.numel() * v.element_size() for v in state.values()))
 

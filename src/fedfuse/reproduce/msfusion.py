@@ -66,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
     p.add_argument("--mnist-classes", type=int, default=MNIST_CLASSES,
                    help="classes per participant of the mnist part (the paper's H = 5; the shards default is 2)")
+    p.add_argument("--mnist-rounds", type=int, default=20, help="rounds of the mnist part (the run default: 20)")
+    p.add_argument("--mnist-eval-every", type=int, default=1,
+                   help="evaluation interval of the mnist part (1: every round, for the 10-round stability means)")
+    p.add_argument("--compare-assemblies", action="store_true",
+                   help="msfusion: also score the other full-model assemblies (last, zero_stale) on the same "
+                        "training runs (evaluation only; option compare_assemblies)")
 
 
 def settings(quick: bool) -> dict[str, Any]:
@@ -80,13 +86,31 @@ def settings(quick: bool) -> dict[str, Any]:
 MNIST_CLASSES = 5  # the paper's non-IID split of a 10-class dataset: H = 5 classes per participant (CIFAR-10, §5)
 
 
-def mnist_base(data_dir: str | None, quick: bool = False, classes: int = MNIST_CLASSES) -> dict[str, Any]:
-    """MNIST ``shards`` with ``classes`` per participant (the paper's H = 5), the MLP, and every other run setting
-    at its default; all 60,000 training and 10,000 test images (quick: a stratified 6,000 / 2,000 subset)."""
+def mnist_base(data_dir: str | None, quick: bool = False, classes: int = MNIST_CLASSES, rounds: int = 20,
+               eval_every: int = 1) -> dict[str, Any]:
+    """MNIST ``shards`` with ``classes`` per participant (the paper's H = 5), the MLP, 10 participants **all
+    active every round for every method** (the paper's Table 1: "10 participants with 100% selected rate"),
+    and every other run setting at its default; all 60,000 training and 10,000 test images (quick: a stratified
+    6,000 / 2,000 subset)."""
     limits = {"train_limit": 6000, "test_limit": 2000} if quick else {}
     return {"dataset": "mnist", "data_dir": data_dir, "partition": "shards",
             "partition_options": {"classes_per_client": int(classes)}, "model": "mlp", "plots": False,
-            "checkpoint_every": 10_000, "eval_every": 5, "device": "cpu", "dataset_options": limits}
+            "clients": 10, "clients_per_round": 10, "rounds": int(rounds),
+            "checkpoint_every": 10_000, "eval_every": int(eval_every), "device": "cpu", "dataset_options": limits}
+
+
+def stability(history: list[dict[str, Any]], window: int = 10) -> tuple[float | None, float | None]:
+    """(mean global accuracy over the last ``window`` rounds, best mean over any ``window`` consecutive rounds),
+    from the evaluated rounds of a run's history (None without evaluations)."""
+    ev = [(int(h["round"]), float(h["global_accuracy"])) for h in history if h.get("global_accuracy") is not None]
+    if not ev:
+        return None, None
+    last_round = ev[-1][0]
+    last = [a for r, a in ev if r > last_round - window]
+    best = max(sum(w) / len(w) for w in ([a for r, a in ev if start <= r < start + window]
+                                          for start in range(ev[0][0], max(ev[0][0], last_round - window + 1) + 1))
+               if w)
+    return sum(last) / len(last), best
 
 
 def cifar_base(s: dict[str, Any], data_dir: str | None, partition: str) -> dict[str, Any]:
@@ -152,6 +176,24 @@ def cell_row(label: str, runs: list[tuple[dict, list[dict]]], seeds: list[int], 
         "bytes/participant/round": byts,
         "seeds": ",".join(map(str, seeds)), "wall s": round(wall, 1), "_vals": vals, "_metric": metric,
     }
+
+
+def stability_columns(runs: list[tuple[dict, list[dict]]], window: int = 10) -> dict[str, Any]:
+    """Per seed: the last-``window`` mean and the best ``window``-round mean of the global accuracy, whether the
+    run shows no sustained decline (last within 2 points of best), and, for runs with ``compare_assemblies``, the
+    final accuracy of the other full-model assemblies."""
+    stab = [stability(h, window) for _, h in runs]
+    ok = all(a is not None and b is not None and 100 * (b - a) <= 2.0 for a, b in stab)
+    cols: dict[str, Any] = {
+        f"last-{window} mean per seed": " / ".join("—" if a is None else f"{100 * a:.1f}" for a, _ in stab),
+        f"best {window}-round mean per seed": " / ".join("—" if b is None else f"{100 * b:.1f}" for _, b in stab),
+        "no sustained decline": "yes" if ok else "no",
+    }
+    for mode in ("last", "zero_stale"):
+        vals = [s["final"].get(f"global_accuracy_{mode}") for s, _ in runs]
+        if any(v is not None for v in vals):
+            cols[f"assembly={mode} per seed"] = " / ".join("—" if v is None else f"{100 * v:.1f}" for v in vals)
+    return cols
 
 
 PAIRS = (("msfusion", "fedrolex"), ("msfusion", "heterofl"), ("fedrolex", "heterofl"))  # Table 1, CIFAR
@@ -259,7 +301,10 @@ def run(args: argparse.Namespace) -> int:
         t = time.time()
         runs = [run_one(base, out / section / name / f"seed{sd}", progress=False, **{**over, "seed": sd})
                 for sd in seeds]
-        results[section].append(cell_row(label, runs, seeds, time.time() - t, metric, **cols))
+        row = cell_row(label, runs, seeds, time.time() - t, metric, **cols)
+        if section == "mnist":
+            row.update(stability_columns(runs))
+        results[section].append(row)
         print(show([results[section][-1]]).splitlines()[-1], flush=True)
         write()
 
@@ -271,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
             cols["mu"] = mu
             if section == "mnist":
                 opts: dict[str, Any] = {"mu": mu}  # the algorithm's defaults otherwise
+                if algo == "msfusion" and getattr(args, "compare_assemblies", False):
+                    opts["compare_assemblies"] = True
             else:
                 opts = algo_options(algo, mu, eval_every, rounds)
                 cols["paper"] = PAPER_CIFAR.get((algo, partition, mu), "—")
@@ -278,9 +325,10 @@ def run(args: argparse.Namespace) -> int:
                {"algorithm": algo, "algorithm_options": opts}, **cols)
 
     if "mnist" in parts:
+        mbase = mnist_base(data_dir, args.quick, getattr(args, "mnist_classes", MNIST_CLASSES),
+                           getattr(args, "mnist_rounds", 20), getattr(args, "mnist_eval_every", 1))
         for mu in s["mnist_mus"]:
-            point("mnist", mnist_base(data_dir, args.quick, getattr(args, "mnist_classes", MNIST_CLASSES)), None, mu,
-                  5, 20)
+            point("mnist", mbase, None, mu, mbase["eval_every"], mbase["rounds"])
     if "cifar" in parts:
         for mu in s["mus"]:
             point("cifar", cifar_base(s, data_dir, "non-iid"), "non-iid", mu, s["eval_every"], s["rounds"])
