@@ -15,7 +15,7 @@ from fedfuse.engine.auto import AutoExecutor
 from fedfuse.engine.batched import BatchedExecutor, batch_coupled, unbatchable_reason
 from fedfuse.engine.client import TrainConfig, train_local
 from fedfuse.engine.executor import Job, SequentialExecutor, job_generator, make_executor
-from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
+from fedfuse.engine.program import ClientProgram, LossTerm, run_program
 from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.types import ClientData, Message, Split
 
@@ -78,16 +78,16 @@ def _compare(ex, group, atol=2e-5):
 
 
 def test_schedule_is_train_locals_batch_sequence():
-    assert LocalSpec(epochs=2, batch_size=4).schedule(10) == [4, 4, 2, 4, 4, 2]
-    assert LocalSpec(epochs=1, batch_size=32).schedule(5) == [5]  # batch capped at the client's size
-    assert LocalSpec(epochs=3, batch_size=4, max_steps=4).schedule(10) == [4, 4, 2, 4]
-    assert LocalSpec().schedule(0) == []
+    assert TrainConfig(local_epochs=2, batch_size=4).schedule(10) == [4, 4, 2, 4, 4, 2]
+    assert TrainConfig(local_epochs=1, batch_size=32).schedule(5) == [5]  # batch capped at the client's size
+    assert TrainConfig(local_epochs=3, batch_size=4, max_steps=4).schedule(10) == [4, 4, 2, 4]
+    assert TrainConfig().schedule(0) == []
 
 
 def test_batched_indices_are_the_sequential_permutations():
     clients = _clients([10, 7])
     ex = BatchedExecutor(clients, seed=11)
-    spec = LocalSpec(epochs=2, batch_size=4)
+    spec = TrainConfig(local_epochs=2, batch_size=4)
     group = [(j, _program(MLP(), spec)) for j in _jobs(2)]
     scheds = [spec.schedule(10), spec.schedule(7)]
     idx, mask, gens = ex._batches(group, scheds, max(map(len, scheds)))
@@ -105,7 +105,7 @@ def test_batched_indices_are_the_sequential_permutations():
                                                         ("adam", 0.0, 1e-3, 0.0)])
 def test_ragged_masked_group_equals_sequential(optimizer, momentum, wd, clip):
     clients = _clients([23, 9, 16, 3])  # different sizes: padded batches and frozen finished clients
-    spec = LocalSpec(epochs=2, batch_size=5, lr=0.05 if optimizer == "sgd" else 0.01, momentum=momentum,
+    spec = TrainConfig(local_epochs=2, batch_size=5, lr=0.05 if optimizer == "sgd" else 0.01, momentum=momentum,
                      weight_decay=wd, optimizer=optimizer, grad_clip=clip)
     model = MLP()
     prox = LossTerm("prox", lambda p, b, r, x, y, lg: sum((p[k] - r[k]).pow(2).sum() for k in p), uses_batch=False)
@@ -123,7 +123,8 @@ def test_two_pass_sam_group_equals_sequential(kind, model_cls, sizes):
     """SAM/ASAM two-pass steps: per-client ε (one norm per client), the step at w + ε, BN statistics from the
     first pass only; ragged MLP clients (padded, with a proximal term in both passes) and a BN bucket."""
     clients = _clients(sizes)
-    spec = LocalSpec(epochs=2, batch_size=5, lr=0.05, momentum=0.5, grad_clip=1.0).with_two_pass(kind, 0.2, 0.01)
+    spec = TrainConfig(local_epochs=2, batch_size=5, lr=0.05, momentum=0.5,
+                       grad_clip=1.0).with_two_pass(kind, 0.2, 0.01)
     model = model_cls()
     prox = LossTerm("prox", lambda p, b, r, x, y, lg: sum((p[k] - r[k]).pow(2).sum() for k in p), uses_batch=False)
     anchor = {k: v.detach() + 0.1 for k, v in model.named_parameters()}
@@ -140,7 +141,7 @@ def test_logit_masks_are_per_client_and_batched_equals_sequential(model_cls, siz
     """HeteroFL's masked cross-entropy as data: each client's own class mask (ragged MLP clients, padded; a BN
     bucket), batched = sequential; the mask changes training, and an all-True mask changes nothing."""
     clients = _clients(sizes)
-    spec = LocalSpec(epochs=2, batch_size=5, lr=0.1, momentum=0.5)
+    spec = TrainConfig(local_epochs=2, batch_size=5, lr=0.1, momentum=0.5)
     model = model_cls()
     masks = [torch.tensor([c % 2 == 0, True, c % 3 == 0, True, False]) for c in range(len(sizes))]
     group = [(j, _program(model, spec, logit_mask=masks[j.cid])) for j in _jobs(len(sizes))]
@@ -156,7 +157,8 @@ def test_logit_masks_are_per_client_and_batched_equals_sequential(model_cls, siz
 
 def test_a_logit_mask_zeroes_the_masked_logits_only_in_training():
     model = MLP()
-    prog = _program(model, LocalSpec(epochs=1, batch_size=4, lr=0.0), logit_mask=torch.tensor([1, 0, 1, 0, 0]).bool())
+    prog = _program(model, TrainConfig(local_epochs=1, batch_size=4, lr=0.0),
+                    logit_mask=torch.tensor([1, 0, 1, 0, 0]).bool())
     seen: list[torch.Tensor] = []
     hook = model.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
     try:
@@ -172,7 +174,7 @@ def test_a_logit_mask_zeroes_the_masked_logits_only_in_training():
 
 def test_batchnorm_group_updates_running_stats_per_client():
     clients = _clients([12, 12, 12])  # equal sizes: one exact bucket
-    spec = LocalSpec(epochs=2, batch_size=5, lr=0.1)
+    spec = TrainConfig(local_epochs=2, batch_size=5, lr=0.1)
     model = BNNet()
     group = [(j, _program(model, spec)) for j in _jobs(3)]
     ex = BatchedExecutor(clients, seed=4)
@@ -188,7 +190,7 @@ def test_batchnorm_group_updates_running_stats_per_client():
 def test_batchnorm_clients_of_different_sizes_are_bucketed_not_padded():
     clients = _clients([12, 12, 9])
     model = BNNet()
-    progs = [(j, _program(model, LocalSpec(batch_size=5))) for j in _jobs(3)]
+    progs = [(j, _program(model, TrainConfig(batch_size=5))) for j in _jobs(3)]
     ex = BatchedExecutor(clients, seed=0)
     groups = ex.groups(progs)
     assert sorted(len(g) for g in groups) == [1, 2]
@@ -197,7 +199,7 @@ def test_batchnorm_clients_of_different_sizes_are_bucketed_not_padded():
 def test_frozen_parameters_stay_untouched():
     clients = _clients([15, 15])
     model = MLP()
-    spec = LocalSpec(epochs=1, batch_size=4, lr=0.1)
+    spec = TrainConfig(local_epochs=1, batch_size=4, lr=0.1)
     group = [(j, _program(model, spec, trainable=frozenset({"body.4.weight", "body.4.bias"}))) for j in _jobs(2)]
     ex = BatchedExecutor(clients, seed=0)
     out = _compare(ex, group)
@@ -209,7 +211,7 @@ def test_frozen_parameters_stay_untouched():
 def test_run_program_is_train_local():
     clients = _clients([14])
     model = MLP()
-    prog = _program(model, LocalSpec(epochs=2, batch_size=4, lr=0.1))
+    prog = _program(model, TrainConfig(local_epochs=2, batch_size=4, lr=0.1))
     state, stats = run_program(prog, clients[0], torch.Generator().manual_seed(3))
     ref = MLP()
     ref.load_state_dict(prog.init)
@@ -229,7 +231,7 @@ def test_dropout_falls_back_to_the_sequential_program():
 
     class Algo:  # a declared program whose model draws dropout masks from the global RNG
         def client_program(self, payload, state, data):
-            return ClientProgram(model=model, init=init, spec=LocalSpec(batch_size=4), finalize=_identity_finalize)
+            return ClientProgram(model=model, init=init, spec=TrainConfig(batch_size=4), finalize=_identity_finalize)
 
         def fit(self, payload, state, data, gen):  # pragma: no cover - not called: the program is declared
             raise AssertionError
@@ -355,7 +357,7 @@ def test_gradient_masks_freeze_entries_per_client_and_batched_equals_sequential(
     """Dis-PFL's sparse step as data: each client's 0/1 masks multiply its gradients before the step; masked
     entries never move under plain SGD (with weight decay they only decay, as under ``torch.optim``)."""
     clients = _clients([14, 9, 14])
-    spec = LocalSpec(epochs=2, batch_size=4, lr=0.1, momentum=momentum, weight_decay=wd, grad_clip=1.0)
+    spec = TrainConfig(local_epochs=2, batch_size=4, lr=0.1, momentum=momentum, weight_decay=wd, grad_clip=1.0)
     model = MLP()
     g = torch.Generator().manual_seed(1)
     masks = [{k: (torch.rand(p.shape, generator=g) < 0.5).float() for k, p in model.named_parameters()}
@@ -374,7 +376,7 @@ def test_gradient_masks_freeze_entries_per_client_and_batched_equals_sequential(
 
 def test_a_finalize_may_continue_the_clients_generator():
     clients = _clients([10, 7])
-    spec = LocalSpec(epochs=2, batch_size=4, lr=0.1)
+    spec = TrainConfig(local_epochs=2, batch_size=4, lr=0.1)
     model = MLP()
     draws: dict[str, list] = {"seq": [], "bat": []}
 

@@ -24,7 +24,7 @@ from fedfuse.adapters.evaluate import decode, greedy, lm_stats, rouge1, rouge_ro
 from fedfuse.adapters.lora import AdapterModel, LoraSpec, adapter_model
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import TrainStats, train_local
-from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.program import ClientProgram
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
 from fedfuse.types import ClientData, Federation, FitStats, Message, TensorDict
@@ -80,9 +80,13 @@ class LoraAlgorithm(Algorithm):
         """Train ``adapter`` on the shared frozen base as a declared program: the wrapped model is the template
         with ``shared_base`` (its base weights are read, once for every client), the adapter tensors are the
         per-client state and the trainable set; ``finalize(trained_adapter, stats)`` builds the reply."""
-        am = self.am
+        am, spec = self.am, self.ctx.train
+        if epochs is not None:
+            spec = spec.replace(local_epochs=int(epochs))
+        if lr is not None:
+            spec = spec.replace(lr=float(lr))
         return ClientProgram(model=am.module, init=dict(adapter), finalize=finalize, trainable=frozenset(am.keys),
-                             spec=LocalSpec.from_train(self.ctx.train, epochs=epochs, lr=lr), shared_base=True)
+                             spec=spec, shared_base=True)
 
     def train_adapter(self, adapter: TensorDict, data: ClientData, gen: torch.Generator, *,
                       epochs: int | None = None, lr: float | None = None) -> tuple[TensorDict, TrainStats]:

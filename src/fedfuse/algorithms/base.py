@@ -40,9 +40,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfuse.engine.client import EvalStats, TrainStats, evaluate_model, train_flops_per_sample
+from fedfuse.engine.client import EvalStats, TrainConfig, TrainStats, evaluate_model, train_flops_per_sample
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState, state_of
-from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm, run_program
+from fedfuse.engine.program import ClientProgram, LossTerm, run_program
 from fedfuse.types import ClientData, Federation, FitStats, Message, TensorDict
 
 __all__ = ["Algorithm", "ClientState", "RoundInfo", "RunContext", "ServerState", "evaluate_splits", "state_of"]
@@ -178,7 +178,7 @@ class Algorithm:
         return (), {}
 
     def standard_program(
-        self, payload: Message, client_state: ClientState, data: ClientData, *, spec: LocalSpec | None = None
+        self, payload: Message, client_state: ClientState, data: ClientData, *, spec: TrainConfig | None = None
     ) -> ClientProgram:
         """Train the payload model with the task loss (plus :meth:`loss_terms`) and send its full state."""
         model = self.ctx.model(payload.meta)
@@ -187,7 +187,7 @@ class Algorithm:
         def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
             return Message(state, stats=self.fit_stats(model, data, stats)), client_state
 
-        return ClientProgram(model=model, init=dict(payload.tensors), spec=spec or LocalSpec.from_train(self.ctx.train),
+        return ClientProgram(model=model, init=dict(payload.tensors), spec=spec or self.ctx.train,
                              finalize=finalize, terms=terms, refs=refs)
 
     def evaluate(

@@ -46,7 +46,7 @@ from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
 from fedfuse.algorithms.dpsgd import DPSGD
 from fedfuse.engine.client import TrainStats, task_loss
 from fedfuse.engine.peers import TOPOLOGIES, unpack_mail
-from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.program import ClientProgram
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
 from fedfuse.types import ClientData, Message, TensorDict
@@ -223,7 +223,7 @@ class DisPFL(DPSGD):
         def finalize(new: TensorDict, stats: TrainStats, gen: torch.Generator) -> tuple[Message, ClientState]:
             return self.publish(n, r, total, new, mask, stats, data, gen)
 
-        return ClientProgram(model=model, init=x, spec=LocalSpec.from_train(self.ctx.train, lr=lr),
+        return ClientProgram(model=model, init=x, spec=self.ctx.train.replace(lr=lr),
                              finalize=finalize, grad_masks={k: m.to(device) for k, m in mask.items()},
                              finalize_rng=True)
 

@@ -39,7 +39,7 @@ import torch
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.peers import TOPOLOGIES, deliver, mail_of, own_tensors, peer_graph, route_peers, unpack_mail
-from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.program import ClientProgram
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, TensorDict
 
@@ -171,7 +171,7 @@ class DPSGD(Algorithm):
             return (Message({**{f"sim/own/{k}": v for k, v in new.items()}, **peer}, {"peer_bytes": sent},
                             self.fit_stats(model, data, stats)), {"model": new})
 
-        return ClientProgram(model=model, init=x, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize)
+        return ClientProgram(model=model, init=x, spec=self.ctx.train, finalize=finalize)
 
     def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
         return {c: Message() for c in clients}

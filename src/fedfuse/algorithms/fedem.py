@@ -44,7 +44,7 @@ from fedfuse.engine.client import (
     train_flops_per_sample,
 )
 from fedfuse.engine.context import init_states, model_params
-from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
+from fedfuse.engine.program import ClientProgram, run_program
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.mixture import e_step, mixture_objective, pack, unpack
 from fedfuse.options import opt
@@ -124,7 +124,7 @@ class FedEM(Algorithm):
             fit.flops = float(M * n * fwd + fit.samples * train)
             return Message(pack(out), stats=fit), {"pi": pi}
 
-        return ClientProgram(model=model, init=init, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize,
+        return ClientProgram(model=model, init=init, spec=self.ctx.train, finalize=finalize,
                              objective=mixture_objective, targets=targets)
 
     def _learners(self, M: int) -> Learners:

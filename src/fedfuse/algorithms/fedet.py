@@ -46,7 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
 from fedfuse.engine.client import TrainStats, train_flops_per_sample
-from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng, torch_generator
@@ -192,7 +192,7 @@ class FedET(Algorithm):
         def finalize(st: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
             return Message(st, {"group": g}, self.fit_stats(model, data, stats)), client_state
 
-        return ClientProgram(model=model, init=dict(payload.tensors), spec=LocalSpec.from_train(self.ctx.train),
+        return ClientProgram(model=model, init=dict(payload.tensors), spec=self.ctx.train,
                              finalize=finalize)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:

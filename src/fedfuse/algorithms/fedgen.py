@@ -42,7 +42,7 @@ from torch.func import functional_call
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState, state_of
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.client import TrainStats
-from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm
+from fedfuse.engine.program import ClientProgram, LossTerm
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
@@ -151,7 +151,7 @@ class FedGen(FedAvg):
         r = int(payload.meta.get("round", 0))
         weights = {k: v for k, v in payload.tensors.items() if not k.startswith(GEN)}
         model = self.ctx.model({})
-        spec = LocalSpec.from_train(self.ctx.train)
+        spec = self.ctx.train
         n, bg = len(data.train), self.opt.client_gen_batch
         steps = spec.schedule(n)
         terms: tuple[LossTerm, ...] = ()

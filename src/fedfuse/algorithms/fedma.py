@@ -45,7 +45,7 @@ import torch
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState, state_of
 from fedfuse.engine.client import TrainConfig, TrainStats, class_counts, retrain_config
 from fedfuse.engine.context import client_initial_state
-from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.match import MatchingOptions, class_weighted_average, match_group
 from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather
 from fedfuse.models.base import layer_index
@@ -189,10 +189,10 @@ class FedMA(Algorithm):
             sizes = base_sizes(self.ctx)
             model = self.ctx.model(self._opts(sizes))
             if payload.meta.get("init") or self.opt.retrain_schedule == "run":
-                spec = LocalSpec.from_train(self.ctx.train)
+                spec = self.ctx.train
             else:  # the code's fedma_comm: full retraining with local_retrain's schedule
                 cfg, epochs = self._retrain(last=False)
-                spec = LocalSpec.from_train(cfg, epochs=epochs)
+                spec = cfg.replace(local_epochs=epochs)
         else:
             sizes = list(client_state["sizes"])
             cur = client_state["model"]
@@ -204,7 +204,7 @@ class FedMA(Algorithm):
             frozen = self._frozen_keys(model, g)
             trainable = frozenset(k for k, _ in model.named_parameters() if k not in frozen)
             cfg, epochs = self._retrain(last=s == K)
-            spec = LocalSpec.from_train(cfg, epochs=epochs)
+            spec = cfg.replace(local_epochs=epochs)
         trained = sum(p.numel() for k, p in model.named_parameters() if trainable is None or k in trainable)
 
         def finalize(new_state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:

@@ -48,7 +48,7 @@ from fedfuse.adapters.evaluate import row_losses
 from fedfuse.adapters.lora import cross_term_gap
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import TrainStats, make_optimizer, task_loss
-from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
+from fedfuse.engine.program import ClientProgram, run_program
 from fedfuse.fusion.average import delta, weighted_average
 from fedfuse.fusion.merge import (
     cluster_ari,
@@ -243,7 +243,7 @@ class FedEMLoRA(LoraAlgorithm):
             return Message(pack(stack.adapters_of(state)), stats=fit), {"pi": pi}
 
         init = stack.state_of(adapters)
-        return ClientProgram(model=stack, init=init, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize,
+        return ClientProgram(model=stack, init=init, spec=self.ctx.train, finalize=finalize,
                              trainable=frozenset(init), objective=mixture_objective, targets=targets,
                              shared_base=True)
 

@@ -7,7 +7,7 @@ Each local step is a two-pass SAM step (Foret et al. 2021): with the mini-batch 
   (conv/linear/BN weights; T = 1 for biases, as in the ASAM reference code), ε = ρ · T²g / ‖T g‖
 
 then the gradient at ``w + ε`` is taken, ``w`` is restored and the optimiser (the run's SGD/momentum) steps
-with that gradient.  The client step is a declared program (``LocalSpec(two_pass="sam"|"asam")``, the math
+with that gradient.  The client step is a declared program (``TrainConfig(two_pass="sam"|"asam")``, the math
 in :mod:`fedfuse.engine.sam`), so every executor runs it, the batched one included.
 Server aggregation is FedAvg.  Defaults: SAM ρ = 0.05, ASAM ρ = 0.5, η = 0.01 (the
 ASAM/FedASAM reference implementations' defaults; tune ρ per dataset as Caldarola et al. do).  The FedMR
@@ -30,7 +30,7 @@ from torch import nn
 from fedfuse.algorithms.base import ClientState
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.client import TrainConfig, TrainStats, train_local
-from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.program import ClientProgram
 from fedfuse.engine.sam import sam_step
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, Split, TensorDict
@@ -62,7 +62,7 @@ class FedSAM(FedAvg):
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """FedAvg's standard step with a two-pass (A)SAM local spec; FLOPs count both passes."""
-        spec = LocalSpec.from_train(self.ctx.train).with_two_pass(
+        spec = self.ctx.train.with_two_pass(
             "asam" if self.adaptive else "sam", float(self.opt.rho), float(self.opt.eta))
         program = self.standard_program(payload, client_state, data, spec=spec)
         finalize = program.finalize

@@ -39,7 +39,7 @@ from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, TrainStats, scheduled_lr
-from fedfuse.engine.program import ClientProgram, LocalSpec, run_program
+from fedfuse.engine.program import ClientProgram, run_program
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -234,7 +234,7 @@ class HeteroFL(Algorithm):
             meta = {"sel": payload.meta["sel"], "classes": classes, "submodel_bytes": state_bytes(state), "lr": lr}
             return Message(state, meta, self.fit_stats(model, data, stats)), client_state
 
-        return ClientProgram(model=model, init=dict(payload.tensors), spec=LocalSpec.from_train(self.ctx.train, lr=lr),
+        return ClientProgram(model=model, init=dict(payload.tensors), spec=self.ctx.train.replace(lr=lr),
                              finalize=finalize, logit_mask=mask)
 
     def train_template(self, sel: Selection, mu: float) -> nn.Module:

@@ -17,7 +17,7 @@ from fedfuse.algorithms.base import (
     state_of,
 )
 from fedfuse.engine.client import TrainStats
-from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.program import ClientProgram
 from fedfuse.types import ClientData, Message, TensorDict
 
 
@@ -52,7 +52,7 @@ class Local(Algorithm):
         def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
             return Message(stats=self.fit_stats(model, data, stats)), {"model": state}
 
-        return ClientProgram(model=model, init=init, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize)
+        return ClientProgram(model=model, init=init, spec=self.ctx.train, finalize=finalize)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         return state

@@ -74,7 +74,7 @@ from fedfuse.engine.client import (
     scheduled_lr,
 )
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
-from fedfuse.engine.program import ClientProgram, LocalSpec, LossTerm
+from fedfuse.engine.program import ClientProgram, LossTerm
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -510,7 +510,7 @@ class MSfusion(Algorithm):
             }
             return Message(tensors, meta, fit), new_state
 
-        return ClientProgram(model=model, init=w_star, spec=LocalSpec.from_train(self.ctx.train, lr=lr),
+        return ClientProgram(model=model, init=w_star, spec=self.ctx.train.replace(lr=lr),
                              finalize=finalize, terms=terms, refs=refs)
 
     def train_template(self, sel: Selection) -> tuple[nn.Module, dict[str, torch.Tensor]]:

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits
-from fedfuse.engine.client import TrainStats, class_counts, evaluate_model, retrain_config
+from fedfuse.engine.client import TrainConfig, TrainStats, class_counts, evaluate_model, retrain_config
 from fedfuse.engine.context import client_initial_state
-from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import MatchingOptions, match_network
 from fedfuse.fusion.permute import chain_spec, group_sizes
@@ -58,9 +58,9 @@ class _LocalModels(Algorithm):
         """Train the client's own model (its seeded initialisation the first time) with the run's local spec;
         reply with it and the client's class counts, and keep it."""
         start = client_state["model"] if client_state else client_initial_state(self.ctx, data.cid, self.opt.init)
-        return self._program(start, LocalSpec.from_train(self.ctx.train), data)
+        return self._program(start, self.ctx.train, data)
 
-    def _program(self, start: TensorDict, spec: LocalSpec, data: ClientData) -> ClientProgram:
+    def _program(self, start: TensorDict, spec: TrainConfig, data: ClientData) -> ClientProgram:
         model = self.ctx.model({})
         counts = class_counts(data, self.ctx.num_classes)
 
@@ -103,7 +103,7 @@ class OneShotAverage(_LocalModels):
             cfg, epochs = retrain_config(self.ctx.train, "code", o.retrain_epochs, o.retrain_lr, weight_decay=1e-4)
         else:
             cfg, epochs = retrain_config(self.ctx.train, "run", self.ctx.train.local_epochs)
-        return self._program(payload.tensors, LocalSpec.from_train(cfg, epochs=epochs), data)
+        return self._program(payload.tensors, cfg.replace(local_epochs=epochs), data)
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         cids = sorted(results)

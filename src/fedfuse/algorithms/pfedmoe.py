@@ -24,7 +24,7 @@ from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import TrainStats, train_flops_per_sample
-from fedfuse.engine.program import ClientProgram, LocalSpec
+from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
@@ -155,7 +155,7 @@ class PFedMoE(Algorithm):
             return (Message(self.expert_state(part["global_expert"]), stats=fit),
                     {"local": part["local_model"], "gate": part["gate"]})
 
-        return ClientProgram(model=moe, init=init, spec=LocalSpec.from_train(self.ctx.train), finalize=finalize,
+        return ClientProgram(model=moe, init=init, spec=self.ctx.train, finalize=finalize,
                              trainable=trainable)
 
     def evaluate(

@@ -12,7 +12,8 @@ A program says
   ``shared_base=True`` the template's values of every key outside ``init`` *are* read: they are a frozen base
   shared by all clients (LoRA's base model), ``init`` holds only the per-client tensors (the adapter), and
   only those are loaded, stacked per client by the batched executor and handed to ``finalize``;
-- the local spec (:class:`LocalSpec`): epochs, batch size, optimiser, learning rate, clipping, step cap;
+- the local settings ``spec`` (:class:`~fedfuse.engine.client.TrainConfig`, the run's type): epochs, batch size,
+  optimiser, learning rate, clipping, step cap, two-pass (SAM) steps;
 - the loss: the task loss (cross-entropy) plus declared :class:`LossTerm` s, pure functions of the functional
   parameters, buffers, per-client reference tensors ``refs`` (e.g. FedProx's anchor) and the batch;
 - which parameters are optimised (``trainable``; ``None`` = every parameter with ``requires_grad``);
@@ -63,58 +64,6 @@ Finalize = Callable[..., tuple[Message, Any]]
 
 
 @dataclass(frozen=True)
-class LocalSpec:
-    """Local optimisation of one client step (a fresh optimiser per step, as in the seed papers' code)."""
-
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    optimizer: str = "sgd"  # "sgd" | "adam"
-    grad_clip: float = 0.0  # 0 = off; otherwise the max global L2 norm of the gradient
-    max_steps: int = 0  # 0 = no cap
-    two_pass: str = ""  # "" | "sam" | "asam": sharpness-aware two-pass steps (fedfuse.engine.sam)
-    sam_rho: float = 0.0  # SAM/ASAM radius ρ
-    sam_eta: float = 0.01  # ASAM's T_w = |w| + η
-
-    @classmethod
-    def from_train(cls, cfg: TrainConfig, *, epochs: int | None = None, lr: float | None = None) -> LocalSpec:
-        return cls(
-            epochs=cfg.local_epochs if epochs is None else int(epochs),
-            batch_size=cfg.batch_size,
-            lr=cfg.lr if lr is None else float(lr),
-            momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay,
-            optimizer=cfg.optimizer,
-            grad_clip=cfg.grad_clip,
-            max_steps=cfg.max_steps,
-        )
-
-    def with_two_pass(self, kind: str, rho: float, eta: float = 0.01) -> LocalSpec:
-        """This spec with SAM (``kind="sam"``) or ASAM (``"asam"``) two-pass steps of radius ``rho``."""
-        if kind not in ("sam", "asam"):
-            raise ValueError(f"two_pass must be 'sam' or 'asam', not {kind!r}")
-        return dataclasses.replace(self, two_pass=kind, sam_rho=float(rho), sam_eta=float(eta))
-
-    def as_train(self) -> TrainConfig:
-        return TrainConfig(
-            local_epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
-            weight_decay=self.weight_decay, optimizer=self.optimizer, grad_clip=self.grad_clip,
-            max_steps=self.max_steps,
-        )
-
-    def schedule(self, n: int) -> list[int]:
-        """The batch size of every optimiser step on ``n`` samples, in order (what ``train_local`` does)."""
-        if n == 0:
-            return []
-        bs = min(self.batch_size, n)
-        per_epoch = [min(bs, n - s) for s in range(0, n, bs)]
-        steps = per_epoch * self.epochs
-        return steps[: self.max_steps] if self.max_steps else steps
-
-
-@dataclass(frozen=True)
 class LossTerm:
     """A declared addition to the task loss.
 
@@ -136,7 +85,7 @@ class ClientProgram:
 
     model: nn.Module
     init: TensorDict
-    spec: LocalSpec
+    spec: TrainConfig
     finalize: Finalize
     terms: tuple[LossTerm, ...] = ()
     refs: TensorDict = field(default_factory=dict)
@@ -275,5 +224,5 @@ def _train(program: ClientProgram, model: nn.Module, data: ClientData, gen: torc
                 inner(m, x, y)
             step[0] += 1
 
-    return train_local(model, program.train_split(data), spec.as_train(), gen, extra_loss=extra, params=params,
+    return train_local(model, program.train_split(data), spec, gen, extra_loss=extra, params=params,
                        before_step=before, task=task)

@@ -8,7 +8,7 @@ With the mini-batch gradient g at w:
 
 then the gradient is taken again at ``w + ε``, ``w`` is restored and the optimiser steps with that second
 gradient.  BatchNorm running statistics come from the first (unperturbed) pass only.  A declared client program
-asks for it with ``LocalSpec(two_pass="sam" | "asam", sam_rho=ρ, sam_eta=η)``; every executor honours it (the
+asks for it with ``TrainConfig(two_pass="sam" | "asam", sam_rho=ρ, sam_eta=η)``; every executor honours it (the
 sequential one with :func:`sam_step` on a module, the batched one on client-stacked tensors).
 """
 
