@@ -29,6 +29,7 @@ class ConfigError(ValueError):
 MAX_LR = 100.0  # a client learning rate above this is certainly a typo (SGD and Adam both diverge at once)
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed
 CORRUPTIONS = ("none", "nan", "inf", "shape", "scale", "count", "drop")
+DP_MODES = ("none", "central", "local")
 
 
 @dataclass
@@ -80,6 +81,23 @@ class RunConfig:
                                "1000x the update (scale), claim 1e12 examples (count), or are lost (drop)",
                        choices=CORRUPTIONS)
     corrupt_clients: list[int] = opt([], "client ids whose replies are corrupted (see corrupt)")
+    # ---- privacy (docs/privacy.md; each algorithm declares which mechanisms it admits) ----------------------
+    dp: str = opt("none", "differential privacy: none | central (DP-FedAvg: clipped client updates, Gaussian noise "
+                          "on the server's mean) | local (DP-SGD on every client, Opacus)", choices=DP_MODES)
+    dp_noise: float = opt(1.0, "DP noise multiplier z: Gaussian std z·C on the sum of clipped updates (central) or "
+                               "of a batch's clipped per-sample gradients (local)", ge=0.0)
+    dp_clip: float = opt(1.0, "DP clipping norm C of every client update (central; the initial clip when "
+                              "adaptive) or of every per-sample gradient (local)", gt=0.0)
+    dp_quantile: float = opt(0.0, "central DP adaptive clipping (Andrew et al. 2021): target quantile γ of the "
+                                  "update norms (0 = fixed clip dp_clip)", ge=0.0, lt=1.0)
+    dp_clip_lr: float = opt(0.2, "adaptive clipping: geometric learning rate η_C of the clip", gt=0.0)
+    dp_count_noise: float = opt(0.0, "adaptive clipping: std σ_b of the noise on the unclipped-count query "
+                                     "(0 = clients_per_round/20, Andrew et al.)", ge=0.0)
+    dp_delta: float = opt(1e-5, "δ at which ε is reported", gt=0.0, lt=1.0)
+    dp_accountant: str = opt("rdp", "privacy accountant of dp-accounting: rdp or pld (pld: sampling=poisson)",
+                             choices=("rdp", "pld"))
+    secagg: bool = opt(False, "secure aggregation (SecAgg/SecAgg+ simulated in-process): the server receives "
+                              "only masked vectors and learns only their sum")
     algorithm_options: dict[str, Any] = field(default_factory=dict)
     model_options: dict[str, Any] = field(default_factory=dict)
     partition_options: dict[str, Any] = field(default_factory=dict)
@@ -92,7 +110,7 @@ class RunConfig:
 CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("sgd", "adam"),
     "executor": ("sequential", "batched", "processes", "auto", "flower"),
-    "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size"),
+    "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size", "poisson"),
 }
 
 
@@ -395,7 +413,44 @@ def validate(cfg: RunConfig) -> RunConfig:
             merged[k] = _plain(v)
         resolved[ns] = merged
     _check_namespace_rules(cfg, resolved)
+    check_privacy(cfg.algorithm, resolved["algorithm_options"], cfg.dp, cfg.secagg)
+    if cfg.dp == "central":
+        if cfg.sampling not in ("auto", "uniform", "poisson"):
+            raise ConfigError(f"sampling: central DP is accounted for sampling=poisson or uniform, not "
+                              f"{cfg.sampling!r}")
+        if cfg.dp_accountant == "pld" and cfg.sampling != "poisson":
+            raise ConfigError("dp_accountant: pld covers Poisson sampling only; add --set sampling=poisson or use rdp")
+        if cfg.dp_quantile > 0 and cfg.dp_noise > 0:
+            sigma_b = cfg.dp_count_noise or cfg.clients_per_round / 20
+            if 2 * sigma_b <= cfg.dp_noise:
+                raise ConfigError(f"dp_count_noise: adaptive clipping splits the noise z={cfg.dp_noise:g} between the "
+                                  f"update and the clipped count, which needs 2σ_b > z (σ_b={sigma_b:g}); raise "
+                                  "dp_count_noise or clients_per_round, or lower dp_noise")
     return dataclasses.replace(cfg, **resolved)
+
+
+#: the run options that request each privacy mechanism of :class:`fedfuse.types.Privacy`
+PRIVACY_REQUESTS = {"central_dp": ("dp=central", "central DP"), "local_dp": ("dp=local", "local DP"),
+                    "secagg": ("secagg=true", "secure aggregation")}
+
+
+def check_privacy(algorithm: str, options: Mapping[str, Any], dp: str, secagg: bool) -> None:
+    """Raise a one-line :class:`ConfigError` when ``algorithm`` (with ``options``) does not admit a requested privacy
+    mechanism, with the algorithm's declared reason and the algorithms that do admit it."""
+    wanted = ([] if dp == "none" else [f"{dp}_dp"]) + (["secagg"] if secagg else [])
+    if not wanted:
+        return
+    registry = registered_algorithms()
+    entry = registry[algorithm].privacy_for(options)
+    for mech in wanted:
+        flag, label = PRIVACY_REQUESTS[mech]
+        verdict = entry.admits(mech) if entry is not None else None
+        if verdict is not None and verdict.ok:
+            continue
+        able = sorted(n for n, c in registry.items() if (e := c.privacy_for()) is not None and e.admits(mech).ok)
+        why = f"{verdict.support.value}: {verdict.why}" if verdict is not None else "it declares no privacy entry"
+        raise ConfigError(f"{flag}: {algorithm!r} does not admit {label} ({why}); "
+                          f"it works with: {', '.join(able) or 'no algorithm yet'}")
 
 
 def _check_namespace_rules(cfg: RunConfig, resolved: dict[str, dict[str, Any]]) -> None:
@@ -510,7 +565,8 @@ def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
 RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "clients_per_round", "seed", "val_fraction",
                 "local_epochs", "batch_size", "lr", "momentum", "weight_decay", "optimizer", "grad_clip",
                 "algorithm_options", "model_options", "partition_options", "dataset_options", "dropout",
-                "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients")
+                "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients", "dp", "secagg",
+                "dp_noise", "dp_clip", "dp_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_accountant")
 
 
 def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source: str) -> None:

@@ -8,6 +8,7 @@ Flower) move them without knowing which algorithm produced them.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -167,3 +168,86 @@ class Federation:
         info = {**self.info, **{k: v for k, v in truth.info.items() if k in GROUND_TRUTH_INFO}}
         clients = [dataclasses.replace(c, group=groups.get(c.cid)) for c in self.clients]
         return dataclasses.replace(self, clients=clients, info=info)
+
+
+# ---- privacy declarations (docs/privacy.md) ---------------------------------------------------------------
+
+class ServerView(enum.StrEnum):
+    """The least a method's server (or coordinator) must see of the clients' work to run the method."""
+
+    NOTHING_INDIVIDUAL = "nothing individual"  # only sums over clients (a secure-aggregation-shaped step)
+    DELTAS = "per-client deltas"  # each client's update (or a function of it) individually
+    MODELS = "per-client models"  # each client's trained model (parts) individually
+    PEER_TO_PEER = "peer-to-peer only"  # no server step: clients exchange models with their peers
+
+
+class Support(enum.StrEnum):
+    """Whether a privacy mechanism applies to a method in fedfuse."""
+
+    YES = "yes"  # built and admitted: the run option works
+    NO = "no"  # the method's server step cannot work under it (the reason says why)
+    NOT_BUILT = "not built"  # it could apply, fedfuse does not implement it for this method (the reason says how)
+
+
+@dataclass(frozen=True)
+class Admits:
+    """One mechanism's verdict for one method, with its one-line reason."""
+
+    support: Support
+    why: str
+
+    @property
+    def ok(self) -> bool:
+        return self.support is Support.YES
+
+
+def yes(why: str) -> Admits:
+    return Admits(Support.YES, why)
+
+
+def no(why: str) -> Admits:
+    return Admits(Support.NO, why)
+
+
+def not_built(why: str) -> Admits:
+    return Admits(Support.NOT_BUILT, why)
+
+
+#: the mechanisms a run can request, as named in the declarations and the run options
+MECHANISMS = ("central_dp", "local_dp", "secagg")
+
+
+@dataclass(frozen=True)
+class Privacy:
+    """What a method's server must see (:class:`ServerView`, with why) and which of central DP, local DP and
+    secure aggregation it admits.  ``when`` names the option values the entry describes (empty: the defaults);
+    an algorithm lists its default entry first and option-dependent variants after it."""
+
+    view: ServerView
+    why: str
+    central_dp: Admits
+    local_dp: Admits
+    secagg: Admits
+    when: tuple[tuple[str, Any], ...] = ()
+
+    def admits(self, mechanism: str) -> Admits:
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"unknown privacy mechanism {mechanism!r}; choose one of {', '.join(MECHANISMS)}")
+        return getattr(self, mechanism)
+
+    def applies(self, options: Any) -> bool:
+        """Whether ``options`` (an Options dataclass or a mapping) has every value of ``when``."""
+        get = options.get if isinstance(options, Mapping) else (lambda k, d=None: getattr(options, k, d))
+        return all(get(k) == v for k, v in self.when)
+
+
+def privacy_entry(entries: tuple[Privacy, ...], options: Any) -> Privacy | None:
+    """The entry of ``entries`` that describes ``options``: the last variant whose ``when`` matches, else the first
+    (``None`` when nothing is declared)."""
+    if not entries:
+        return None
+    chosen = entries[0]
+    for e in entries[1:]:
+        if e.applies(options):
+            chosen = e
+    return chosen

@@ -43,7 +43,7 @@ from torch import nn
 from fedfuse.engine.client import EvalStats, TrainConfig, TrainStats, evaluate_model, train_flops_per_sample
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState, state_of
 from fedfuse.engine.program import ClientProgram, LossTerm, run_program
-from fedfuse.types import ClientData, Federation, FitStats, Message, TensorDict
+from fedfuse.types import ClientData, Federation, FitStats, Message, Privacy, TensorDict, privacy_entry
 
 __all__ = ["Algorithm", "ClientState", "RoundInfo", "RunContext", "ServerState", "evaluate_splits", "state_of"]
 
@@ -58,6 +58,15 @@ class Algorithm:
     echo_meta: ClassVar[tuple[str, ...]] = ()
     reply_kind: ClassVar[str | None] = None  # None: the round's replies vote (keys a subset of the payload's)
     node_private: tuple[str, ...] = ()  # may be a property when it depends on the options
+    #: What the server must see and which of central DP, local DP and SecAgg apply, with a reason each
+    #: (:class:`fedfuse.types.Privacy`; the default entry first, option-dependent variants after it).  Every
+    #: registered algorithm declares its own (tests/test_privacy_table.py); docs/privacy.md is generated from them.
+    privacy: ClassVar[tuple[Privacy, ...]] = ()
+
+    @classmethod
+    def privacy_for(cls, options: Any = None) -> Privacy | None:
+        """The declared :class:`Privacy` entry for ``options`` (the algorithm's defaults when ``None``)."""
+        return privacy_entry(cls.privacy, options if options is not None else cls.Options())
 
     @dataclass
     class Options:

@@ -23,12 +23,23 @@ from dataclasses import dataclass
 
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.options import opt
-from fedfuse.types import Message
+from fedfuse.types import Message, Privacy, ServerView, no, not_built
 
 
 class CluSamp(FedAvg):
     name = "clusamp"
     description = "CluSamp: FedAvg with clustered client sampling (gradient similarity, Fraboni et al. Alg. 2)"
+    privacy = (
+        Privacy(ServerView.DELTAS,
+                ("clustered sampling compares every client's representative gradient (its last update) with "
+                 "every other's"),
+                central_dp=no('the clustering reads each update; noising only the mean leaves the per-client '
+                               'updates exposed'),
+                local_dp=not_built('the client step is plain SGD on the task loss: DP-SGD (Opacus) fits it; '
+                                    'not wired yet'),
+                secagg=no("masked updates are uniformly random: no angle between two clients' gradients can be"
+                           ' computed')),
+    )
     default_sampling = "clustered"
 
     @dataclass

@@ -49,7 +49,7 @@ from fedfuse.engine.peers import TOPOLOGIES, unpack_mail
 from fedfuse.engine.program import ClientProgram
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
 
 def erk_densities(shapes: dict[str, tuple[int, ...]], density: float, power: float = 1.0,
@@ -151,6 +151,14 @@ def unpack_mask(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 class DisPFL(DPSGD):
     name = "dispfl"
     description = "Dis-PFL: decentralised personalised sparse training (ERK masks, sparse neighbour averaging)"
+    privacy = (
+        Privacy(ServerView.PEER_TO_PEER,
+                ("sparse neighbour averaging: each peer sees its neighbours' masked-sparse models and masks, no"
+                 ' server'),
+                central_dp=no('no server step exists to noise'),
+                local_dp=not_built('DP-SGD on the sparse step would make each sent model DP'),
+                secagg=no('neighbours average plain sparse models; there is no server sum to mask')),
+    )
 
     @dataclass
     class Options:

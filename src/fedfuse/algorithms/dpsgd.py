@@ -41,7 +41,7 @@ from fedfuse.engine.client import TrainStats
 from fedfuse.engine.peers import TOPOLOGIES, deliver, mail_of, own_tensors, peer_graph, route_peers, unpack_mail
 from fedfuse.engine.program import ClientProgram
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
 
 def gossip_matrix(adj: np.ndarray, mixing: str = "metropolis") -> np.ndarray:
@@ -81,6 +81,13 @@ def mix_states(states: Mapping[int, Mapping[str, torch.Tensor]], weights: Mappin
 class DPSGD(Algorithm):
     name = "dpsgd"
     description = "D-PSGD: serverless gossip averaging with neighbours then local SGD (ring/full/random graphs)"
+    privacy = (
+        Privacy(ServerView.PEER_TO_PEER,
+                "gossip averaging with graph neighbours: each peer sees its neighbours' models, no server",
+                central_dp=no('no server step exists to noise'),
+                local_dp=not_built('DP-SGD on the local step would make each gossiped model DP'),
+                secagg=no('neighbours average plain models; there is no server sum to mask')),
+    )
 
     @dataclass
     class Options:

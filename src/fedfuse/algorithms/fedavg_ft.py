@@ -12,12 +12,21 @@ from fedfuse.algorithms.base import ClientState, evaluate_splits
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.client import train_local
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message
+from fedfuse.types import ClientData, Message, Privacy, ServerView, not_built, yes
 
 
 class FedAvgFT(FedAvg):
     name = "fedavg-ft"
     description = "FedAvg-FT (FedAvg+): FedAvg, then local fine-tuning before personalised evaluation"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                "FedAvg's sum; the fine-tuning before evaluation stays on the client",
+                central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
+                local_dp=not_built('the client step is plain SGD on the task loss: DP-SGD (Opacus) fits it; '
+                                    'not wired yet'),
+                secagg=not_built('the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would '
+                                  'hide each term')),
+    )
 
     @dataclass
     class Options(FedAvg.Options):

@@ -48,7 +48,7 @@ from fedfuse.engine.program import ClientProgram, run_program
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.mixture import e_step, mixture_objective, pack, unpack
 from fedfuse.options import opt
-from fedfuse.types import ClientData, FitStats, Message
+from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, not_built
 
 
 class Learners(nn.Module):
@@ -65,6 +65,14 @@ class Learners(nn.Module):
 class FedEM(Algorithm):
     name = "fedem"
     description = "FedEM: M shared learners + per-client mixture weights, trained by federated EM"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                'each of the M learners is an n-weighted mean over the clients: M sums',
+                central_dp=not_built('DP-FedAvg per learner (M clipped means, M-fold composition) would fit; '
+                                      'not wired'),
+                local_dp=not_built('DP-SGD on the M-step would fit; the E-step reads the local data too'),
+                secagg=not_built("M sums: masks would hide each client's learners")),
+    )
 
     @dataclass
     class Options:

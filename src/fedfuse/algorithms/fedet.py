@@ -50,7 +50,7 @@ from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng, torch_generator
-from fedfuse.types import ClientData, Federation, Message, Split, TensorDict
+from fedfuse.types import ClientData, Federation, Message, Privacy, ServerView, Split, TensorDict, no, not_built
 
 
 def consensus_targets(logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,6 +79,14 @@ def forward_flops(model: nn.Module, x: torch.Tensor) -> float:
 class FedET(Algorithm):
     name = "fedet"
     description = "Fed-ET: small heterogeneous client models, large server model by weighted consensus distillation"
+    privacy = (
+        Privacy(ServerView.MODELS,
+                ('weighted consensus distillation runs every small model on public data and weighs it by its '
+                 'own confidence'),
+                central_dp=no("the consensus reads each model's predictions one by one"),
+                local_dp=not_built('DP-SGD on the small-model step would make each model DP'),
+                secagg=no('each model must be evaluated individually on the public set')),
+    )
 
     @dataclass
     class Options:

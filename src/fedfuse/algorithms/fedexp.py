@@ -36,7 +36,7 @@ from fedfuse.algorithms.base import RoundInfo, ServerState
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
-from fedfuse.types import Message, TensorDict
+from fedfuse.types import Message, Privacy, ServerView, TensorDict, not_built
 
 
 def fedexp_step_size(
@@ -62,6 +62,15 @@ def fedexp_step_size(
 class FedExP(FedAvg):
     name = "fedexp"
     description = "FedExP: FedAvg with adaptive server extrapolation max(1, sum p_i||d_i||^2 / (2(||d||^2 + K eps)))"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                'the mean update plus one scalar sum, Σ p_i‖Δ_i‖², sets the extrapolation step',
+                central_dp=not_built('the step size Σ p_i‖Δ_i‖² is data-dependent: it would need its own '
+                                      'clipping and noise'),
+                local_dp=not_built('the client step is plain SGD on the task loss: DP-SGD (Opacus) fits it; '
+                                    'not wired yet'),
+                secagg=not_built('append n_i‖Δ_i‖² to the masked vector: the server then learns only the sums')),
+    )
 
     @dataclass
     class Options(FedAvg.Options):

@@ -46,7 +46,7 @@ from fedfuse.engine.program import ClientProgram, LossTerm
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
 GEN = "gen/"
 
@@ -96,6 +96,16 @@ def decayed(value: float, r: int, decay: float = 0.98, floor: float = 1e-4) -> f
 class FedGen(FedAvg):
     name = "fedgen"
     description = "FedGen: FedAvg + server-learnt conditional feature generator distilled into the clients"
+    privacy = (
+        Privacy(ServerView.MODELS,
+                ("the generator is trained against every selected client's own head and label counts, one by "
+                 'one'),
+                central_dp=no('each head is used individually by the generator objective; noise on the mean '
+                               'does not cover it'),
+                local_dp=not_built('DP-SGD on the client step plus noisy label counts would cover what the '
+                                    'server reads'),
+                secagg=no("the generator needs each client's head, not their sum")),
+    )
 
     @dataclass
     class Options(FedAvg.Options):

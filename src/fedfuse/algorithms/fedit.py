@@ -26,12 +26,19 @@ from fedfuse.engine.client import TrainStats
 from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
 
 class FedIT(LoraAlgorithm):
     name = "fedit"
     description = "FedIT: FedAvg of LoRA adapters on a frozen base LM (only A and B travel)"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                'FedAvg of the LoRA adapters A and B: only their sums are needed',
+                central_dp=not_built('DP-FedAvg on the adapter updates would fit; not wired for LoRA runs'),
+                local_dp=not_built('DP-SGD on the adapter parameters would fit; not wired for LoRA runs'),
+                secagg=not_built('the adapter mean is a sum: masks would hide each adapter')),
+    )
 
     @dataclass
     class Options(LoraOptions):
@@ -77,6 +84,13 @@ class FedIT(LoraAlgorithm):
 class FedLoRA(FedIT):
     name = "fedlora"
     description = "FedLoRA (FedMerge's FedAvg+ for LoRA): FedIT, then local adapter fine-tuning before evaluation"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                "FedIT's adapter sum; the fine-tuning before evaluation stays on the client",
+                central_dp=not_built('DP-FedAvg on the adapter updates would fit; not wired for LoRA runs'),
+                local_dp=not_built('DP-SGD on the adapter parameters would fit; not wired for LoRA runs'),
+                secagg=not_built('the adapter mean is a sum: masks would hide each adapter')),
+    )
 
     @dataclass
     class Options(LoraOptions):
@@ -95,6 +109,13 @@ class FedLoRA(FedIT):
 class LocalLoRA(LoraAlgorithm):
     name = "local-lora"
     description = "Local LoRA: each client fine-tunes its own adapter (no communication)"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                'nothing leaves a client: no server step at all',
+                central_dp=no('no server step exists to noise'),
+                local_dp=no('nothing is released, so there is nothing to protect'),
+                secagg=no('no messages to mask')),
+    )
 
     @dataclass
     class Options(LoraOptions):

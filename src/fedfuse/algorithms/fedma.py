@@ -52,7 +52,7 @@ from fedfuse.models.base import layer_index
 from fedfuse.models.registry import width_options
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
 
 def base_sizes(ctx: RunContext) -> list[int]:
@@ -62,6 +62,17 @@ def base_sizes(ctx: RunContext) -> list[int]:
 class FedMA(Algorithm):
     name = "fedma"
     description = "FedMA: layer-wise BBP-MAP matched averaging with freezing and retraining (one stage per layer)"
+    privacy = (
+        Privacy(ServerView.MODELS,
+                ("BBP-MAP matches every client's neurons to the global ones by their weights (one layer per "
+                 'stage)'),
+                central_dp=no("a client's neurons can open new global neurons: the matched average has no "
+                               'bounded sensitivity'),
+                local_dp=not_built('DP-SGD on the client step would protect the examples; matching still sees '
+                                    'each model'),
+                secagg=no('masked neurons are uniformly random vectors: there is no cost between them to match'
+                           ' on')),
+    )
     reply_kind = "other"  # replies are the client's own-size layers, not the (grown) global ones it was sent
 
     @dataclass

@@ -78,7 +78,7 @@ from fedfuse.fusion.merge import (
 )
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed, numpy_rng
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
 SHARED_LOGIT_STD = 0.1
 
@@ -94,6 +94,15 @@ def shared_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
 class FedMerge(Algorithm):
     name = "fedmerge"
     description = "FedMerge: d global models, each client receives its learned weighted merge Σ_j w_ij Θ_j"
+    privacy = (
+        Privacy(ServerView.DELTAS,
+                ("the merge logits of client i come from ⟨Δθ_i, Θ_j − θ_i⟩: each client's delta is read "
+                 'individually'),
+                central_dp=no('per-client merge weights are computed from each delta: noise on a mean does not'
+                               ' cover them'),
+                local_dp=not_built('DP-SGD on the client step would make each delta DP'),
+                secagg=no('the inner products need each delta before any sum (and w_ij differs per client)')),
+    )
     reply_kind = "delta"  # clients send Δθ, not a model: update checks measure the reply itself
 
     @dataclass

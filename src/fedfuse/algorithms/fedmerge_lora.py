@@ -59,7 +59,7 @@ from fedfuse.fusion.merge import (
 )
 from fedfuse.fusion.mixture import e_step, mixture_objective
 from fedfuse.options import opt
-from fedfuse.types import ClientData, FitStats, Message, TensorDict
+from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, TensorDict, no, not_built
 
 
 def adapter_keys(keys: list[str], spec: str) -> list[str]:
@@ -91,6 +91,13 @@ def unpack(tensors: TensorDict, count: int) -> list[TensorDict]:
 class FedMergeLoRA(LoraAlgorithm):
     name = "fedmerge-lora"
     description = "FedMerge on LoRA adapters: d global adapters, each client receives one merged rank-r adapter"
+    privacy = (
+        Privacy(ServerView.DELTAS,
+                'the merge logits of client i come from its own adapter delta, read individually',
+                central_dp=no('per-client merge weights are computed from each delta'),
+                local_dp=not_built('DP-SGD on the adapter step would make each delta DP'),
+                secagg=no('the inner products need each delta before any sum')),
+    )
 
     @dataclass
     class Options(LoraOptions):
@@ -190,6 +197,13 @@ class FedMergeLoRA(LoraAlgorithm):
 class FedEMLoRA(LoraAlgorithm):
     name = "fedem-lora"
     description = "FedEM over LoRA adapters: M shared adapters, a personalised router (mixture weights) per client"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                'each of the M adapters is an n-weighted mean over the clients: M sums',
+                central_dp=not_built('DP-FedAvg per adapter would fit; not wired'),
+                local_dp=not_built('DP-SGD on the M-step would fit; not wired'),
+                secagg=not_built("M sums: masks would hide each client's adapters")),
+    )
 
     @dataclass
     class Options(LoraOptions):

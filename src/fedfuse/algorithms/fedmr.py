@@ -63,7 +63,7 @@ from fedfuse.fusion.recombine import (
 )
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
-from fedfuse.types import ClientData, Federation, Message, TensorDict
+from fedfuse.types import ClientData, Federation, Message, Privacy, ServerView, TensorDict, no, not_built
 
 Unit = tuple[str, ...]
 
@@ -161,6 +161,23 @@ def _pure(row: Sequence[int]) -> bool:
 class FedMR(Algorithm):
     name = "fedmr"
     description = "FedMR: K slot models, layer-wise random recombination after every round (two-stage, FedMR-p)"
+    privacy = (
+        Privacy(ServerView.MODELS,
+                'the server recombines the layers of individual trained models into new ones',
+                central_dp=no("each recombined model is made of single clients' layers: nothing is averaged to"
+                               ' hide them'),
+                local_dp=not_built('DP-SGD on the client step would make each uploaded model DP'),
+                secagg=no('a masked layer is random: recombining masked layers gives no usable model')),
+        Privacy(ServerView.MODELS,
+                ("secure=true: the server never gets a client's own model, but every uploaded layer is still "
+                 "some client's trained layer"),
+                central_dp=no("the uploads still carry single clients' layers; only who trained which is "
+                               'hidden'),
+                local_dp=not_built('DP-SGD on the client step would make the exchanged layers DP'),
+                secagg=no('the peer exchange hides which client trained a layer (unlinkability), not the layer'
+                           ' values'),
+                when=(("secure", True),)),
+    )
     echo_meta = ("slot",)  # the server notes which slot each reply trained (partial rounds keep the others)
     node_private = ("secure",)  # secure mode's trained model and private key never leave a Flower node
 

@@ -27,7 +27,7 @@ from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
 from fedfuse.fusion.average import clone_state, delta, weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
-from fedfuse.types import Message, TensorDict
+from fedfuse.types import Message, Privacy, ServerView, TensorDict, not_built
 
 
 def mutation_radius(t: int, r0: float = 0.3, bound: int = 50) -> float:
@@ -72,6 +72,14 @@ def mutate(
 class FedMut(Algorithm):
     name = "fedmut"
     description = "FedMut: K slots; global = average; slots re-seeded by paired stochastic mutations along Δ"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                'the global model is the uniform mean of the trained slots; mutations derive from it alone',
+                central_dp=not_built('noise on the clipped mean would fit; the mutations reuse only the noised'
+                                      ' mean'),
+                local_dp=not_built('DP-SGD on the client step would fit'),
+                secagg=not_built('the uniform mean is a sum: masks would hide each slot')),
+    )
 
     @dataclass
     class Options:

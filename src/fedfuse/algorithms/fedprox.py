@@ -14,7 +14,7 @@ import torch
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.program import LossTerm
 from fedfuse.options import opt
-from fedfuse.types import Message, TensorDict
+from fedfuse.types import Message, Privacy, ServerView, TensorDict, not_built, yes
 
 
 def proximal_term(model: torch.nn.Module, anchor: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
@@ -37,6 +37,15 @@ def proximal_penalty(params: TensorDict, anchor: TensorDict, mu: float) -> torch
 class FedProx(FedAvg):
     name = "fedprox"
     description = "FedProx: FedAvg plus a local proximal term (mu/2)||w - w_global||^2"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                "FedAvg's sum; the proximal term is client-side",
+                central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
+                local_dp=not_built('the proximal term is not a per-sample loss: DP-SGD would clip the task '
+                                    'gradients only and add it after'),
+                secagg=not_built('the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would '
+                                  'hide each term')),
+    )
 
     @dataclass
     class Options(FedAvg.Options):

@@ -15,11 +15,21 @@ from dataclasses import dataclass
 from fedfuse.algorithms.heterofl import HeteroFL
 from fedfuse.fusion.slicing import Selection, rolling_indices
 from fedfuse.options import opt
+from fedfuse.types import Privacy, ServerView, not_built
 
 
 class FedRolex(HeteroFL):
     name = "fedrolex"
     description = "FedRolex: HeteroFL with a rolling width window (start moves one unit per round)"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                "HeteroFL's holder averaging with a rolling window: sums of zero-padded sub-models",
+                central_dp=not_built('per-coordinate holder counts change the sensitivity per coordinate; not '
+                                      'wired'),
+                local_dp=not_built('DP-SGD on the sub-model step would fit'),
+                secagg=not_built('mask the zero-padded sub-model and its holder indicator: only the sums '
+                                  'remain')),
+    )
 
     @dataclass
     class Options(HeteroFL.Options):

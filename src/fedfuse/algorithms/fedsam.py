@@ -33,7 +33,7 @@ from fedfuse.engine.client import TrainConfig, TrainStats, train_local
 from fedfuse.engine.program import ClientProgram
 from fedfuse.engine.sam import sam_step
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Split, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, Split, TensorDict, not_built, yes
 
 
 def train_sam(
@@ -53,6 +53,15 @@ def train_sam(
 class FedSAM(FedAvg):
     name = "fedsam"
     description = "FedSAM: FedAvg with local sharpness-aware minimisation (SAM)"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                "FedAvg's sum; SAM's ascent step is client-side",
+                central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
+                local_dp=not_built('SAM takes two gradients per step: DP-SGD would need both per-sample '
+                                    'clipped and noised'),
+                secagg=not_built('the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would '
+                                  'hide each term')),
+    )
     adaptive = False
 
     @dataclass
@@ -79,6 +88,15 @@ class FedSAM(FedAvg):
 class FedASAM(FedSAM):
     name = "fedasam"
     description = "FedASAM: FedAvg with local adaptive sharpness-aware minimisation (ASAM)"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                "FedAvg's sum; ASAM's ascent step is client-side",
+                central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
+                local_dp=not_built('ASAM takes two gradients per step: DP-SGD would need both per-sample '
+                                    'clipped and noised'),
+                secagg=not_built('the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would '
+                                  'hide each term')),
+    )
     adaptive = True
 
     @dataclass

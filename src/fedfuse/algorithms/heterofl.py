@@ -52,7 +52,7 @@ from fedfuse.fusion.slicing import (
     widths_of,
 )
 from fedfuse.options import opt
-from fedfuse.types import ClientData, FitStats, Message, TensorDict
+from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, TensorDict, not_built
 
 
 def has_bn(model: nn.Module) -> bool:
@@ -92,6 +92,16 @@ LR_MIN_RATIO = CYCLIC_MIN_RATIO  # App. A.2.2: CyclicLR 0.001 → 0.0012
 class HeteroFL(Algorithm):
     name = "heterofl"
     description = "HeteroFL: static first-k width slices, holder averaging, label-split head, static BN, Scaler"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                ('holder averaging is a sum of zero-padded sub-models over public holder counts (label-split '
+                 'heads reveal the label sets)'),
+                central_dp=not_built('per-coordinate holder counts change the sensitivity per coordinate; not '
+                                      'wired'),
+                local_dp=not_built('DP-SGD on the sub-model step would fit'),
+                secagg=not_built('mask the zero-padded sub-model and its holder indicator: only the sums '
+                                  'remain')),
+    )
 
     @dataclass
     class Options:

@@ -30,7 +30,7 @@ from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.mixture import pack, unpack
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, not_built
 
 
 def pick_cluster(losses: Sequence[float]) -> int:
@@ -41,6 +41,14 @@ def pick_cluster(losses: Sequence[float]) -> int:
 class IFCA(Algorithm):
     name = "ifca"
     description = "IFCA: K cluster models; each client trains the one with the lowest loss on its data"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                "per-cluster means (sums) plus each client's chosen cluster index, which any scheme reveals",
+                central_dp=not_built('DP-FedAvg per cluster would fit; the cluster choice would need its own '
+                                      'mechanism'),
+                local_dp=not_built('DP-SGD on the client step would fit; the choice also reads the local data'),
+                secagg=not_built('one masked sum per cluster; the cluster index stays visible')),
+    )
 
     @dataclass
     class Options:

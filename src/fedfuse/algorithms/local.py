@@ -18,12 +18,19 @@ from fedfuse.algorithms.base import (
 )
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.program import ClientProgram
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no
 
 
 class Local(Algorithm):
     name = "local"
     description = "Local: each client trains alone on its own data (no communication)"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                'nothing leaves a client: no server step at all',
+                central_dp=no('no server step exists to noise'),
+                local_dp=no('nothing is released, so there is nothing to protect'),
+                secagg=no('no messages to mask')),
+    )
 
     def init_state(self) -> ServerState:
         return {}

@@ -94,7 +94,7 @@ from fedfuse.fusion.slicing import (
     write_back,
 )
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
 
 def contrastive_loss(z: torch.Tensor, z_agg: torch.Tensor, z_prev: torch.Tensor, tau: float = 0.5,
@@ -200,6 +200,24 @@ def forward_flops_per_sample(model: nn.Module, x: torch.Tensor) -> float:
 class MSfusion(Algorithm):
     name = "msfusion"
     description = "MSfusion: double-shifting width splits, peer overlap aggregation, dynamic overlap, contrastive"
+    privacy = (
+        Privacy(ServerView.MODELS,
+                ("global_model=assembled: each participant's trained sub-model goes to the simulation to "
+                 'assemble the evaluated model'),
+                central_dp=no("peers average each other's slices directly: there is no single server sum to "
+                               'noise'),
+                local_dp=not_built('DP-SGD on the sub-model step would make every shared slice DP'),
+                secagg=no("each slice is placed by its owner's window; peers must read their neighbours' "
+                           'slices in the clear')),
+        Privacy(ServerView.PEER_TO_PEER,
+                ('global_model=none: only peer envelopes leave a participant; the relay holds no model, but '
+                 "each peer sees its neighbours' trained slices"),
+                central_dp=no('no server step exists to noise'),
+                local_dp=not_built('DP-SGD on the sub-model step would make every shared slice DP'),
+                secagg=no('peers average the plain slices they receive; envelopes are not encrypted in the '
+                           'simulation'),
+                when=(("global_model", "none"),)),
+    )
 
     @dataclass
     class Options:

@@ -37,7 +37,7 @@ from fedfuse.fusion.permute import chain_spec, group_sizes
 from fedfuse.models.registry import width_options
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
 
 class _LocalModels(Algorithm):
@@ -74,6 +74,13 @@ class OneShotAverage(_LocalModels):
     name = "oneshot-avg"
     description = ("One-shot averaging of independently trained local models; continuation=fedavg: FedAvg "
                    "started from that average (IBM/FedMA's and the L46 report's FedAvg baseline)")
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                'one average of the locally trained models (a sum), then optionally FedAvg',
+                central_dp=not_built('one Gaussian-noised mean of clipped models would do; not wired'),
+                local_dp=not_built('DP-SGD on the local training would do; not wired'),
+                secagg=not_built('the single mean is a sum: masks would hide each model')),
+    )
 
     @dataclass
     class Options(_LocalModels.Options):
@@ -115,6 +122,14 @@ class OneShotAverage(_LocalModels):
 class OneShotMatching(_LocalModels):
     name = "oneshot-match"
     description = "One-shot matching: layer-wise BBP-MAP (or Hungarian) matched averaging, no retraining"
+    privacy = (
+        Privacy(ServerView.MODELS,
+                "layer-wise matching (BBP-MAP or Hungarian) compares every client's neurons",
+                central_dp=no('matched averaging has no bounded sensitivity to one client'),
+                local_dp=not_built('DP-SGD on the local training would protect the examples; matching still '
+                                    'sees each model'),
+                secagg=no('masked neurons cannot be matched')),
+    )
 
     @dataclass
     class Options(_LocalModels.Options, MatchingOptions):
@@ -145,6 +160,13 @@ class OneShotMatching(_LocalModels):
 class Ensemble(_LocalModels):
     name = "ensemble"
     description = "Ensemble of the local models: average of their predicted probabilities (no single global model)"
+    privacy = (
+        Privacy(ServerView.MODELS,
+                'the ensemble is the set of local models itself: the server holds each one',
+                central_dp=no('there is no sum to noise: every model is kept'),
+                local_dp=not_built('DP-SGD on the local training would make each released model DP'),
+                secagg=no('the server must hold each model individually')),
+    )
 
     def init_state(self) -> ServerState:
         return {"members": {}}

@@ -28,7 +28,7 @@ from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
-from fedfuse.types import ClientData, FitStats, Message, TensorDict
+from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, TensorDict, not_built
 
 
 class MoE(nn.Module):
@@ -58,6 +58,13 @@ def make_gate(in_features: int, hidden: int) -> nn.Module:
 class PFedMoE(Algorithm):
     name = "pfedmoe"
     description = "pFedMoE: shared global expert + local expert, per-client gate and head; only the expert travels"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL,
+                'only the global expert travels and is n-weighted averaged: a sum',
+                central_dp=not_built('DP-FedAvg on the expert updates would fit; not wired'),
+                local_dp=not_built('DP-SGD on the joint step would fit (gate and local expert too)'),
+                secagg=not_built('the expert mean is a sum: masks would hide each expert')),
+    )
 
     @dataclass
     class Options:

@@ -30,12 +30,20 @@ from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import align_to
 from fedfuse.fusion.permute import PermGroup, perm_spec
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, TensorDict
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
 
 class SimpleFedMA(Algorithm):
     name = "simple-fedma"
     description = "Simple-FedMA: permute transformer clients onto a reference (residual, Q/K, V, MLP), then average"
+    privacy = (
+        Privacy(ServerView.MODELS,
+                "each client's transformer is permuted onto a reference by comparing its own weights",
+                central_dp=no('the permutation is chosen per client from its weights, before any sum is formed'),
+                local_dp=not_built('DP-SGD on the client step would protect the examples; alignment still sees'
+                                    ' each model'),
+                secagg=no('masked weights cannot be aligned: the permutation must be found before summing')),
+    )
 
     @dataclass
     class Options:

@@ -25,6 +25,7 @@ from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerSta
 from fedfuse.engine.contract import Algorithm, Executor, Job
 from fedfuse.engine.executor import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
+from fedfuse.engine.privacy import DP_SAMPLINGS, DPSettings, central_epsilon
 from fedfuse.engine.sampling import make_sampler
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError
@@ -72,6 +73,9 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
         device=device,
         eval_batch_size=cfg.eval_batch_size,
         eval_every=cfg.eval_every,
+        dp=DPSettings(mode=cfg.dp, noise=cfg.dp_noise, clip=cfg.dp_clip, quantile=cfg.dp_quantile,
+                      clip_lr=cfg.dp_clip_lr, count_noise=cfg.dp_count_noise, delta=cfg.dp_delta,
+                      accountant=cfg.dp_accountant),
     )
 
 
@@ -155,6 +159,9 @@ class Experiment:
         self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, fed=fed, lookup=algorithm_lookup)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
+        if self.ctx.dp.central and self.sampler.name not in DP_SAMPLINGS:
+            raise ConfigError(f"sampling: central DP is accounted for sampling {' or '.join(DP_SAMPLINGS)}; "
+                              f"{self.cfg.algorithm!r} samples {self.sampler.name!r} (set --set sampling=poisson)")
         # fit/evaluate get the clients' data without the ground truth; only diagnostics/finish see self.fed
         self.executor = executor or make_executor(self.cfg.executor, self.fed.blinded().clients, self.cfg.seed,
                                                   threads=self.cfg.threads, config=self.cfg)
@@ -441,6 +448,7 @@ class Experiment:
             "total_late": t.late,
             "total_quarantined": t.quarantined,
         }
+        rec.update(self._privacy_record(r))
         why = self._diverged(honest_bad, honest_replies, train_loss / train_n if train_n else None)
         if why:
             rec["_diverged"] = why
@@ -448,6 +456,18 @@ class Experiment:
         if (r + 1) % self.cfg.eval_every == 0 or r + 1 == self.cfg.rounds:
             rec.update(self.evaluate(r))
         return rec
+
+    def _privacy_record(self, r: int) -> dict[str, Any]:
+        """Central DP: ε at δ after rounds 1..r+1 from the accountant (every round counts, skipped or not) and the
+        mechanism's own record (the clip, the clipped clients) from the server state's ``dp`` entry."""
+        dp = self.ctx.dp
+        if not dp.central:
+            return {}
+        eps = central_epsilon(dp.noise, self.ctx.num_clients, self.ctx.clients_per_round, self.sampler.name, r + 1,
+                              dp.delta, dp.accountant)
+        out: dict[str, Any] = {"dp_epsilon": eps if math.isfinite(eps) else None, "dp_delta": dp.delta}
+        out.update({f"dp_{k}": v for k, v in (self.state.get("dp") or {}).items()})
+        return out
 
     def _diverged(self, bad: int, replies: int, loss: float | None) -> str | None:
         """Why this round counts as diverged (None if it does not): most honest replies non-finite, a

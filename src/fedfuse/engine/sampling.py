@@ -19,6 +19,7 @@ The run option ``sampling`` picks the policy; every algorithm that leaves partic
   cluster's total weight would exceed 1/m, the m heaviest clusters each seed a distribution, and the clients
   of the remaining clusters fill the distributions' leftover mass in a random order.  With no gradient
   information (all zeros, round 0) the tree degenerates and the result is still a valid set of distributions.
+* ``poisson`` — every client independently with probability m/N (DP-FedAvg's sampling, :mod:`fedfuse.engine.privacy`).
 * ``clustered-size`` — Fraboni's Algorithm 1 (clusters by sample size only): clients sorted by p_i fill the
   m distributions in order.
 
@@ -45,7 +46,7 @@ from fedfuse.engine.context import RoundInfo
 from fedfuse.engine.contract import Algorithm
 from fedfuse.types import Message, TensorDict
 
-SAMPLINGS = ("auto", "uniform", "size-weighted", "clustered", "clustered-size")
+SAMPLINGS = ("auto", "uniform", "size-weighted", "clustered", "clustered-size", "poisson")
 
 
 # ------------------------------------------------------------------------------------------ pure math
@@ -244,8 +245,26 @@ class ClusteredSampler(SizeWeightedSampler):
         self.grads = None if g is None else np.asarray(g, dtype=np.float32)
 
 
+class PoissonSampler(Sampler):
+    """Every client takes part independently with probability q = m/N (McMahan et al. 2018's sampling for DP-FedAvg:
+    the privacy amplification the accountant's ``PoissonSampledDpEvent`` assumes).  The number of participants
+    varies round to round (its mean is m); the weights are FedAvg-style 1/m-normalised (N·p_i/m, as ``uniform``)."""
+
+    name = "poisson"
+
+    def select(self, algo: Any, info: Any, rng: np.random.Generator) -> list[int]:
+        q = self.m / self.num_clients
+        clients = [int(c) for c in np.flatnonzero(rng.random(self.num_clients) < q)]
+        self.counts = {c: 1 for c in clients}
+        return clients
+
+    def weights(self) -> dict[int, float]:
+        return {c: self.num_clients * float(self.p[c]) / self.m for c in self.counts}
+
+
 SAMPLERS: dict[str, type[Sampler]] = {
     "uniform": Sampler,
+    "poisson": PoissonSampler,
     "size-weighted": SizeWeightedSampler,
     "clustered": ClusteredSampler,
     "clustered-size": ClusteredSizeSampler,
