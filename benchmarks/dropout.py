@@ -20,7 +20,7 @@ import torch
 
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.config import RunConfig, apply, validate
-from fedfuse.experiment import Experiment
+from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Federation, Split
 
 LM_ALGORITHMS = ("simple-fedma", "fedit", "fedlora", "fedmerge-lora", "fedem-lora", "local-lora")
@@ -86,7 +86,7 @@ def main() -> None:
                                                "seed": args.seed, "dropout": p, "plots": False, "threads": 1,
                                                "eval_every": 5}))
             t0 = time.perf_counter()
-            exp = Experiment(cfg, fed=lm_fed if lm else None)
+            exp = experiment(cfg, fed=lm_fed if lm else None)
             s = exp.run()
             f = s["final"]
             for key, short in (("global_accuracy", "global"), ("personal_accuracy", "personal")):

@@ -36,11 +36,11 @@ import time
 import torch
 
 from fedfuse.config import RunConfig, apply
-from fedfuse.engine.executor import make_executor
+from fedfuse.engine.executors import make_executor
 from fedfuse.engine.processes import ProcessExecutor
-from fedfuse.experiment import Experiment
 from fedfuse.models import build_model
 from fedfuse.rng import numpy_rng
+from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Federation, Split
 
 N_CLIENTS, PER_CLIENT, PER_ROUND, BATCH, LR = 100, 600, 10, 50, 0.05
@@ -84,7 +84,7 @@ def engine_round_times(fed: Federation, model: str, opts: dict, rounds: int, exe
         cpu.append(now - last[0])
         last[0] = now
 
-    exp = Experiment(cfg, fed=fed, executor=ex, on_round=tick)
+    exp = experiment(cfg, fed=fed, executor=ex, on_round=tick)
     last[0] = time.process_time()
     exp.run()
     return [h["seconds"] for h in exp.history[1:-1]], cpu[1:-1]

@@ -26,7 +26,7 @@ import yaml
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.executor import Job, SequentialExecutor
-from fedfuse.experiment import Experiment
+from fedfuse.runner import experiment
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
         executor="batched", threads=1, local_epochs=args.epochs, partition="shards",
         partition_options={"classes_per_client": 5}, dataset_options={"train_limit": 6000, "test_limit": 200},
         algorithm_options=options))
-    exp = Experiment(cfg, progress=False)
+    exp = experiment(cfg, progress=False)
     exp._fresh()
     for r in range(args.warm_rounds):
         exp._round(r)

@@ -19,8 +19,8 @@ import torch
 
 from fedfuse.config import RunConfig, apply, load_yaml
 from fedfuse.engine.client import evaluate_model
-from fedfuse.experiment import Experiment
 from fedfuse.fusion.average import weighted_average
+from fedfuse.runner import experiment
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     if not slots:
         raise SystemExit(f"{args.run}: no FedMR slots in the checkpoint")
     over = {"out": None, "plots": False, **({"data_dir": args.data_dir} if args.data_dir else {})}
-    exp = Experiment(apply(RunConfig(), {**load_yaml(args.run / "config.yaml"), **over}), progress=False)
+    exp = experiment(apply(RunConfig(), {**load_yaml(args.run / "config.yaml"), **over}), progress=False)
     model = exp.ctx.build().to(exp.device)
 
     def accuracy(state: dict[str, torch.Tensor]) -> float:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from fedfuse.config import RunConfig, apply
-from fedfuse.experiment import Experiment
+from fedfuse.runner import experiment
 
 
 def run(executor: str, data_dir: str, rounds: int, threads: int) -> tuple[float, float, float]:
@@ -25,7 +25,7 @@ def run(executor: str, data_dir: str, rounds: int, threads: int) -> tuple[float,
         partition_options={"classes_per_client": 5}, model="mlp", clients=10, clients_per_round=10, rounds=rounds,
         eval_every=rounds, local_epochs=2, batch_size=32, lr=0.1, seed=0, plots=False, executor=executor,
         threads=threads, dataset_options={"train_limit": 6000, "test_limit": 500}, algorithm_options={"mu": 0.25}))
-    exp = Experiment(cfg, progress=False)
+    exp = experiment(cfg, progress=False)
     wall, cpu = time.time(), time.process_time()
     exp.run()
     return time.time() - wall, time.process_time() - cpu, float(exp.history[-1]["train_loss"])

@@ -5,7 +5,7 @@ images (client c holds images 600c .. 600c+599), 10 clients per round, 1 local e
 models MLP 784-200-200-10 and the McMahan CNN (1,663,370 parameters).  Variants, interleaved (every repeat runs
 every variant once, so machine noise hits all alike) in this one process tree:
 
-- ``fedfuse-<executor>``: ``fedfuse.experiment.Experiment`` with an in-process executor (default: sequential
+- ``fedfuse-<executor>``: ``fedfuse.runner.experiment`` with an in-process executor (default: sequential
   and batched; the faster one is "fedfuse" in the ratios);
 - ``flower-plain``: a Flower app as Flower's tutorials write one (flwr 1.4x Message API,
   benchmarks/flower_plain_app.py): a ``ServerApp`` running ``flwr.serverapp.strategy.FedAvg.start`` and a
@@ -102,17 +102,17 @@ def run_fedfuse(model: str, opts: dict, rounds: int, executor: str, data_dir: st
                 actors: int = 1) -> Timing:
     """A whole fedfuse run (config, MNIST from the data dir, contiguous 100 × 600 partition, model, rounds);
     ``executor="flower"`` with ``actors`` Ray actors."""
-    from fedfuse.experiment import Experiment
+    from fedfuse.runner import experiment
 
     stamps: list[float] = []
     launch = time.perf_counter()
     cfg = fedfuse_config(model, opts, rounds, executor, data_dir, threads)
     ex = None
     if executor == "flower":  # as make_executor builds it, with the actor count of the plain Flower app
-        from fedfuse.flower.executor import SimulationExecutor
+        from fedfuse.flower.simulation import SimulationExecutor
 
         ex = SimulationExecutor(cfg, cfg.seed, num_nodes=N_CLIENTS, workers=actors, threads=threads)
-    exp = Experiment(cfg, executor=ex, on_round=lambda rec: stamps.append(time.perf_counter()))
+    exp = experiment(cfg, executor=ex, on_round=lambda rec: stamps.append(time.perf_counter()))
     exp.run()
     end = time.perf_counter()
     acc = exp.history[-1].get("global_accuracy")
@@ -120,9 +120,9 @@ def run_fedfuse(model: str, opts: dict, rounds: int, executor: str, data_dir: st
 
 
 def flower_executor_available() -> bool:
-    from fedfuse.engine.executor import EXECUTOR_NAMES
+    import importlib.util
 
-    return "flower" in EXECUTOR_NAMES
+    return importlib.util.find_spec("flwr") is not None
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -183,7 +183,7 @@ def prepare(data_dir: str, path: Path, threads: int) -> None:
     nodes."""
     import flwr.simulation  # noqa: F401
 
-    import fedfuse.experiment
+    import fedfuse.runner
     from fedfuse.data.datasets import load_dataset
 
     if flower_executor_available():

@@ -61,12 +61,12 @@ def test_local_work_is_a_typed_record_not_metadata():
 def test_round_record_sums_the_replies_fitstats(tmp_path):
     """The engine's client_flops, train_loss and trained_params come from each reply's FitStats."""
     from fedfuse.config import RunConfig, apply
-    from fedfuse.experiment import Experiment
+    from fedfuse.runner import experiment
 
     cfg = apply(RunConfig(), {"dataset": "digits", "clients": 4, "clients_per_round": 4, "rounds": 1,
                               "local_epochs": 1, "model": "mlp", "out": str(tmp_path), "plots": False,
                               "device": "cpu"})
-    exp = Experiment(cfg, progress=False)
+    exp = experiment(cfg, progress=False)
     seen: list[Message] = []
     declare = exp.algo.client_program
 
@@ -94,14 +94,14 @@ def test_communicated_parameters_sum_a_clients_stages_and_skip_simulation_tensor
     """Secure FedMR sends each client its slot model in stage 0, metadata in stage 1 and relayed envelopes
     (``sim/...``, peer traffic) in stage 2: per client and round that is one model, as for plain FedMR."""
     from fedfuse.config import RunConfig, apply
-    from fedfuse.experiment import Experiment
+    from fedfuse.runner import experiment
 
     seen = {}
     for secure in (False, True):
         cfg = apply(RunConfig(), {"algorithm": "fedmr", "dataset": "digits", "clients": 6, "clients_per_round": 4,
                                   "rounds": 1, "local_epochs": 1, "model": "mlp", "out": str(tmp_path / str(secure)),
                                   "plots": False, "device": "cpu", "algorithm_options": {"secure": secure}})
-        exp = Experiment(cfg, progress=False)
+        exp = experiment(cfg, progress=False)
         exp.run()
         seen[secure] = exp.history[0]["communicated_parameters_per_client"]
         model = sum(p.numel() for p in exp.ctx.model().parameters()) + sum(b.numel() for b in exp.ctx.model().buffers())

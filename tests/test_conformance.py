@@ -25,7 +25,8 @@ from fedfuse.algorithms import ALGORITHMS
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.batched import BatchedExecutor
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Federation, Split
 
 LOSS_RTOL = 1e-4
@@ -99,7 +100,7 @@ def _run(algorithm: str, executor: str, executor_obj=None) -> Experiment:
     lm = algorithm == "simple-fedma" or algorithm in LORA
     if algorithm in LORA:
         pytest.importorskip("peft")
-    exp = Experiment(_cfg(algorithm, executor), fed=_fed(algorithm) or (
+    exp = experiment(_cfg(algorithm, executor), fed=_fed(algorithm) or (
         _token_federation() if lm else None), executor=executor_obj)
     _FEDS.setdefault("lm" if lm else "digits", exp.fed)
     exp.run()
@@ -217,7 +218,7 @@ def test_every_algorithm_resumes_bit_identically(algorithm, tmp_path):
     def cfg(out) -> RunConfig:
         return apply(_cfg(algorithm, "batched"), dict(rounds=3, eval_every=1, checkpoint_every=1, out=str(out)))
 
-    full = Experiment(cfg(tmp_path / "a"), fed=fed)
+    full = experiment(cfg(tmp_path / "a"), fed=fed)
     full.run()
     fed = full.fed
 
@@ -226,8 +227,8 @@ def test_every_algorithm_resumes_bit_identically(algorithm, tmp_path):
             raise _Killed
 
     with pytest.raises(_Killed):
-        Experiment(cfg(tmp_path / "b"), fed=fed, on_round=kill).run()
-    resumed = Experiment(apply(RunConfig(), load_yaml(tmp_path / "b" / "config.yaml")), fed=fed)
+        experiment(cfg(tmp_path / "b"), fed=fed, on_round=kill).run()
+    resumed = experiment(apply(RunConfig(), load_yaml(tmp_path / "b" / "config.yaml")), fed=fed)
     resumed.run(resume=True)
     ma = [strip_timing(json.loads(x)) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     mb = [strip_timing(json.loads(x)) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]

@@ -59,7 +59,7 @@ def test_base_defaults_change_nothing(tmp_path):
     cfg = RunConfig(dataset="digits", algorithm="fedavg", clients=3, rounds=1, model="mlp",
                     model_options={"widths": [8]})
     fed = build_federation(cfg)
-    algo = build_algorithm(cfg, build_context(cfg, fed, "cpu"), get_algorithm)
+    algo = build_algorithm(cfg, build_context(cfg, fed, "cpu"), get_algorithm(cfg.algorithm))
     blinded = fed.blinded()
     assert algo.setup(blinded) is blinded
     assert algo.diagnostics({}, fed, RoundInfo(0, 1)) == {}

@@ -9,9 +9,10 @@ from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import train_local
 from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.rng import derive_seed, numpy_rng, torch_generator
+from fedfuse.runner import experiment
 
 
 def small_cfg(tmp_path, **kw) -> RunConfig:
@@ -30,7 +31,7 @@ def read_metrics(path):
 
 def test_run_writes_all_outputs(tmp_path):
     cfg = small_cfg(tmp_path, plots=True)
-    summary = Experiment(cfg).run()
+    summary = experiment(cfg).run()
     out = tmp_path / "run"
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "checkpoint.pt", "curves.png",
                  "partition.png", "partition.json", "model_final.pt"):
@@ -71,7 +72,7 @@ def _manual_fedavg_round(exp: Experiment, r: int, init: dict) -> dict:
 
 def test_fedavg_round_equals_hand_composed_average(tmp_path):
     cfg = small_cfg(tmp_path, rounds=1, out=None)
-    exp = Experiment(cfg)
+    exp = experiment(cfg)
     exp.state = exp.algo.init_state()
     init = {k: v.clone() for k, v in exp.state["global"].items()}
     exp.client_states = {c: None for c in range(exp.fed.num_clients)}
@@ -88,9 +89,9 @@ class ReversedExecutor(SequentialExecutor):
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedavg-ft"])
 def test_results_do_not_depend_on_client_order(tmp_path, algorithm):
-    a = Experiment(small_cfg(tmp_path, algorithm=algorithm, out=None))
+    a = experiment(small_cfg(tmp_path, algorithm=algorithm, out=None))
     ra = a.run()
-    b = Experiment(small_cfg(tmp_path, algorithm=algorithm, out=None), fed=a.fed)
+    b = experiment(small_cfg(tmp_path, algorithm=algorithm, out=None), fed=a.fed)
     b.executor = ReversedExecutor(b.fed.clients, b.cfg.seed)
     rb = b.run()
     assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
@@ -103,7 +104,7 @@ class Killed(Exception):
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "local", "fedprox"])
 def test_resume_is_bit_identical(tmp_path, algorithm):
-    full = Experiment(small_cfg(tmp_path / "a", algorithm=algorithm, rounds=4))
+    full = experiment(small_cfg(tmp_path / "a", algorithm=algorithm, rounds=4))
     full.run()
 
     def kill(rec):
@@ -112,14 +113,14 @@ def test_resume_is_bit_identical(tmp_path, algorithm):
 
     cfg_b = small_cfg(tmp_path / "b", algorithm=algorithm, rounds=4)
     with pytest.raises(Killed):
-        Experiment(cfg_b, on_round=kill).run()
+        experiment(cfg_b, on_round=kill).run()
     # a line written after the last checkpoint must not survive the resume
     with open(tmp_path / "b" / "run" / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"round": 99}) + "\n")
     from fedfuse.config import load_yaml
 
     cfg_resumed = apply(RunConfig(), load_yaml(tmp_path / "b" / "run" / "config.yaml"))
-    Experiment(cfg_resumed).run(resume=True)
+    experiment(cfg_resumed).run(resume=True)
     ma = [strip_timing(r) for r in read_metrics(tmp_path / "a" / "run")]
     mb = [strip_timing(r) for r in read_metrics(tmp_path / "b" / "run")]
     assert ma == mb
@@ -130,26 +131,26 @@ def test_resume_is_bit_identical(tmp_path, algorithm):
 
 
 def test_same_seed_same_metrics_and_other_seed_differs(tmp_path):
-    h1 = Experiment(small_cfg(tmp_path, out=None)).run()
-    h2 = Experiment(small_cfg(tmp_path, out=None)).run()
-    h3 = Experiment(small_cfg(tmp_path, out=None, seed=4)).run()
+    h1 = experiment(small_cfg(tmp_path, out=None)).run()
+    h2 = experiment(small_cfg(tmp_path, out=None)).run()
+    h3 = experiment(small_cfg(tmp_path, out=None, seed=4)).run()
     assert strip_timing(h1["final"]) == strip_timing(h2["final"])
     assert h1["final"]["val_loss"] != h3["final"]["val_loss"]
 
 
 def test_fedprox_with_mu_zero_equals_fedavg(tmp_path):
-    a = Experiment(small_cfg(tmp_path, out=None))
+    a = experiment(small_cfg(tmp_path, out=None))
     a.run()
-    b = Experiment(small_cfg(tmp_path, out=None, algorithm="fedprox", algorithm_options={"mu": 0.0}), fed=a.fed)
+    b = experiment(small_cfg(tmp_path, out=None, algorithm="fedprox", algorithm_options={"mu": 0.0}), fed=a.fed)
     b.run()
     for k, v in a.state["global"].items():
         torch.testing.assert_close(b.state["global"][k], v, rtol=0, atol=0)
 
 
 def test_fedprox_pulls_towards_global(tmp_path):
-    a = Experiment(small_cfg(tmp_path, out=None, rounds=1, local_epochs=3))
+    a = experiment(small_cfg(tmp_path, out=None, rounds=1, local_epochs=3))
     a.run()
-    b = Experiment(small_cfg(tmp_path, out=None, rounds=1, local_epochs=3, algorithm="fedprox",
+    b = experiment(small_cfg(tmp_path, out=None, rounds=1, local_epochs=3, algorithm="fedprox",
                              algorithm_options={"mu": 10.0}), fed=a.fed)
     b.run()
     init = a.algo.init_state()["global"]
@@ -158,13 +159,13 @@ def test_fedprox_pulls_towards_global(tmp_path):
 
 
 def test_local_communicates_nothing_and_fedavg_ft_personalises(tmp_path):
-    loc = Experiment(small_cfg(tmp_path, out=None, algorithm="local"))
+    loc = experiment(small_cfg(tmp_path, out=None, algorithm="local"))
     s = loc.run()
     assert all(h["bytes_down"] == 0 and h["bytes_up"] == 0 for h in loc.history)
     assert s["final"]["global_accuracy"] is None and s["final"]["personal_accuracy"] > 0.3
-    fa = Experiment(small_cfg(tmp_path, out=None, algorithm="fedavg"), fed=loc.fed)
+    fa = experiment(small_cfg(tmp_path, out=None, algorithm="fedavg"), fed=loc.fed)
     fa.run()
-    ft = Experiment(small_cfg(tmp_path, out=None, algorithm="fedavg-ft"), fed=loc.fed)
+    ft = experiment(small_cfg(tmp_path, out=None, algorithm="fedavg-ft"), fed=loc.fed)
     ft.run()
     # same training, so same global model; fine-tuning changes only personalised evaluation
     assert fa.history[-1]["global_accuracy"] == ft.history[-1]["global_accuracy"]
@@ -172,7 +173,7 @@ def test_local_communicates_nothing_and_fedavg_ft_personalises(tmp_path):
 
 
 def test_best_round_is_lowest_validation_loss(tmp_path):
-    exp = Experiment(small_cfg(tmp_path, out=None, rounds=5))
+    exp = experiment(small_cfg(tmp_path, out=None, rounds=5))
     s = exp.run()
     vals = [h["val_loss"] for h in exp.history]
     assert s["best"]["round"] == 1 + vals.index(min(vals))
@@ -180,7 +181,7 @@ def test_best_round_is_lowest_validation_loss(tmp_path):
 
 
 def test_batchnorm_model_runs_and_averages_statistics(tmp_path):
-    exp = Experiment(small_cfg(tmp_path, out=None, model="resnet9", model_options={}, rounds=1,
+    exp = experiment(small_cfg(tmp_path, out=None, model="resnet9", model_options={}, rounds=1,
                                clients_per_round=2))
     init = exp.algo.init_state()["global"]
     exp.run()

@@ -14,9 +14,11 @@ from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
 from fedfuse.engine.auto import AutoExecutor
 from fedfuse.engine.batched import BatchedExecutor, batch_coupled, unbatchable_reason
 from fedfuse.engine.client import TrainConfig, train_local
-from fedfuse.engine.executor import Job, SequentialExecutor, job_generator, make_executor
+from fedfuse.engine.executor import Job, SequentialExecutor, job_generator
+from fedfuse.engine.executors import make_executor
+from fedfuse.engine.loop import strip_timing
 from fedfuse.engine.program import ClientProgram, LossTerm, run_program
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Message, Split
 
 EMPTY = Split(torch.zeros(0, 1, 6, 6), torch.zeros(0, dtype=torch.long))
@@ -265,17 +267,17 @@ def test_resume_is_bit_identical_within_an_executor(tmp_path, executor, algorith
         if rec["round"] == 2:
             raise Killed
 
-    killed = Experiment(_cfg(tmp_path / "b", executor=executor, algorithm=algorithm), on_round=kill)
+    killed = experiment(_cfg(tmp_path / "b", executor=executor, algorithm=algorithm), on_round=kill)
     with pytest.raises(Killed):
         killed.run()
     chosen = killed.executor.describe()
     cfg = apply(RunConfig(), load_yaml(tmp_path / "b" / "run" / "config.yaml"))
-    resumed = Experiment(cfg, fed=killed.fed)
+    resumed = experiment(cfg, fed=killed.fed)
     sb = resumed.run(resume=True)
     assert sb["executor"] == chosen  # auto keeps the executor its probe chose before the kill
     # the uninterrupted reference runs the executor that was actually used
     concrete = chosen.replace("auto→", "").split("(")[0]
-    full = Experiment(_cfg(tmp_path / "a", executor=concrete, algorithm=algorithm), fed=killed.fed)
+    full = experiment(_cfg(tmp_path / "a", executor=concrete, algorithm=algorithm), fed=killed.fed)
     full.run()
     read = lambda d: [strip_timing(json.loads(x)) for x in (d / "run" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert read(tmp_path / "a") == read(tmp_path / "b")
@@ -294,7 +296,7 @@ def _same(a, b) -> bool:
 
 
 def test_auto_probe_picks_and_records_an_executor(tmp_path):
-    exp = Experiment(_cfg(tmp_path, executor="auto", rounds=1, out=None))
+    exp = experiment(_cfg(tmp_path, executor="auto", rounds=1, out=None))
     summary = exp.run()
     assert isinstance(exp.executor, AutoExecutor)
     assert summary["executor"].startswith("auto→")
@@ -320,7 +322,7 @@ def test_language_model_batched_equals_sequential(tmp_path):
                                       clients_per_round=3, rounds=2, batch_size=4, lr=0.1, seed=0, plots=False,
                                       executor=ex, partition="iid",
                                       model_options=dict(d_model=8, n_heads=2, n_layers=1, d_ff=12, dropout=0.0)))
-        runs[ex] = Experiment(cfg, fed=fed)
+        runs[ex] = experiment(cfg, fed=fed)
         runs[ex].run()
     assert runs["batched"].executor.fallbacks == {}
     for k, v in runs["sequential"].state["global"].items():

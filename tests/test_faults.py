@@ -13,10 +13,11 @@ from fedfuse.algorithms import ALGORITHMS
 from fedfuse.algorithms.base import Algorithm
 from fedfuse.config import ConfigError, RunConfig, apply, validate
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan, update_norm
+from fedfuse.engine.loop import Experiment, build_federation, strip_timing
 from fedfuse.engine.validate import check_replies
 from fedfuse.errors import DivergenceError
-from fedfuse.experiment import Experiment, build_federation, strip_timing
 from fedfuse.fusion.average import clip_updates, robust_average
+from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Federation, FitStats, Message, Split
 
 BASE = dict(dataset="digits", model="mlp", model_options={"widths": [16]}, clients=4, clients_per_round=4,
@@ -33,7 +34,7 @@ def fed():
 
 
 def _run(fed, **kw) -> Experiment:
-    exp = Experiment(_cfg(**kw), fed=fed)
+    exp = experiment(_cfg(**kw), fed=fed)
     exp.run()
     return exp
 
@@ -241,12 +242,12 @@ def test_late_replies_join_the_next_round(fed):
 def test_quorum_skips_a_round_and_keeps_the_server_state(fed):
     exp = _run(fed, dropout=0.6, quorum=4, rounds=2, seed=2)
     assert all(h["round_skipped"] for h in exp.history)
-    init = Experiment(_cfg(seed=2), fed=fed).algo.init_state()["global"]
+    init = experiment(_cfg(seed=2), fed=fed).algo.init_state()["global"]
     assert _same(_global(exp), init)
 
 
 def test_fedmr_partial_round_keeps_the_missing_slot(fed):
-    exp = Experiment(_cfg(algorithm="fedmr", seed=0), fed=fed)
+    exp = experiment(_cfg(algorithm="fedmr", seed=0), fed=fed)
     state = exp.algo.init_state()
     slots = [{k: v + i for k, v in state["global"].items()} for i in range(4)]
     state = {**state, "slots": slots}
@@ -280,7 +281,7 @@ def _poison_when(exp: Experiment, bad) -> None:
 
 def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, fed):
     out = tmp_path / "r"
-    exp = Experiment(_cfg(rounds=4, eval_every=1, out=str(out)), fed=fed)
+    exp = experiment(_cfg(rounds=4, eval_every=1, out=str(out)), fed=fed)
     _poison_when(exp, lambda e: len(e.history) == 2)  # the third round
     with pytest.raises(DivergenceError, match=r"diverged in round 3: the global model holds non-finite") as e:
         exp.run()
@@ -292,7 +293,7 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, fed):
 
 def test_rollback_halves_the_lr_until_the_round_is_finite(tmp_path, fed):
     out = tmp_path / "r"
-    exp = Experiment(_cfg(lr=80.0, rounds=3, on_divergence="rollback", out=str(out)), fed=fed)
+    exp = experiment(_cfg(lr=80.0, rounds=3, on_divergence="rollback", out=str(out)), fed=fed)
     _poison_when(exp, lambda e: e.ctx.train.lr > 10)
     exp.run()
     assert exp.ctx.train.lr == 10.0 and exp.history[0]["rollbacks"] == 3 and len(exp.history) == 3

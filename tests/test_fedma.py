@@ -8,8 +8,9 @@ from fedfuse.algorithms.base import RoundInfo, RunContext
 from fedfuse.algorithms.simple_fedma import SimpleFedMA
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.engine.loop import strip_timing
 from fedfuse.fusion.permute import permute_all, random_permutations, transformer_spec
+from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
 
 
@@ -25,7 +26,7 @@ def cfg(algorithm, clients=3, rounds=1, model="mlp", model_options=None, **kw):
 
 
 def run(c):
-    exp = Experiment(c)
+    exp = experiment(c)
     exp.run()
     return exp
 
@@ -73,7 +74,7 @@ def test_fedma_hungarian_and_cnn_with_conv_to_linear_growth():
 
 
 def test_fedma_freezes_lower_layers_during_retraining():
-    exp = Experiment(cfg("fedma", clients=2))
+    exp = experiment(cfg("fedma", clients=2))
     exp.state = exp.algo.init_state()
     exp.client_states = {c: None for c in range(2)}
     info0 = RoundInfo(0, 1, 0)

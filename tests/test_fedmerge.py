@@ -12,7 +12,7 @@ from torch.func import functional_call
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import task_loss, train_flops_per_sample
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.engine.loop import strip_timing
 from fedfuse.fusion.merge import (
     cluster_ari,
     column_normalised,
@@ -23,6 +23,7 @@ from fedfuse.fusion.merge import (
     update_globals,
 )
 from fedfuse.rng import torch_generator
+from fedfuse.runner import experiment
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -118,7 +119,7 @@ def test_cluster_ari():
 
 
 def test_dispatched_model_is_the_merge_on_every_state_entry(tmp_path):
-    exp = Experiment(cfg_for(tmp_path, model="resnet9", clients=4, algorithm_options={"d": 3}))
+    exp = experiment(cfg_for(tmp_path, model="resnet9", clients=4, algorithm_options={"d": 3}))
     algo = exp.algo
     state = algo.init_state()
     state["logits"] = torch.randn(4, 3, dtype=torch.float64)
@@ -147,7 +148,7 @@ def test_dispatched_model_is_the_merge_on_every_state_entry(tmp_path):
 
 
 def test_weight_rows_stay_on_simplex_and_fixed_step_is_exact(tmp_path):
-    exp = Experiment(cfg_for(tmp_path, rounds=3, algorithm_options={"d": 4, "merge_step": 0.05, "init": "independent"}))
+    exp = experiment(cfg_for(tmp_path, rounds=3, algorithm_options={"d": 4, "merge_step": 0.05, "init": "independent"}))
     exp.state = exp.algo.init_state()
     exp.client_states = {c: None for c in range(6)}
     for r in range(3):
@@ -165,8 +166,8 @@ def test_weight_rows_stay_on_simplex_and_fixed_step_is_exact(tmp_path):
 def test_d1_all_clients_reproduces_fedavg(tmp_path):
     kw = dict(model="resnet9", clients=4, clients_per_round=4, rounds=2, partition="dirichlet",
               partition_options={"alpha": 1.0, "min_size": 20})
-    fa = Experiment(cfg_for(tmp_path, algorithm="fedavg", **kw))
-    fm = Experiment(cfg_for(tmp_path, algorithm="fedmerge", algorithm_options={"d": 1}, **kw), fed=fa.fed)
+    fa = experiment(cfg_for(tmp_path, algorithm="fedavg", **kw))
+    fm = experiment(cfg_for(tmp_path, algorithm="fedmerge", algorithm_options={"d": 1}, **kw), fed=fa.fed)
     # the FLOP counter runs one train-mode forward on its first (uncached) call, which moves BN buffers:
     # warm its cache so neither run's first client is affected (engine issue reported to the lead)
     x0 = fa.fed.clients[0].train
@@ -191,7 +192,7 @@ def test_d1_all_clients_reproduces_fedavg(tmp_path):
 @pytest.mark.parametrize("merge_params", ["head", "last-2", "all"])
 def test_logit_and_theta_update_equal_autograd_for_one_sgd_step(tmp_path, merge_params):
     lr = 0.1
-    exp = Experiment(cfg_for(tmp_path, clients=3, clients_per_round=3, batch_size=100000, lr=lr,
+    exp = experiment(cfg_for(tmp_path, clients=3, clients_per_round=3, batch_size=100000, lr=lr,
                              model_options={"widths": [8, 8]},
                              algorithm_options={"d": 3, "merge_params": merge_params, "merge_update": "gradient",
                                                 "merge_step": 1.0, "theta_lr": 1.0, "theta_update": "paper",
@@ -230,7 +231,7 @@ def test_logit_and_theta_update_equal_autograd_for_one_sgd_step(tmp_path, merge_
 
 
 def test_fixed_k_ablation_is_frozen_uniform(tmp_path):
-    exp = Experiment(cfg_for(tmp_path, rounds=2, algorithm_options={"d": 5, "fixed_k": 2}))
+    exp = experiment(cfg_for(tmp_path, rounds=2, algorithm_options={"d": 5, "fixed_k": 2}))
     exp.state = exp.algo.init_state()
     exp.client_states = {c: None for c in range(6)}
     w0 = row_softmax(exp.state["logits"])
@@ -241,19 +242,19 @@ def test_fixed_k_ablation_is_frozen_uniform(tmp_path):
 
 
 def test_code_options_run_and_change_the_update(tmp_path):
-    base = Experiment(cfg_for(tmp_path, algorithm_options={"d": 3}))
+    base = experiment(cfg_for(tmp_path, algorithm_options={"d": 3}))
     outs = []
     for opts in ({"d": 3}, {"d": 3, "theta_update": "column_normalised", "weights_first": True, "prox_mu": 0.01}):
-        e = Experiment(cfg_for(tmp_path, algorithm_options=opts), fed=base.fed)
+        e = experiment(cfg_for(tmp_path, algorithm_options=opts), fed=base.fed)
         e.run()
         outs.append(e.state["globals"][0]["fc.weight"])
     assert not torch.allclose(outs[0], outs[1])
 
 
 def test_same_seed_identical_metrics_and_outputs(tmp_path):
-    a = Experiment(cfg_for(tmp_path, rounds=2, out=str(tmp_path / "a"), algorithm_options={"heatmap_every": 1}))
+    a = experiment(cfg_for(tmp_path, rounds=2, out=str(tmp_path / "a"), algorithm_options={"heatmap_every": 1}))
     a.run()
-    b = Experiment(cfg_for(tmp_path, rounds=2, out=str(tmp_path / "b"), algorithm_options={"heatmap_every": 1}))
+    b = experiment(cfg_for(tmp_path, rounds=2, out=str(tmp_path / "b"), algorithm_options={"heatmap_every": 1}))
     b.run()
     assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
     out = tmp_path / "a"
@@ -305,28 +306,28 @@ def test_paper_update_is_one_dth_of_fedavg_step_and_column_form_is_fedavg_sized(
 
 
 def test_shared_init_copies_one_model_and_breaks_symmetry_with_logits(tmp_path):
-    exp = Experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "init": "shared"}))
+    exp = experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "init": "shared"}))
     st = exp.algo.init_state()
     for g in st["globals"][1:]:
         for k, v in g.items():
             assert torch.equal(v, st["globals"][0][k])
     assert float(st["logits"].std()) > 0  # symmetry broken by random initial logits (auto std 0.1)
     assert abs(float(st["logits"].std()) - 0.1) < 0.06
-    ind = Experiment(cfg_for(tmp_path, algorithm_options={"d": 3})).algo.init_state()  # default: independent
+    ind = experiment(cfg_for(tmp_path, algorithm_options={"d": 3})).algo.init_state()  # default: independent
     assert not torch.equal(ind["globals"][0]["fc.weight"], ind["globals"][1]["fc.weight"])
     assert float(ind["logits"].abs().max()) == 0.0  # papers: uniform initial weights
     with pytest.raises(ValueError, match="symmetry"):
-        Experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "init": "shared", "logit_init_std": 0.0}))
+        experiment(cfg_for(tmp_path, algorithm_options={"d": 3, "init": "shared", "logit_init_std": 0.0}))
 
 
 def test_independent_init_merge_is_nearly_input_independent_shared_is_not(tmp_path):
     """Cause 2: the average of d independently initialised MLPs has ~1/√d smaller weights per layer, so its
     output hardly depends on the input; a shared initialisation's merge is a normal network."""
-    exp = Experiment(cfg_for(tmp_path, model_options={"widths": [64, 64]}, algorithm_options={"d": 10}))
+    exp = experiment(cfg_for(tmp_path, model_options={"widths": [64, 64]}, algorithm_options={"d": 10}))
     x = exp.fed.clients[0].train.x[:200]
     spread = {}
     for init in ("shared", "independent"):
-        algo = Experiment(cfg_for(tmp_path, model_options={"widths": [64, 64]},
+        algo = experiment(cfg_for(tmp_path, model_options={"widths": [64, 64]},
                                   algorithm_options={"d": 10, "init": init}), fed=exp.fed).algo
         st = algo.init_state()
         model = algo.ctx.load(merge_states(st["globals"], [0.1] * 10))
@@ -337,11 +338,11 @@ def test_independent_init_merge_is_nearly_input_independent_shared_is_not(tmp_pa
 
 
 def test_auto_merge_step_spreads_the_code_travel_over_a_clients_samplings(tmp_path):
-    exp = Experiment(cfg_for(tmp_path, clients=6, clients_per_round=3, algorithm_options={"d": 2}))
+    exp = experiment(cfg_for(tmp_path, clients=6, clients_per_round=3, algorithm_options={"d": 2}))
     # 6 clients, 3 per round: a client is sampled R/2 times; travel 5 → step 10/R
     assert exp.algo.merge_step(20) == pytest.approx(5.0 / 10)
     assert exp.algo.merge_step(2) == pytest.approx(5.0)  # at most the whole travel in one step
-    fixed = Experiment(cfg_for(tmp_path, algorithm_options={"d": 2, "merge_step": 0.01})).algo
+    fixed = experiment(cfg_for(tmp_path, algorithm_options={"d": 2, "merge_step": 0.01})).algo
     assert fixed.merge_step(500) == 0.01  # the code's value when given
 
 
@@ -350,7 +351,7 @@ def _digits_cluster(algo: str, opts: dict, seed: int) -> float:
         dataset="digits", partition="label-cluster", model="mlp", clients=10, clients_per_round=5, rounds=12,
         batch_size=32, lr=0.1, local_epochs=1, seed=seed, out=None, plots=False, algorithm=algo, eval_every=12,
         model_options={"widths": [32]}, partition_options={"clusters": 5}, algorithm_options=opts))
-    return Experiment(cfg, progress=False).run()["final"]["personal_accuracy"]
+    return experiment(cfg, progress=False).run()["final"]["personal_accuracy"]
 
 
 def test_defaults_beat_fedavg_on_a_cluster_split_and_old_defaults_did_not():

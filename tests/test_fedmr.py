@@ -12,7 +12,7 @@ from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import train_local
 from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.recombine import (
     any_pure,
@@ -27,6 +27,7 @@ from fedfuse.fusion.recombine import (
 )
 from fedfuse.models import build_model
 from fedfuse.rng import derive_seed, numpy_rng, torch_generator
+from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
 
 
@@ -186,7 +187,7 @@ def test_secure_exchange_through_the_algorithm_hooks():
     ``num_batches_tracked``): the server's hands hold metadata, ciphertext and mixed models only."""
     from fedfuse.algorithms.fedmr import ENVELOPE_OVERHEAD, new_key_pair
 
-    exp = Experiment(cfg_for(clients=8, clients_per_round=5, algorithm_options={"secure": True}, **BN_MODEL))
+    exp = experiment(cfg_for(clients=8, clients_per_round=5, algorithm_options={"secure": True}, **BN_MODEL))
     algo = exp.algo
     inputs = random_states(exp.ctx.model(), 5, seed=11)
     cids = [0, 2, 3, 5, 7]
@@ -220,10 +221,10 @@ def test_secure_exchange_through_the_algorithm_hooks():
 
 
 def test_secure_run_counts_peer_bytes(tmp_path):
-    exp = Experiment(cfg_for(rounds=2, algorithm_options={"secure": True}))
+    exp = experiment(cfg_for(rounds=2, algorithm_options={"secure": True}))
     exp.run()
     assert all(h["bytes_peer"] > 0 for h in exp.history)
-    plain = Experiment(cfg_for(rounds=2), fed=exp.fed)
+    plain = experiment(cfg_for(rounds=2), fed=exp.fed)
     plain.run()
     assert all(h["bytes_peer"] == 0 for h in plain.history)
     assert [h["bytes_up"] for h in plain.history] == [h["bytes_up"] for h in exp.history]
@@ -233,7 +234,7 @@ def test_secure_run_counts_peer_bytes(tmp_path):
 
 
 def test_k1_equals_sequential_training():
-    exp = Experiment(cfg_for(clients=4, clients_per_round=1, rounds=3))
+    exp = experiment(cfg_for(clients=4, clients_per_round=1, rounds=3))
     exp.run()
     seed = exp.cfg.seed
     current = {k: v.clone() for k, v in exp.algo.init_state()["global"].items()}
@@ -261,11 +262,11 @@ def warm_flop_cache(exp: Experiment) -> None:
 @pytest.mark.parametrize("warmup_weighting,fedavg_weighting", [("uniform", "uniform"), ("samples", "samples")])
 def test_warmup_for_all_rounds_equals_fedavg(warmup_weighting, fedavg_weighting):
     """Default warm-up = uniform average of the uploads (author code); ``samples`` = sample-weighted FedAvg."""
-    a = Experiment(cfg_for(algorithm_options={"warmup_rounds": 3, "warmup_weighting": warmup_weighting},
+    a = experiment(cfg_for(algorithm_options={"warmup_rounds": 3, "warmup_weighting": warmup_weighting},
                            **BN_MODEL))
     warm_flop_cache(a)
     a.run()
-    b = Experiment(cfg_for(algorithm="fedavg", algorithm_options={"weighting": fedavg_weighting}, **BN_MODEL),
+    b = experiment(cfg_for(algorithm="fedavg", algorithm_options={"weighting": fedavg_weighting}, **BN_MODEL),
                    fed=a.fed)
     b.run()
     for k, v in b.state["global"].items():
@@ -280,7 +281,7 @@ def test_uniform_warmup_differs_from_weighted_on_unequal_clients():
     """The two warm-up forms are different operators when clients hold different amounts of data."""
     runs = {}
     for w in ("uniform", "samples"):
-        exp = Experiment(cfg_for(rounds=1, algorithm_options={"warmup_rounds": 1, "warmup_weighting": w}))
+        exp = experiment(cfg_for(rounds=1, algorithm_options={"warmup_rounds": 1, "warmup_weighting": w}))
         exp.run()
         runs[w] = exp.state["global"]
     sizes = [len(c.train.y) for c in exp.fed.clients]
@@ -289,7 +290,7 @@ def test_uniform_warmup_differs_from_weighted_on_unequal_clients():
 
 
 def test_two_stage_switches_to_recombination_and_global_is_uniform_slot_average():
-    exp = Experiment(cfg_for(rounds=3, algorithm_options={"warmup_rounds": 2}, **BN_MODEL))
+    exp = experiment(cfg_for(rounds=3, algorithm_options={"warmup_rounds": 2}, **BN_MODEL))
     exp.run()
     slots = exp.state["slots"]
     assert slots is not None and len(slots) == 3
@@ -302,7 +303,7 @@ def test_two_stage_switches_to_recombination_and_global_is_uniform_slot_average(
 
 
 def test_algorithm_recombination_uses_each_uploaded_layer_once():
-    exp = Experiment(cfg_for(clients=8, clients_per_round=4, **BN_MODEL))
+    exp = experiment(cfg_for(clients=8, clients_per_round=4, **BN_MODEL))
     algo = exp.algo
     state = algo.init_state()
     inputs = random_states(exp.ctx.model(), 4, seed=3)
@@ -316,7 +317,7 @@ def test_algorithm_recombination_uses_each_uploaded_layer_once():
 
 
 def test_segments_option_in_the_algorithm():
-    exp = Experiment(cfg_for(clients=8, clients_per_round=4, algorithm_options={"segments": 1}, **BN_MODEL))
+    exp = experiment(cfg_for(clients=8, clients_per_round=4, algorithm_options={"segments": 1}, **BN_MODEL))
     algo = exp.algo
     inputs = random_states(exp.ctx.model(), 4, seed=4)
     results = {c: Message(s, stats=FitStats(num_examples=5)) for c, s in enumerate(inputs)}
@@ -326,7 +327,7 @@ def test_segments_option_in_the_algorithm():
 
 
 def test_metrics_have_cosine_and_plot(tmp_path):
-    exp = Experiment(cfg_for(tmp_path, plots=True))
+    exp = experiment(cfg_for(tmp_path, plots=True))
     exp.run()
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["model_cosine"] is not None and -1.0 <= r["model_cosine"] <= 1.0 + 1e-9 for r in recs)
@@ -340,9 +341,9 @@ class ReversedExecutor(SequentialExecutor):
 
 def test_deterministic_and_client_order_independent():
     opts = {"secure": True}
-    a = Experiment(cfg_for(algorithm_options=opts))
+    a = experiment(cfg_for(algorithm_options=opts))
     a.run()
-    b = Experiment(cfg_for(algorithm_options=opts), fed=a.fed)
+    b = experiment(cfg_for(algorithm_options=opts), fed=a.fed)
     b.executor = ReversedExecutor(b.fed.clients, b.cfg.seed)
     b.run()
     assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
@@ -356,7 +357,7 @@ class Killed(Exception):
 def test_resume_is_bit_identical(tmp_path, algorithm, opts):
     from fedfuse.config import load_yaml
 
-    full = Experiment(cfg_for(tmp_path / "a", algorithm=algorithm, rounds=4, algorithm_options=opts))
+    full = experiment(cfg_for(tmp_path / "a", algorithm=algorithm, rounds=4, algorithm_options=opts))
     full.run()
 
     def kill(rec):
@@ -364,9 +365,9 @@ def test_resume_is_bit_identical(tmp_path, algorithm, opts):
             raise Killed
 
     with pytest.raises(Killed):
-        Experiment(cfg_for(tmp_path / "b", algorithm=algorithm, rounds=4, algorithm_options=opts), on_round=kill).run()
+        experiment(cfg_for(tmp_path / "b", algorithm=algorithm, rounds=4, algorithm_options=opts), on_round=kill).run()
     cfg = apply(RunConfig(), load_yaml(tmp_path / "b" / "run" / "config.yaml"))
-    Experiment(cfg).run(resume=True)
+    experiment(cfg).run(resume=True)
     ma = [strip_timing(json.loads(x)) for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
     mb = [strip_timing(json.loads(x)) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert ma == mb and len(ma) == 4

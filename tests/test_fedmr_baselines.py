@@ -13,11 +13,12 @@ from fedfuse.algorithms.fedmut import mutate, mutation_coefficients, mutation_ra
 from fedfuse.algorithms.fedsam import train_sam
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig, train_local
+from fedfuse.engine.loop import strip_timing
 from fedfuse.engine.sam import sam_perturbation
-from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.models import build_model
 from fedfuse.rng import numpy_rng
+from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message, Split
 
 
@@ -85,7 +86,7 @@ def test_mutate_hand_case_and_mean():
 
 
 def test_fedmut_round_matches_the_construction():
-    exp = Experiment(cfg_for(algorithm="fedmut", **BN_MODEL))
+    exp = experiment(cfg_for(algorithm="fedmut", **BN_MODEL))
     algo = exp.algo
     state = algo.init_state()
     res = fake_results(exp.ctx.model(), 4, seed=1)
@@ -134,7 +135,7 @@ def test_fedexp_step_size_hand_case():
 @pytest.mark.parametrize("opts", [{}, {"weighting": "uniform", "eps": 1e-3, "eps_decay": 0.996004}])
 def test_fedexp_aggregate_extrapolates_params_and_averages_bn_stats(opts):
     """Default: data weights p_i and K·ε with ε = 0.1 (FedMR's benchmark code); FedExP's own code's form too."""
-    exp = Experiment(cfg_for(algorithm="fedexp", algorithm_options=opts, **BN_MODEL))
+    exp = experiment(cfg_for(algorithm="fedexp", algorithm_options=opts, **BN_MODEL))
     algo = exp.algo
     state = algo.init_state()
     res = fake_results(exp.ctx.model(), 3, seed=2)
@@ -199,9 +200,9 @@ def test_sam_with_zero_radius_equals_plain_training_including_bn_stats(adaptive)
 
 
 def test_sam_changes_the_trajectory_and_counts_double_flops():
-    a = Experiment(cfg_for(algorithm="fedavg", rounds=1))
+    a = experiment(cfg_for(algorithm="fedavg", rounds=1))
     a.run()
-    b = Experiment(cfg_for(algorithm="fedasam", rounds=1), fed=a.fed)
+    b = experiment(cfg_for(algorithm="fedasam", rounds=1), fed=a.fed)
     b.run()
     assert b.history[0]["client_flops"] == pytest.approx(2 * a.history[0]["client_flops"])
     assert any(not torch.equal(a.state["global"][k], b.state["global"][k]) for k in a.state["global"])
@@ -209,9 +210,9 @@ def test_sam_changes_the_trajectory_and_counts_double_flops():
 
 @pytest.mark.parametrize("algorithm", ["fedmut", "fedexp", "fedsam", "fedasam"])
 def test_same_seed_same_metrics(algorithm):
-    a = Experiment(cfg_for(algorithm=algorithm))
+    a = experiment(cfg_for(algorithm=algorithm))
     a.run()
-    b = Experiment(cfg_for(algorithm=algorithm), fed=a.fed)
+    b = experiment(cfg_for(algorithm=algorithm), fed=a.fed)
     b.run()
     assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
     assert a.history[-1]["global_accuracy"] is not None

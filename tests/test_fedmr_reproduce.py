@@ -10,7 +10,7 @@ import yaml
 
 from fedfuse.algorithms.fedmr import model_units
 from fedfuse.config import RunConfig, apply, validate
-from fedfuse.experiment import strip_timing
+from fedfuse.engine.loop import strip_timing
 from fedfuse.models import build_model
 from fedfuse.reproduce import fedmr as R
 

@@ -22,10 +22,10 @@ from fedfuse.algorithms.fedmr import (
 )
 from fedfuse.config import validate
 from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.engine.loop import strip_timing
-from fedfuse.experiment import Experiment
+from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.fusion.recombine import assemble, secure_exchange, unit_bytes
 from fedfuse.rng import numpy_rng
+from fedfuse.runner import experiment
 from fedfuse.types import Message
 from test_fedmr import cfg_for
 
@@ -88,8 +88,8 @@ class RecordingExecutor(SequentialExecutor):
         return out
 
 
-def recorded_run(cfg, drop=None, lookup=Recording) -> tuple[Experiment, RecordingExecutor]:
-    exp = Experiment(cfg, algorithm_lookup=lambda name: lookup)
+def recorded_run(cfg, drop=None, algorithm=Recording) -> tuple[Experiment, RecordingExecutor]:
+    exp = Experiment(cfg, algorithm)
     exp.algo.seen = []
     exp.executor = RecordingExecutor(exp.fed.clients, exp.cfg.seed, drop)
     exp.run()
@@ -138,7 +138,7 @@ def test_server_never_receives_a_clients_own_model_and_relays_only_ciphertext():
 # ---- (2) equal to the former server-side simulation, every layer used exactly once --------------------------
 def test_recombined_models_equal_the_server_side_simulation():
     exp, ex = recorded_run(secure_cfg())
-    ref = Experiment(secure_cfg(), fed=exp.fed, algorithm_lookup=lambda name: ServerSideSecure)
+    ref = Experiment(secure_cfg(), ServerSideSecure, fed=exp.fed)
     ref.run()
     for k, v in ref.state["global"].items():
         assert torch.equal(exp.state["global"][k], v)
@@ -186,7 +186,7 @@ def test_secure_fedmr_over_flower_messages_equals_in_process():
     ref, ex = recorded_run(cfg)
     grid = RecordingGrid(client_app, 2)
     grid.seen = []
-    flw = Experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
+    flw = experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
     flw.run()
     assert [strip_timing(h) for h in flw.history] == [strip_timing(h) for h in ref.history]
     totals = {k: v for k, v in flw.summary()["totals"].items() if k != "wall_seconds"}
@@ -254,7 +254,7 @@ def mail(pairs: dict[int, list[str]]) -> dict[int, Message]:
 
 
 def test_settle_plan_by_hand():
-    exp = Experiment(cfg_for(clients=6, clients_per_round=3, algorithm_options=SECURE))
+    exp = experiment(cfg_for(clients=6, clients_per_round=3, algorithm_options=SECURE))
     algo = exp.algo
     assert len(algo.units()) == 3
     info = RoundInfo(index=0, total=1, stage=1)
@@ -332,7 +332,7 @@ def test_flower_node_that_lost_its_store_is_a_dropout():
             return out
 
     cfg = validate(secure_cfg())
-    flw = Experiment(cfg, executor=FlowerExecutor(RestartingGrid(client_app, 2), cfg, cfg.seed))
+    flw = experiment(cfg, executor=FlowerExecutor(RestartingGrid(client_app, 2), cfg, cfg.seed))
     flw.run()
     rec = flw.history[0]
     node1 = [c for c in rec["clients"] if c % 2 == 0]  # client cid is served by node ids[cid % 2]

@@ -18,11 +18,11 @@ pytest.importorskip("flwr")
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.api import make_config
 from fedfuse.config import validate
-from fedfuse.engine.loop import strip_timing
-from fedfuse.experiment import Experiment
+from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.flower import wire
 from fedfuse.flower.app import client_app, prepare_node
 from fedfuse.flower.executor import FlowerExecutor, LocalGrid
+from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
 from test_conformance import LORA, _cfg, _token_federation
 
@@ -63,7 +63,7 @@ def _flower_run(cfg, fed=None, *, nodes: int = 2, fail=None) -> tuple[Experiment
     if fed is not None:  # a federation assembled in code: the node is handed the same one
         prepare_node(cfg, fed=fed)
     grid = LocalGrid(client_app, nodes, fail=fail)
-    exp = Experiment(cfg, fed=fed, executor=FlowerExecutor(grid, cfg, cfg.seed))
+    exp = experiment(cfg, fed=fed, executor=FlowerExecutor(grid, cfg, cfg.seed))
     exp.run()
     return exp, grid
 
@@ -75,7 +75,7 @@ def test_every_algorithm_on_flower_equals_in_process(algorithm):
     lm = algorithm == "simple-fedma" or algorithm in LORA
     fed = _token_federation() if lm else None
     cfg = _cfg(algorithm, "sequential")
-    ref = Experiment(cfg, fed=fed)
+    ref = experiment(cfg, fed=fed)
     ref.run()
     flw, grid = _flower_run(cfg, fed=_token_federation() if lm else None)
     assert [strip_timing(h) for h in flw.history] == [strip_timing(h) for h in ref.history]
@@ -96,7 +96,7 @@ def test_a_node_that_dies_is_a_dropout_and_the_run_completes(tmp_path):
     assert hist[1]["dropped"] == [1, 3, 5] and exp.totals.dropped == 3
     assert all(h["personal_accuracy"] is not None for h in hist)
     assert exp.summary()["rounds_completed"] == 3
-    ref = Experiment(cfg.__class__(**{**cfg.to_dict(), "out": None}))
+    ref = experiment(cfg.__class__(**{**cfg.to_dict(), "out": None}))
     ref.run()
     assert hist[0]["personal_accuracy"] == ref.history[0]["personal_accuracy"]
 
@@ -115,7 +115,7 @@ def test_a_silent_node_is_retried_after_a_few_calls():
         return real(messages, timeout=timeout)
 
     grid.send_and_receive = spy
-    exp = Experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
+    exp = experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
     exp.run()
     assert served == [{1, 2}, {1}, {1}, {1}, {1, 2}, {1, 2}, {1, 2}, {1, 2}]
     assert [h["replied"] for h in exp.history] == [2, 4, 4, 4]
@@ -128,7 +128,7 @@ def test_resume_on_flower_is_bit_identical(tmp_path):
     part, _ = _flower_run(make_config(**{**base, "rounds": 2}, out=str(tmp_path / "b")))
     cfg = make_config(**base, out=str(tmp_path / "b"))
     grid = LocalGrid(client_app, 2)
-    resumed = Experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
+    resumed = experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
     resumed.run(resume=True)
     assert [strip_timing(h) for h in resumed.history] == [strip_timing(h) for h in full.history]
     assert part.history[:2] == resumed.history[:2]
@@ -161,5 +161,5 @@ def test_a_node_reads_data_from_its_own_data_dir(tmp_path, monkeypatch):
     grid = LocalGrid(client_app, 1)
     grid.contexts[1].node_config["data-dir"] = str(tmp_path)
     app._RUNS.clear()
-    Experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed)).run()
+    experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed)).run()
     assert seen == [str(tmp_path)]

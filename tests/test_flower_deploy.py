@@ -60,10 +60,10 @@ def _metrics(out: Path) -> list[dict]:
 def _in_process(tmp_path: Path) -> list[dict]:
     """The same config run by fedfuse's in-process engine (sequential executor), as metrics.jsonl records."""
     from fedfuse.api import make_config
-    from fedfuse.experiment import Experiment
+    from fedfuse.runner import experiment
 
     cfg = tmp_path / "config.yaml"
-    Experiment(make_config(str(cfg), out=str(tmp_path / "ref"), executor="sequential")).run()
+    experiment(make_config(str(cfg), out=str(tmp_path / "ref"), executor="sequential")).run()
     return _metrics(tmp_path / "ref")
 
 
@@ -168,7 +168,7 @@ def test_supernodes_with_an_unregistered_key_or_a_foreign_ca_are_refused(federat
 def test_fedfuse_app_three_rounds_over_tls_equals_in_process(federation: LocalFederation, tmp_path: Path) -> None:
     """flwr run of fedfuse's app on a TLS SuperLink with two registered SuperNodes: 3 FedAvg rounds, both clients
     answer every round, and metrics.jsonl equals the in-process engine's run of the same config (timing aside)."""
-    from fedfuse.experiment import strip_timing
+    from fedfuse.engine.loop import strip_timing
 
     app, out = _fedfuse_app(tmp_path, round_timeout=0.0)  # no timeout: every reply is waited for
     run_id = federation.run(app)

@@ -13,6 +13,7 @@ from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.context import RunContext
 from fedfuse.engine.loop import Experiment
+from fedfuse.outputs import output_callbacks
 from fedfuse.types import GROUND_TRUTH_INFO, ClientData, Federation, Split
 
 
@@ -55,7 +56,8 @@ def _cfg(executor: str, out: str | None) -> RunConfig:
 
 @pytest.mark.parametrize("executor", ["sequential", "batched"])
 def test_training_hooks_never_see_the_true_clusters_but_diagnostics_do(executor, tmp_path):
-    exp = Experiment(_cfg(executor, str(tmp_path)), algorithm_lookup=lambda name: Spy)
+    exp = Experiment(_cfg(executor, str(tmp_path)), Spy)
+    exp.attach(*output_callbacks(exp.fed))  # the run directory's files for the user, as fedfuse.runner attaches
     truth = exp.fed.groups()
     assert truth == [0, 0, 1, 1]  # label-cluster with 2 clusters over 4 consecutive client ids
     assert "clusters_classes" in exp.fed.info and "group_sizes" in exp.fed.info

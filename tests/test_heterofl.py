@@ -7,9 +7,10 @@ import torch
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.heterofl import bn_statistics
 from fedfuse.config import RunConfig, apply
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.engine.loop import strip_timing
 from fedfuse.fusion.slicing import _SKELETONS, slice_state
 from fedfuse.models import build_model
+from fedfuse.runner import experiment
 from fedfuse.types import Message
 
 
@@ -28,8 +29,8 @@ def cfg(algorithm="heterofl", **kw):
 
 
 def test_selections_static_and_rolling():
-    h = Experiment(cfg()).algo
-    r = Experiment(cfg("fedrolex")).algo
+    h = experiment(cfg()).algo
+    r = experiment(cfg("fedrolex")).algo
     assert h.selection(0, 0)["hidden.0"].tolist() == [0, 1, 2, 3] == h.selection(2, 7)["hidden.0"].tolist()
     assert r.selection(0, 0)["hidden.0"].tolist() == [0, 1, 2, 3]
     assert r.selection(1, 1)["hidden.0"].tolist() == [7, 0, 1, 2]  # roll(arange(8), 1)[:4]
@@ -37,7 +38,7 @@ def test_selections_static_and_rolling():
 
 
 def test_aggregation_holders_and_label_split_by_hand():
-    exp = Experiment(cfg(algorithm_options={"mu_list": [0.5, 0.25, 1.0]}))
+    exp = experiment(cfg(algorithm_options={"mu_list": [0.5, 0.25, 1.0]}))
     algo = exp.algo
     state = algo.init_state()
     g = state["global"]
@@ -61,7 +62,7 @@ def test_aggregation_holders_and_label_split_by_hand():
 
 
 def test_masked_ce_and_scaler_hooks_in_training_only():
-    exp = Experiment(cfg())
+    exp = experiment(cfg())
     algo = exp.algo
     data = exp.fed.clients[0]
     sel = algo.selection(0, 0)
@@ -100,13 +101,13 @@ def test_bn_statistics_combine_to_the_pooled_cumulative_average():
 def test_heterofl_sbn_stage_runs_and_fedrolex_has_none():
     kw = dict(dataset="digits", model="resnet18", model_options={"width_mult": 0.0625, "norm": "bn-static"},
               rounds=2, clients=2, clients_per_round=2)
-    h = Experiment(cfg(**kw, algorithm_options={"stats_every": 2}))
+    h = experiment(cfg(**kw, algorithm_options={"stats_every": 2}))
     h.run()
     g, meta = h.algo.global_model(h.state)
     assert meta == {"model_options": {"norm": "bn"}} and "bn1.running_mean" in g
     assert h.algo.num_stages(h.state, RoundInfo(1, 2)) == 2 and h.algo.num_stages(h.state, RoundInfo(0, 2)) == 1
     assert g["bn1.num_batches_tracked"].item() > 0
-    r = Experiment(cfg("fedrolex", **kw))
+    r = experiment(cfg("fedrolex", **kw))
     assert r.algo.num_stages(r.algo.init_state(), RoundInfo(1, 2)) == 1
 
 
@@ -114,7 +115,7 @@ def test_heterofl_sbn_stage_runs_and_fedrolex_has_none():
 def test_same_seed_identical_metrics(algorithm):
     runs = []
     for _ in range(2):
-        e = Experiment(cfg(algorithm))
+        e = experiment(cfg(algorithm))
         e.run()
         runs.append([strip_timing(r) for r in e.history])
     assert runs[0] == runs[1]
@@ -126,16 +127,16 @@ def test_scaler_auto_only_with_normalisation_layers(algorithm):
     """The authors' Scaler always feeds a norm layer; on a norm-free MLP its ×1/μ per layer compounds and the
     default lr 0.1 diverged (MNIST, μ = 0.125: training loss 1e23, then NaN).  ``auto`` therefore applies it only
     to models with normalisation; ``always`` and ``never`` force it."""
-    mlp = Experiment(cfg(algorithm)).algo
+    mlp = experiment(cfg(algorithm)).algo
     assert mlp.opt.scaler == "auto" and not mlp.use_scaler()
-    assert Experiment(cfg(algorithm, algorithm_options={"scaler": "always"})).algo.use_scaler()
+    assert experiment(cfg(algorithm, algorithm_options={"scaler": "always"})).algo.use_scaler()
     kw = dict(model="resnet18", model_options={"width_mult": 0.0625, "norm": "bn-static"})
-    assert Experiment(cfg(algorithm, **kw)).algo.use_scaler()
-    assert not Experiment(cfg(algorithm, **kw, algorithm_options={"scaler": "never"})).algo.use_scaler()
+    assert experiment(cfg(algorithm, **kw)).algo.use_scaler()
+    assert not experiment(cfg(algorithm, **kw, algorithm_options={"scaler": "never"})).algo.use_scaler()
     # a client's training under auto equals training with the Scaler off on the MLP, and differs from always
     out = {}
     for mode in ("auto", "never", "always"):
-        exp = Experiment(cfg(algorithm, algorithm_options={"scaler": mode}))
+        exp = experiment(cfg(algorithm, algorithm_options={"scaler": mode}))
         algo, data = exp.algo, exp.fed.clients[0]
         sel = algo.selection(0, 0)
         payload = Message(slice_state(algo.init_state()["global"], algo.spec, sel),
@@ -154,7 +155,7 @@ def test_batched_sub_models_with_scaler_and_masked_logits_equal_sequential(algor
               clients_per_round=3, algorithm_options={"stats_every": 2})
     runs = {}
     for executor in ("sequential", "batched"):
-        exp = Experiment(cfg(algorithm, executor=executor, **kw))
+        exp = experiment(cfg(algorithm, executor=executor, **kw))
         assert exp.algo.use_scaler()
         exp.run()
         runs[executor] = exp

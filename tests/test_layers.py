@@ -1,8 +1,11 @@
-"""One-way layers, checked on the source: ``types → models → fusion → engine → algorithms → api/cli``.
+"""One-way layers, checked on the source: every module of ``src/fedfuse`` has a rank (:data:`LAYERS`, shown in
+``docs/design.md``), no import goes to a higher rank, and the imports form no cycle.
 
-Every ``import`` and ``from … import`` in ``src/fedfuse`` is read with :mod:`ast` — at module level and inside
-functions (a call-time import is still an arrow) — and resolved to the module it names.  A failure lists the
-offending arrows as ``importer:line -> imported``.
+Every ``import`` and ``from … import`` in ``src/fedfuse`` is read with :mod:`ast` — at module level, inside
+functions (a call-time import is still an arrow) and under ``if TYPE_CHECKING`` — and resolved to the module it
+names; ``importlib.import_module`` with a constant name counts too, and a registry package's discovery of its
+own submodules (``importlib.import_module(f"{__name__}.{name}")``) is an arrow to each of them.  A failure lists
+the offending arrows as ``importer:line -> imported``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,38 @@ import fedfuse
 from fedfuse.structure import Member, PermGroup, UnitGroupBuilder, UnitGroups, axis
 
 SRC = Path(fedfuse.__file__).parent
+DESIGN = SRC.parent.parent / "docs" / "design.md"
 
+# The ranking, bottom first: (layer, what it owns, its modules).  ``pkg.*`` is every module below ``pkg`` (the
+# package itself excluded); an exact name wins over a ``.*`` pattern, a longer pattern over a shorter one.  A
+# module may import modules of its own layer or of a lower one, never of a higher one, and never in a cycle.
+LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("foundation", "message and federation types, structure declarations, seeded RNG, option declarations, "
+                   "error types, statistics, Markdown tables",
+     ("fedfuse.types", "fedfuse.structure", "fedfuse.rng", "fedfuse.options", "fedfuse.errors", "fedfuse.stats",
+      "fedfuse.tables", "fedfuse._callable")),
+    ("plots", "figures of metric histories", ("fedfuse.plots",)),
+    ("models", "model classes and their registry", ("fedfuse.models", "fedfuse.models.*")),
+    ("fusion", "pure operators on named tensors", ("fedfuse.fusion", "fedfuse.fusion.*")),
+    ("data", "datasets, corpora, partitions, federations, partition reports and exports",
+     ("fedfuse.data", "fedfuse.data.*")),
+    ("config", "the run configuration: schema, validation, YAML, run directories", ("fedfuse.config",)),
+    ("run store", "a run directory read back as a Result", ("fedfuse.result",)),
+    ("engine", "the round loop, checkpoints, executors and their registry, client training, callbacks",
+     ("fedfuse.engine", "fedfuse.engine.*")),
+    ("contract", "what an algorithm is", ("fedfuse.algorithms.base",)),
+    ("adapters", "LoRA adapters, the character tokenizer, adapter evaluation",
+     ("fedfuse.adapters", "fedfuse.adapters.*")),
+    ("algorithms", "one module per algorithm", ("fedfuse.algorithms.*",)),
+    ("registry", "every algorithm by name", ("fedfuse.algorithms",)),
+    ("flower", "Flower: executor, apps, wire format, simulation, deployment", ("fedfuse.flower", "fedfuse.flower.*")),
+    ("composition root", "wires algorithm, executors and output files into a run",
+     ("fedfuse.outputs", "fedfuse.runner")),
+    ("tools", "sweeps and the run store's tables, reports", ("fedfuse.sweep", "fedfuse.report")),
+    ("reproductions", "paper presets", ("fedfuse.reproduce", "fedfuse.reproduce.*")),
+    ("entry points", "the Python API, the command line, the package root",
+     ("fedfuse.api", "fedfuse.cli", "fedfuse.adapters.cli", "fedfuse.__main__", "fedfuse")),
+]
 # A variant may subclass its parent algorithm (and import nothing else from it): (variant, parent) -> parent class.
 ALLOWED_VARIANTS: dict[tuple[str, str], str] = {
     ("clusamp", "fedavg"): "FedAvg",
@@ -33,9 +67,9 @@ ALLOWED_VARIANTS: dict[tuple[str, str], str] = {
 # Modules of fedfuse.algorithms that are not algorithms: every algorithm may import them.  (The package itself is
 # the registry of every algorithm: importing it counts as importing another algorithm.)
 ALGORITHM_COMMONS = {"fedfuse.algorithms.base"}
-# What sits above the engine: the engine imports none of it.
-ABOVE_ENGINE = ("fedfuse.algorithms", "fedfuse.experiment", "fedfuse.api", "fedfuse.cli", "fedfuse.sweep",
-                "fedfuse.reproduce", "fedfuse.adapters", "fedfuse.report")
+# The package root resolves its public names lazily (``fedfuse.run`` → ``fedfuse.api.run``) with computed module
+# names; it is the top rank, so whatever it reaches is below it.
+DYNAMIC_IMPORTERS = {"fedfuse"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +96,23 @@ def _is_module(name: str, root: Path) -> bool:
     return (root / rel).with_suffix(".py").is_file() or (root / rel / "__init__.py").is_file()
 
 
+def _children(package: str, root: Path) -> list[str]:
+    folder = root / Path(*package.split(".")[1:])
+    return sorted(f"{package}.{p.stem if p.suffix else p.name}" for p in folder.iterdir()
+                  if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file())
+
+
+def _dynamic(node: ast.Call, importer: str, is_package: bool, root: Path) -> list[Arrow] | None:
+    """Arrows of an ``importlib.import_module(...)`` call; None when the name cannot be resolved."""
+    arg = node.args[0] if node.args else None
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return [Arrow(importer, node.lineno, arg.value, ())] if arg.value.split(".")[0] == "fedfuse" else []
+    if (is_package and isinstance(arg, ast.JoinedStr) and len(arg.values) >= 2
+            and isinstance(arg.values[0], ast.FormattedValue) and getattr(arg.values[0].value, "id", "") == "__name__"):
+        return [Arrow(importer, node.lineno, child, ()) for child in _children(importer, root)]
+    return None
+
+
 def arrows_of(source: str, importer: str, is_package: bool = False, root: Path = SRC) -> list[Arrow]:
     """Every import in ``source`` (module level, in functions, under ``if TYPE_CHECKING``) that names fedfuse."""
     package = importer if is_package else importer.rpartition(".")[0]
@@ -83,7 +134,20 @@ def arrows_of(source: str, importer: str, is_package: bool = False, root: Path =
                 out.append(Arrow(importer, node.lineno, mod, plain))
             out += [Arrow(importer, node.lineno, f"{mod}.{a.name}", ()) for a in node.names
                     if _is_module(f"{mod}.{a.name}", root)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module"):
+            found = _dynamic(node, importer, is_package, root)
+            if found is None:
+                if importer not in DYNAMIC_IMPORTERS:
+                    raise AssertionError(f"{importer}:{node.lineno}: import_module of a computed name; "
+                                         "import what you need by name")
+                continue
+            out += found
     return out
+
+
+def all_modules(root: Path = SRC) -> list[str]:
+    return sorted(module_name(p, root) for p in root.rglob("*.py"))
 
 
 def all_arrows(root: Path = SRC) -> list[Arrow]:
@@ -97,48 +161,143 @@ def _under(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def _report(title: str, bad: list[Arrow]) -> str:
-    return f"{title} ({len(bad)} arrow(s)):\n  " + "\n  ".join(map(str, bad))
+def _report(title: str, bad: list) -> str:
+    return f"{title} ({len(bad)}):\n  " + "\n  ".join(map(str, bad))
+
+
+def rank_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of ``module``'s layer (None when no pattern covers it)."""
+    best: tuple[int, int] | None = None  # (specificity, rank)
+    for rank, (_, _, patterns) in enumerate(LAYERS):
+        for pat in patterns:
+            if pat == module:
+                spec = 10_000
+            elif pat.endswith(".*") and module.startswith(pat[:-1]):
+                spec = len(pat)
+            else:
+                continue
+            if best is None or spec > best[0]:
+                best = (spec, rank)
+    return None if best is None else best[1]
 
 
 ARROWS = all_arrows()
+MODULES = all_modules()
 
 
-def test_the_scanner_sees_function_level_and_relative_imports():
+def _target(a: Arrow) -> str:
+    """The module an arrow reaches (``from pkg.mod import name`` reaches ``pkg.mod``)."""
+    parent = a.module.rpartition(".")[0]
+    return parent if a.module not in MODULES and parent in MODULES else a.module
+
+
+def test_the_scanner_sees_function_level_relative_and_registry_imports():
     src = ("import fedfuse.types\nfrom . import peers\n"
-           "def f():\n    from fedfuse.algorithms import get_algorithm\n    return get_algorithm\n")
+           "def f():\n    from fedfuse.algorithms import get_algorithm\n    return get_algorithm\n"
+           "def g():\n    import importlib\n    return importlib.import_module('fedfuse.cli')\n")
     found = {(a.module, a.names) for a in arrows_of(src, "fedfuse.engine.loop")}
     assert found == {("fedfuse.types", ()), ("fedfuse.engine.peers", ()),
-                     ("fedfuse.algorithms", ("get_algorithm",))}
+                     ("fedfuse.algorithms", ("get_algorithm",)), ("fedfuse.cli", ())}
     assert len({a.importer for a in ARROWS}) > 80  # the whole package was read
-    assert any(a.importer == "fedfuse.experiment" and a.module == "fedfuse.algorithms" for a in ARROWS)
+    # the registry package discovers every algorithm module: arrows from it to each of them
+    assert {a.module for a in ARROWS if a.importer == "fedfuse.algorithms"} >= {"fedfuse.algorithms.fedavg",
+                                                                                "fedfuse.algorithms.msfusion"}
+    with pytest.raises(AssertionError, match="computed name"):
+        arrows_of("import importlib\nimportlib.import_module(name)\n", "fedfuse.engine.loop")
 
 
-def test_engine_imports_nothing_above_it():
-    """The engine resolves an algorithm through the lookup its caller passes (``fedfuse.experiment`` binds the
-    registry); no engine module imports an algorithm, the api, the CLI or anything else above it."""
-    bad = [a for a in ARROWS if _under(a.importer, "fedfuse.engine") and any(_under(a.module, p) for p in ABOVE_ENGINE)]
-    assert not bad, _report("fedfuse.engine imports a layer above it", bad)
+def test_every_module_has_exactly_one_rank_and_every_pattern_names_something():
+    unranked = [m for m in MODULES if rank_of(m) is None]
+    assert not unranked, _report("modules without a layer in LAYERS", unranked)
+    stale = [p for _, _, pats in LAYERS for p in pats
+             if not any(m == p or (p.endswith(".*") and m.startswith(p[:-1])) for m in MODULES)]
+    assert not stale, _report("LAYERS patterns that name no module", stale)
+
+
+def test_no_import_goes_up_a_layer():
+    bad = []
+    for a in ARROWS:
+        target = _target(a)
+        if rank_of(target) is not None and rank_of(target) > rank_of(a.importer):
+            bad.append(f"{a}   [{LAYERS[rank_of(a.importer)][0]} -> {LAYERS[rank_of(target)][0]}]")
+    assert not bad, _report("imports up the layers", bad)
+
+
+def _cycles(arrows: list[Arrow]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    graph: dict[str, set[str]] = {}
+    for a in arrows:
+        target = _target(a)
+        if target != a.importer:
+            graph.setdefault(a.importer, set()).add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_imports_form_no_cycle():
+    assert _cycles([Arrow("a", 1, "b", ()), Arrow("b", 1, "c", ()), Arrow("c", 1, "a", ())]) == [["a", "b", "c"]]
+    cycles = _cycles(ARROWS)
+    assert not cycles, _report("import cycles", cycles)
+
+
+def render_layers() -> list[str]:
+    """The table of :data:`LAYERS` as ``docs/design.md`` shows it."""
+    rows = ["| rank | layer | owns | modules |", "|---|---|---|---|"]
+    for rank, (name, owns, pats) in enumerate(LAYERS):
+        rows.append(f"| {rank} | {name} | {owns} | {', '.join(f'`{p}`' for p in pats)} |")
+    return rows
+
+
+def test_the_design_doc_shows_this_ranking():
+    text = DESIGN.read_text()
+    missing = [row for row in render_layers() if row not in text.splitlines()]
+    assert not missing, "docs/design.md does not show LAYERS; paste:\n" + "\n".join(render_layers())
+
+
+def test_the_engine_takes_an_algorithm_class_not_a_name():
+    from fedfuse.config import RunConfig
+    from fedfuse.engine.loop import Experiment
+
+    with pytest.raises(TypeError, match="class"):
+        Experiment(RunConfig(dataset="digits", clients=2, rounds=1), "fedavg")
 
 
 def test_config_reads_the_algorithm_registry_without_importing_it():
-    """The engine imports ``fedfuse.config``; config validates algorithm names and Options through the registry
-    ``fedfuse.algorithms`` registers on import (``register_algorithm_source``), so engine → config → algorithms is
-    no hidden arrow either."""
-    bad = [a for a in ARROWS if a.importer == "fedfuse.config" and any(_under(a.module, p) for p in ABOVE_ENGINE)]
-    assert not bad, _report("fedfuse.config imports a layer above the engine", bad)
+    """``fedfuse.config`` validates algorithm names and Options through the registry ``fedfuse.algorithms``
+    registers on import (``register_algorithm_source``)."""
     import fedfuse.algorithms
     from fedfuse.config import registered_algorithms
 
     assert registered_algorithms() is fedfuse.algorithms.ALGORITHMS
-
-
-def test_engine_without_a_lookup_says_how_to_get_one():
-    from fedfuse.config import RunConfig
-    from fedfuse.engine.loop import Experiment
-
-    with pytest.raises(TypeError, match="algorithm_lookup"):
-        Experiment(RunConfig(dataset="digits", clients=2, rounds=1))
 
 
 # ---------------------------------------------------------------------------------------------------- fusion

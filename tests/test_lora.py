@@ -19,8 +19,9 @@ from fedfuse.adapters.text import CharTokenizer
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply, validate
 from fedfuse.data.lm_clients import encode_pairs, make_federation, windows
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.engine.loop import strip_timing
 from fedfuse.models.transformer import TransformerModel
+from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
 
 TOK = CharTokenizer()
@@ -58,7 +59,7 @@ def run(fed, algo: str, base: str, rounds: int = 2, seed: int = 0, **opts):
         "clients": fed.num_clients, "clients_per_round": fed.num_clients, "rounds": rounds, "local_epochs": 1,
         "batch_size": 4, "lr": 0.01, "optimizer": "adam", "seed": seed, "plots": False,
         "algorithm_options": {"base": base, "rank": 2, "rouge_samples": 2, "gen_tokens": 4, **opts}}))
-    exp = Experiment(cfg, fed=fed)
+    exp = experiment(cfg, fed=fed)
     summary = exp.run()
     return exp, summary
 
@@ -185,7 +186,7 @@ def test_fedem_lora_stack_program_equals_training_each_adapter_alone(base, fed):
             "clients": fed.num_clients, "clients_per_round": fed.num_clients, "rounds": 2, "local_epochs": 2,
             "batch_size": 4, "lr": 0.01, "optimizer": "adam", "seed": 3, "plots": False, "grad_clip": clip,
             "algorithm_options": {"base": base, "rank": 2, "m": 3, "lora_dropout": 0.0, "rouge_samples": 0}}))
-        exp = Experiment(cfg, fed=fed)
+        exp = experiment(cfg, fed=fed)
         exp.run()
         return exp
 

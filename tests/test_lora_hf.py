@@ -16,7 +16,7 @@ from fedfuse.adapters.lora import LoraSpec, adapter_model  # noqa: E402
 from fedfuse.adapters.text import CharTokenizer  # noqa: E402
 from fedfuse.config import RunConfig, apply, validate  # noqa: E402
 from fedfuse.data.instructions import instruction_federation  # noqa: E402
-from fedfuse.experiment import Experiment  # noqa: E402
+from fedfuse.runner import experiment  # noqa: E402
 
 TOK = CharTokenizer()
 
@@ -55,7 +55,7 @@ def test_hf_llama_lora_federated_round(hf_dir, flan):
         "optimizer": "adam", "plots": False,
         "algorithm_options": {"base": base, "rank": 4, "d": 2, "merge_step": 0.5, "rouge_samples": 2,
                               "gen_tokens": 3}}))
-    exp = Experiment(cfg, fed=fed)
+    exp = experiment(cfg, fed=fed)
     summary = exp.run()
     am = adapter_model(base, LoraSpec(rank=4))
     assert isinstance(am.module.lm, transformers.LlamaForCausalLM)

@@ -8,8 +8,9 @@ import torch
 
 from fedfuse.algorithms.msfusion import contrastive_loss, cyclic_lr, expected_overlap, neighbours
 from fedfuse.config import RunConfig, apply
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.engine.loop import strip_timing
 from fedfuse.fusion.slicing import state_bytes
+from fedfuse.runner import experiment
 
 
 def cfg(**kw):
@@ -50,7 +51,7 @@ def test_cyclic_lr_and_dynamic_overlap():
     assert cyclic_lr(0, 100, 0.001, 0.0012) == pytest.approx(0.001)
     assert cyclic_lr(50, 100, 0.001, 0.0012) == pytest.approx(0.0012)
     assert cyclic_lr(75, 100, 0.001, 0.0012) == pytest.approx(0.0011)
-    exp = Experiment(cfg(algorithm_options={"schedule_rounds": 0}))  # Eq. 6's R = the run's rounds
+    exp = experiment(cfg(algorithm_options={"schedule_rounds": 0}))  # Eq. 6's R = the run's rounds
     algo = exp.algo
     total = 100
     assert algo.overlap_control(0, total) == 1.0
@@ -58,7 +59,7 @@ def test_cyclic_lr_and_dynamic_overlap():
     assert algo.overlap_control(10, total) == pytest.approx(1 - 0.1 * 0.75)
     assert algo.overlap_control(99, total) == pytest.approx(1 - 0.9 * 0.75)
     # default: R = the paper's 500 rounds whatever the run's length; past R, c stays at c0·(1 − p)
-    paper = Experiment(cfg()).algo
+    paper = experiment(cfg()).algo
     assert paper.overlap_control(10, 20) == pytest.approx(1 - (10 / 500) * 0.75)
     assert paper.overlap_control(19, 20) == pytest.approx(1 - (10 / 500) * 0.75)
     assert paper.overlap_control(250, 1000) == pytest.approx(1 - 0.5 * 0.75)
@@ -100,7 +101,7 @@ def hand_aggregate(algo, n, r, total, states, w0, nbrs):
 
 @pytest.mark.parametrize("num,topology,mu", [(3, "ring", 0.5), (4, "ring", 0.25), (4, "full", 0.25)])
 def test_overlap_aggregation_matches_hand_average(num, topology, mu):
-    exp = Experiment(cfg(clients=num, clients_per_round=num, rounds=3,
+    exp = experiment(cfg(clients=num, clients_per_round=num, rounds=3,
                          algorithm_options={"mu": mu, "topology": topology, "contrastive": False}))
     exp._fresh()
     exp._round(0)
@@ -119,7 +120,7 @@ def test_overlap_aggregation_matches_hand_average(num, topology, mu):
 
 
 def test_peer_bytes_counted_and_smaller_than_submodels():
-    exp = Experiment(cfg(clients=4, clients_per_round=4, rounds=3, model_options={"widths": [32, 32]},
+    exp = experiment(cfg(clients=4, clients_per_round=4, rounds=3, model_options={"widths": [32, 32]},
                          algorithm_options={"mu": 0.5, "topology": "ring"}))
     exp.run()
     h = exp.history
@@ -137,10 +138,10 @@ def test_peer_bytes_counted_and_smaller_than_submodels():
 
 
 def test_mu_one_without_contrastive_is_uniform_fedavg():
-    a = Experiment(cfg(rounds=2, algorithm_options={"mu": 1.0, "contrastive": False}))
+    a = experiment(cfg(rounds=2, algorithm_options={"mu": 1.0, "contrastive": False}))
     a.run()
     fedavg = {**cfg(rounds=2).to_dict(), "algorithm": "fedavg", "algorithm_options": {"weighting": "uniform"}}
-    b = Experiment(apply(RunConfig(), fedavg))
+    b = experiment(apply(RunConfig(), fedavg))
     b.run()
     ga, gb = a.algo.global_model(a.state)[0], b.algo.global_model(b.state)[0]
     for k in ga:
@@ -150,7 +151,7 @@ def test_mu_one_without_contrastive_is_uniform_fedavg():
 def test_same_seed_identical_metrics():
     runs = []
     for _ in range(2):
-        e = Experiment(cfg(rounds=2, algorithm_options={"mu": 0.5, "mu_list": [0.5, 0.25, 0.5]}))
+        e = experiment(cfg(rounds=2, algorithm_options={"mu": 0.5, "mu_list": [0.5, 0.25, 0.5]}))
         e.run()
         runs.append([strip_timing(r) for r in e.history])
     assert runs[0] == runs[1]
@@ -161,7 +162,7 @@ def test_peer_messages_of_different_sizes_are_not_quarantined():
     """Each peer gets the overlap of two windows, so different senders send the same-named tensor
     ``sim/peer/{m}/…`` with different shapes (here ζ = 2: 2, 2 and 6 rows).  The engine's reply check
     used to outvote the minority and quarantine valid updates (MNIST, ζ = 10: 91 of 200 replies)."""
-    exp = Experiment(cfg(clients=4, clients_per_round=4, rounds=3, model_options={"widths": [16]},
+    exp = experiment(cfg(clients=4, clients_per_round=4, rounds=3, model_options={"widths": [16]},
                          algorithm_options={"mu": 0.5, "zeta": 2}))
     exp.run()
     sizes = {tuple(v.shape) for c in range(4) for k, v in exp.algo.publish(
@@ -177,10 +178,10 @@ def test_heterogeneous_mu_sub_models_are_not_quarantined():
     engine's majority vote used to quarantine the μ = 0.25 participant every round.  Its shapes are now checked
     against its own selection, and a really wrong shape is still caught."""
     opts = {"mu": 0.5, "mu_list": [0.5, 0.25, 0.5]}
-    exp = Experiment(cfg(rounds=2, model_options={"widths": [8]}, algorithm_options=opts))
+    exp = experiment(cfg(rounds=2, model_options={"widths": [8]}, algorithm_options=opts))
     exp.run()
     assert all(not r["quarantined"] for r in exp.history)
-    bad = Experiment(cfg(rounds=2, model_options={"widths": [8]}, algorithm_options=opts, corrupt="shape",
+    bad = experiment(cfg(rounds=2, model_options={"widths": [8]}, algorithm_options=opts, corrupt="shape",
                          corrupt_clients=[1]))
     bad.run()
     assert all("1" in r["quarantined"] and "selection gives" in r["quarantined"]["1"] for r in bad.history)
@@ -214,7 +215,7 @@ def test_batched_equals_sequential_with_the_contrastive_term(model, extra):
     and matters (λ = 0 gives another run)."""
     runs = {}
     for executor, lam in (("sequential", 1.0), ("batched", 1.0), ("sequential", 0.0)):
-        exp = Experiment(cfg(model=model, rounds=3, executor=executor, **extra,
+        exp = experiment(cfg(model=model, rounds=3, executor=executor, **extra,
                              algorithm_options={"mu": 0.5, "lam": lam, "dynamic": False}))
         exp.run()
         runs[executor, lam] = exp
@@ -241,7 +242,7 @@ def test_holder_churn_counts_units_changing_hands():
     (multiples of G): the unit one window drops is the one another gains, N·ζ.  Frozen windows: 0; Eq. 6
     moves windows although ζ = 0.  Round 1 has no previous round: 0."""
     def churn(mu, **opts):
-        exp = Experiment(cfg(clients=4, clients_per_round=4, rounds=3, model_options={"widths": [40]},
+        exp = experiment(cfg(clients=4, clients_per_round=4, rounds=3, model_options={"widths": [40]},
                              algorithm_options={"mu": mu, "contrastive": False, **opts}))
         exp.run()
         return [h["holder_churn"] for h in exp.history]

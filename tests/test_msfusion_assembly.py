@@ -124,14 +124,14 @@ def test_unknown_assembly_is_an_error():
 # ---- the algorithm's own steps ------------------------------------------------------------------------------
 def _exp(rounds=3, **opts):
     from fedfuse.config import RunConfig, apply
-    from fedfuse.experiment import Experiment
+    from fedfuse.runner import experiment
 
     base = dict(dataset="digits", partition="shards", partition_options={"classes_per_client": 5}, model="mlp",
                 clients=4, clients_per_round=4, rounds=rounds, eval_every=1, batch_size=64, local_epochs=1,
                 lr=0.05, seed=2, plots=False, out=None, model_options={"widths": [8, 8]}, algorithm="msfusion",
                 dataset_options={"train_limit": 300, "test_limit": 100},
                 algorithm_options={"mu": 0.25, "lr_schedule": "constant", **opts})
-    return Experiment(apply(RunConfig(), base))
+    return experiment(apply(RunConfig(), base))
 
 
 def _reference_current(algo, states):

@@ -18,8 +18,8 @@ from fedfuse.algorithms.base import RoundInfo, RunContext
 from fedfuse.algorithms.msfusion import MSfusion, contrastive_loss, neighbours
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig, cyclic_lr, scheduled_lr
-from fedfuse.experiment import Experiment
 from fedfuse.fusion.slicing import split_size, write_back
+from fedfuse.runner import experiment
 from fedfuse.types import Message
 
 GROUP = "hidden.0"
@@ -158,7 +158,7 @@ def test_c_jump_empties_contrastive_overlap_without_crash():
         local_epochs=1, lr=0.05, seed=1, plots=False, out=None, model_options={"widths": [16]}, algorithm="msfusion",
         dataset_options={"train_limit": 200, "test_limit": 50},
         algorithm_options={"mu": 0.25, "update_every": 2, "schedule_rounds": 0, "lr_schedule": "constant"}))
-    exp = Experiment(cfg, progress=False)
+    exp = experiment(cfg, progress=False)
     exp.run()
     assert sum(h.get("contrastive_skipped", 0) for h in exp.history) > 0
     assert all(math.isfinite(h["train_loss"]) for h in exp.history if h.get("train_loss") is not None)
@@ -210,7 +210,7 @@ def test_learning_rate_has_one_owner():
             dataset="digits", partition="iid", model="mlp", clients=2, clients_per_round=2, rounds=2, lr=0.0421,
             seed=0, plots=False, out=None, model_options={"widths": [8]}, algorithm=algo, local_epochs=1,
             dataset_options={"train_limit": 100, "test_limit": 40}, algorithm_options={"mu": 0.5}))
-        exp = Experiment(cfg, progress=False)
+        exp = experiment(cfg, progress=False)
         seen: list[float] = []
         fit = exp.algo.fit
 

@@ -9,8 +9,8 @@ import torch
 
 from fedfuse.api import make_config
 from fedfuse.config import validate
-from fedfuse.engine.loop import strip_timing
-from fedfuse.experiment import Experiment
+from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.runner import experiment
 
 OPTS = dict(algorithm="msfusion", dataset="digits", clients=4, clients_per_round=4, rounds=3, model="mlp",
             plots=False, lr=0.05, model_options={"widths": [32, 32]},
@@ -40,7 +40,7 @@ class Recorder:
 
 
 def test_the_relay_only_forwards_envelopes_and_holds_no_model():
-    exp = Experiment(make_config(**OPTS))
+    exp = experiment(make_config(**OPTS))
     rec = Recorder(exp)
     exp.run()
     for replies, routed in zip(rec.replies, rec.routed, strict=True):
@@ -59,9 +59,9 @@ def test_the_relay_only_forwards_envelopes_and_holds_no_model():
 
 def test_serverless_mode_trains_like_the_assembled_mode():
     """The participants' training does not depend on the evaluation model: same peer traffic and losses."""
-    a = Experiment(make_config(**OPTS))
+    a = experiment(make_config(**OPTS))
     a.run()
-    b = Experiment(make_config(**{**OPTS, "algorithm_options": {"mu": 0.5}}))
+    b = experiment(make_config(**{**OPTS, "algorithm_options": {"mu": 0.5}}))
     b.run()
     for ha, hb in zip(a.history, b.history, strict=True):
         assert ha["train_loss"] == hb["train_loss"] and ha["bytes_peer"] == hb["bytes_peer"]
@@ -74,10 +74,10 @@ def test_serverless_on_flower_keeps_memories_on_the_nodes():
     from fedfuse.flower.executor import FlowerExecutor, LocalGrid
 
     cfg = validate(make_config(**OPTS))
-    ref = Experiment(cfg)
+    ref = experiment(cfg)
     ref.run()
     grid = LocalGrid(client_app, 2)
-    flw = Experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
+    flw = experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
     flw.run()
     assert [strip_timing(h) for h in flw.history] == [strip_timing(h) for h in ref.history]
     for c, st in flw.client_states.items():  # the server holds markers, the nodes hold the models

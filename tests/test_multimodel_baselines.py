@@ -8,9 +8,10 @@ from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedem import e_step
 from fedfuse.algorithms.ifca import pack, per_sample_losses, pick_cluster, unpack
 from fedfuse.config import RunConfig, apply
-from fedfuse.experiment import Experiment, strip_timing
+from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.rng import torch_generator
+from fedfuse.runner import experiment
 from fedfuse.types import Message
 
 
@@ -53,7 +54,7 @@ def test_fedem_responsibilities_hand_case_and_simplex():
 
 def test_fedem_accounting_and_aggregation():
     M = 3
-    exp = Experiment(cfg_for("fedem", algorithm_options={"m": M}))
+    exp = experiment(cfg_for("fedem", algorithm_options={"m": M}))
     algo = exp.algo
     state = algo.init_state()
     assert not torch.equal(state["learners"][0]["fc.weight"], state["learners"][1]["fc.weight"])  # independent
@@ -67,7 +68,7 @@ def test_fedem_accounting_and_aggregation():
     assert r.nbytes == M * nbytes(exp) and r.stats.trained_params == M * nparams(exp)
     n = len(exp.fed.clients[0].train)
     assert r.stats.samples == M * n  # every learner trains on every sample
-    fa = Experiment(cfg_for("fedavg"))
+    fa = experiment(cfg_for("fedavg"))
     fa_meta = fa.algo.fit(Message(fa.algo.init_state()["global"]), None, fa.fed.clients[0], torch_generator(1, 0))[0]
     assert r.stats.flops > M * fa_meta.stats.flops  # M trainings + M E-step forward passes
     pi = cstates[0]["pi"]
@@ -83,7 +84,7 @@ def test_fedem_accounting_and_aggregation():
 
 
 def test_fedem_stale_average_includes_unsampled_clients():
-    exp = Experiment(cfg_for("fedem", algorithm_options={"m": 2, "stale_average": True}))
+    exp = experiment(cfg_for("fedem", algorithm_options={"m": 2, "stale_average": True}))
     algo = exp.algo
     state = algo.init_state()
     p = algo.configure_fit(state, RoundInfo(0, 1), [1])[1]
@@ -100,7 +101,7 @@ def test_fedem_declared_m_step_equals_training_each_learner_alone(train):
     """The M-step as one program on the stacked learners (what every executor runs) equals the separate
     per-learner loop on the same batches: same π, states within float tolerance, identical accounting."""
     M = 3
-    exp = Experiment(cfg_for("fedem", algorithm_options={"m": M}, local_epochs=2, **train))
+    exp = experiment(cfg_for("fedem", algorithm_options={"m": M}, local_epochs=2, **train))
     algo = exp.algo
     state = algo.init_state()
     payload = algo.configure_fit(state, RoundInfo(0, 1), [2])[2]
@@ -128,7 +129,7 @@ def test_fedem_mixture_objective_hand_case():
 
 
 def test_fedem_keeps_the_separate_loop_for_gradient_clipping():
-    exp = Experiment(cfg_for("fedem", algorithm_options={"m": 2}, grad_clip=1.0))
+    exp = experiment(cfg_for("fedem", algorithm_options={"m": 2}, grad_clip=1.0))
     payload = exp.algo.configure_fit(exp.algo.init_state(), RoundInfo(0, 1), [0])[0]
     assert exp.algo.client_program(payload, None, exp.fed.clients[0]) is None
     reply, st = exp.algo.fit(payload, None, exp.fed.clients[0], torch_generator(0, 0))
@@ -139,7 +140,7 @@ def test_fedem_keeps_the_separate_loop_for_gradient_clipping():
 
 
 def test_ifca_picks_the_lowest_loss_cluster_and_untouched_clusters_keep_their_model():
-    exp = Experiment(cfg_for("ifca", algorithm_options={"k": 3}))
+    exp = experiment(cfg_for("ifca", algorithm_options={"k": 3}))
     algo, data = exp.algo, exp.fed.clients[2]
     state = algo.init_state()
     # make cluster 1 the obvious choice: a head bias that favours the client's own labels
@@ -165,7 +166,7 @@ def test_ifca_picks_the_lowest_loss_cluster_and_untouched_clusters_keep_their_mo
 
 def test_ifca_uniform_vs_sample_weighting():
     for weighting in ("uniform", "samples"):
-        exp = Experiment(cfg_for("ifca", algorithm_options={"k": 1, "weighting": weighting}))
+        exp = experiment(cfg_for("ifca", algorithm_options={"k": 1, "weighting": weighting}))
         algo = exp.algo
         state = algo.init_state()
         p = algo.configure_fit(state, RoundInfo(0, 1), [0, 3])
@@ -180,7 +181,7 @@ def test_ifca_uniform_vs_sample_weighting():
 
 
 def test_pfedmoe_only_the_global_expert_travels_and_costs_show():
-    exp = Experiment(cfg_for("pfedmoe"))
+    exp = experiment(cfg_for("pfedmoe"))
     algo = exp.algo
     state = algo.init_state()
     head = set(exp.ctx.model().head_keys())
@@ -193,7 +194,7 @@ def test_pfedmoe_only_the_global_expert_travels_and_costs_show():
     assert res.stats.trained_params == 2 * extractor + (nparams(exp) - extractor) + gate
     assert set(cs) == {"local", "gate"}
     assert not torch.equal(cs["local"]["fc.weight"], algo._local_init(0)["local"]["fc.weight"])  # trained
-    fa = Experiment(cfg_for("fedavg"))
+    fa = experiment(cfg_for("fedavg"))
     fa_res = fa.algo.fit(Message(fa.algo.init_state()["global"]), None, fa.fed.clients[0], torch_generator(0, 0))[0]
     assert res.stats.flops > fa_res.stats.flops
     new = algo.aggregate_fit(state, RoundInfo(0, 1), {0: res})
@@ -203,9 +204,9 @@ def test_pfedmoe_only_the_global_expert_travels_and_costs_show():
 
 @pytest.mark.parametrize("algorithm", ["ifca", "fedem", "pfedmoe"])
 def test_same_seed_identical_metrics(algorithm):
-    a = Experiment(cfg_for(algorithm))
+    a = experiment(cfg_for(algorithm))
     a.run()
-    b = Experiment(cfg_for(algorithm), fed=a.fed)
+    b = experiment(cfg_for(algorithm), fed=a.fed)
     b.run()
     assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
     assert a.history[-1]["personal_accuracy"] is not None

@@ -14,7 +14,7 @@ from fedfuse.algorithms.dispfl import (
 )
 from fedfuse.algorithms.dpsgd import gossip_matrix, mix_states, peer_graph
 from fedfuse.config import RunConfig, apply
-from fedfuse.experiment import Experiment
+from fedfuse.runner import experiment
 
 NPARAMS = 64 * 16 + 16 + 16 * 10 + 10  # mlp widths [16] on digits
 
@@ -68,9 +68,9 @@ def test_mix_states_hand_case_and_integer_buffers():
 
 
 def test_dpsgd_on_the_full_graph_is_fedavg_with_full_participation():
-    d = Experiment(_cfg(algorithm="dpsgd", algorithm_options={"topology": "full"}))
+    d = experiment(_cfg(algorithm="dpsgd", algorithm_options={"topology": "full"}))
     d.run()
-    f = Experiment(_cfg(algorithm="fedavg", algorithm_options={"weighting": "uniform"}))
+    f = experiment(_cfg(algorithm="fedavg", algorithm_options={"weighting": "uniform"}))
     f.run()
     for k, v in f.state["global"].items():
         torch.testing.assert_close(d.state["global"][k], v, rtol=1e-5, atol=1e-6)
@@ -78,9 +78,9 @@ def test_dpsgd_on_the_full_graph_is_fedavg_with_full_participation():
 
 
 def test_dpsgd_ring_peer_bytes_and_determinism():
-    a = Experiment(_cfg(algorithm="dpsgd", rounds=3))
+    a = experiment(_cfg(algorithm="dpsgd", rounds=3))
     sa = a.run()
-    b = Experiment(_cfg(algorithm="dpsgd", rounds=3)).run()
+    b = experiment(_cfg(algorithm="dpsgd", rounds=3)).run()
     assert sa["final"]["personal_accuracy"] == b["final"]["personal_accuracy"]
     # each of 5 participants sends its whole model (4-byte floats) to 2 ring neighbours, except in the last round
     per_round = 5 * 2 * NPARAMS * 4
@@ -125,7 +125,7 @@ def test_prune_and_regrow_keeps_density_drops_smallest_grows_largest_gradient():
 
 
 def test_dispfl_models_stay_on_their_masks_and_bytes_are_values_plus_bitmap():
-    exp = Experiment(_cfg(algorithm="dispfl", rounds=2, algorithm_options={"static": True}))
+    exp = experiment(_cfg(algorithm="dispfl", rounds=2, algorithm_options={"static": True}))
     exp.run()
     alg = exp.algo
     nnz_total = 0
@@ -144,9 +144,9 @@ def test_dispfl_models_stay_on_their_masks_and_bytes_are_values_plus_bitmap():
 
 def test_dense_static_dispfl_is_dpsgd_with_uniform_mixing():
     opts = {"dense_ratio": 1.0, "static": True, "lr_decay": 1.0}
-    a = Experiment(_cfg(algorithm="dispfl", algorithm_options=opts))
+    a = experiment(_cfg(algorithm="dispfl", algorithm_options=opts))
     a.run()
-    b = Experiment(_cfg(algorithm="dpsgd", algorithm_options={"mixing": "uniform"}))
+    b = experiment(_cfg(algorithm="dpsgd", algorithm_options={"mixing": "uniform"}))
     b.run()
     for c in range(5):
         for k, v in b.client_states[c]["model"].items():
@@ -154,7 +154,7 @@ def test_dense_static_dispfl_is_dpsgd_with_uniform_mixing():
 
 
 def test_dispfl_mask_update_changes_masks_but_keeps_density():
-    exp = Experiment(_cfg(algorithm="dispfl", rounds=2))
+    exp = experiment(_cfg(algorithm="dispfl", rounds=2))
     exp.run()
     st = exp.client_states[0]
     init = exp.algo.initial_mask(0)

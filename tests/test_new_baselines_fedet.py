@@ -8,7 +8,7 @@ import torch
 
 from fedfuse.algorithms.fedet import consensus_targets
 from fedfuse.config import RunConfig, apply
-from fedfuse.experiment import Experiment
+from fedfuse.runner import experiment
 
 
 def _cfg(**kw) -> RunConfig:
@@ -45,8 +45,8 @@ def test_consensus_weights_confident_models_and_collects_dissent():
 
 
 def test_public_set_is_held_out_of_client_training():
-    exp = Experiment(_cfg())
-    full = Experiment(_cfg(algorithm="fedavg", algorithm_options={}))
+    exp = experiment(_cfg())
+    full = experiment(_cfg(algorithm="fedavg", algorithm_options={}))
     for a, b in zip(exp.fed.clients, full.fed.clients):
         assert len(a.train) == len(b.train) - round(0.2 * len(b.train))
     assert exp.fed.info["public_size"] == len(exp.algo.public)
@@ -63,17 +63,17 @@ def test_public_set_is_held_out_of_client_training():
 def test_a_new_run_handed_a_prepared_federation_starts_from_its_source():
     """``exp.fed`` is the federation after Fed-ET held its public set aside; a run handed it (the Python API's
     reuse of a loaded federation) must not hold a second public set out of the reduced data."""
-    a = Experiment(_cfg())
+    a = experiment(_cfg())
     assert a.fed.source is not None and a.fed.source.source is None
-    b = Experiment(_cfg(), fed=a.fed)
+    b = experiment(_cfg(), fed=a.fed)
     assert [len(c.train) for c in b.fed.clients] == [len(c.train) for c in a.fed.clients]
     assert b.fed.info["public_size"] == a.fed.info["public_size"]
-    c = Experiment(_cfg(algorithm="fedavg", algorithm_options={}), fed=a.fed)  # another algorithm: all the data
+    c = experiment(_cfg(algorithm="fedavg", algorithm_options={}), fed=a.fed)  # another algorithm: all the data
     assert [len(x.train) for x in c.fed.clients] == [len(x.train) for x in a.fed.source.clients]
 
 
 def test_shared_representation_layer_and_heterogeneous_small_models():
-    exp = Experiment(_cfg())
+    exp = experiment(_cfg())
     assert exp.algo.mode == "head"
     summary = exp.run()
     st = exp.state
@@ -93,7 +93,7 @@ def test_shared_representation_layer_and_heterogeneous_small_models():
 def test_without_server_steps_each_group_is_fedavg_with_an_averaged_head():
     cfg = _cfg(algorithm_options={"small_models": [{"model": "mlp", "widths": [8, 16]}], "server_iters": 0,
                                   "public_fraction": 0.2}, rounds=1)
-    exp = Experiment(cfg)
+    exp = experiment(cfg)
     seen = {}
     orig = exp.algo.aggregate_fit
 
@@ -115,9 +115,9 @@ def test_mismatched_heads_need_distillation_and_run_deterministically():
     opts = {"small_models": [{"model": "mlp", "widths": [8]}], "server_iters": 3, "back_iters": 2,
             "public_fraction": 0.2}
     with pytest.raises(ValueError, match="transfer=distill"):
-        Experiment(_cfg(algorithm_options={**opts, "transfer": "head"}))
-    a = Experiment(_cfg(algorithm_options=opts))
+        experiment(_cfg(algorithm_options={**opts, "transfer": "head"}))
+    a = experiment(_cfg(algorithm_options=opts))
     assert a.algo.mode == "distill"
     sa = a.run()
-    sb = Experiment(_cfg(algorithm_options=opts)).run()
+    sb = experiment(_cfg(algorithm_options=opts)).run()
     assert sa["final"]["global_accuracy"] == sb["final"]["global_accuracy"]

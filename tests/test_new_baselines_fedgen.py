@@ -9,7 +9,7 @@ import torch
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedgen import Generator, decayed, diversity_loss, label_weights
 from fedfuse.config import RunConfig, apply
-from fedfuse.experiment import Experiment
+from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
 
 
@@ -43,7 +43,7 @@ def test_diversity_loss_hand_case_and_decay():
 
 
 def test_generator_learns_features_the_weighted_heads_classify_as_the_label():
-    exp = Experiment(_cfg(algorithm_options={"hidden_dim": 64, "noise_dim": 8, "gen_epochs": 40,
+    exp = experiment(_cfg(algorithm_options={"hidden_dim": 64, "noise_dim": 8, "gen_epochs": 40,
                                              "teacher_iters": 5, "gen_lr": 1e-2}))
     alg = exp.algo
     state = alg.init_state()
@@ -71,18 +71,18 @@ def test_generator_learns_features_the_weighted_heads_classify_as_the_label():
 
 def test_without_generator_terms_fedgen_is_fedavg():
     opts = {"hidden_dim": 16, "noise_dim": 4, "gen_epochs": 0, "generative_alpha": 0.0, "generative_beta": 0.0}
-    a = Experiment(_cfg(algorithm_options=opts))
+    a = experiment(_cfg(algorithm_options=opts))
     a.run()
-    b = Experiment(_cfg(algorithm="fedavg", algorithm_options={}))
+    b = experiment(_cfg(algorithm="fedavg", algorithm_options={}))
     b.run()
     for k, v in b.state["global"].items():
         torch.testing.assert_close(a.state["global"][k], v)
 
 
 def test_fedgen_runs_deterministically_and_downloads_the_generator():
-    a = Experiment(_cfg())
+    a = experiment(_cfg())
     sa = a.run()
-    sb = Experiment(_cfg()).run()
+    sb = experiment(_cfg()).run()
     assert sa["final"]["global_accuracy"] == sb["final"]["global_accuracy"]
     model = 64 * 16 + 16 + 16 * 10 + 10
     gen = (8 + 10) * 32 + 32 + 32 * 2 + 32 * 16 + 16  # fc, bn weight/bias, out
@@ -101,7 +101,7 @@ def test_declared_client_step_equals_eq5_computed_step_by_step():
     from fedfuse.engine.client import train_local
     from fedfuse.rng import torch_generator
 
-    exp = Experiment(_cfg(local_epochs=2, momentum=0.5))
+    exp = experiment(_cfg(local_epochs=2, momentum=0.5))
     alg, data, r = exp.algo, exp.fed.clients[1], 2
     state = alg.init_state()
     payload = Message(alg.configure_fit(state, RoundInfo(r, 3), [1])[1].tensors, {"round": r})

@@ -14,7 +14,7 @@ from fedfuse.engine.sampling import (
     draw,
     size_distributions,
 )
-from fedfuse.experiment import Experiment
+from fedfuse.runner import experiment
 
 
 def _cfg(tmp_path, **kw) -> RunConfig:
@@ -107,8 +107,8 @@ def test_sampler_sketch_preserves_angles_roughly():
 
 @pytest.mark.parametrize("policy", ["uniform", "size-weighted", "clustered", "clustered-size"])
 def test_every_policy_runs_with_fedavg_and_is_deterministic(tmp_path, policy):
-    a = Experiment(_cfg(tmp_path / "a", sampling=policy, algorithm="fedprox")).run()
-    b = Experiment(_cfg(tmp_path / "b", sampling=policy, algorithm="fedprox")).run()
+    a = experiment(_cfg(tmp_path / "a", sampling=policy, algorithm="fedprox")).run()
+    b = experiment(_cfg(tmp_path / "b", sampling=policy, algorithm="fedprox")).run()
     assert a["final"]["global_accuracy"] == b["final"]["global_accuracy"]
     recs = [json.loads(x) for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
     for rec in recs:
@@ -116,7 +116,7 @@ def test_every_policy_runs_with_fedavg_and_is_deterministic(tmp_path, policy):
 
 
 def test_clusamp_uses_clustered_sampling_and_its_weights(tmp_path):
-    exp = Experiment(_cfg(tmp_path, algorithm="clusamp", rounds=2))
+    exp = experiment(_cfg(tmp_path, algorithm="clusamp", rounds=2))
     assert type(exp.sampler).__name__ == "ClusteredSampler"
     seen = []
     orig = exp.algo.aggregate_fit
@@ -136,11 +136,11 @@ def test_clusamp_uses_clustered_sampling_and_its_weights(tmp_path):
 
 
 def test_clustered_sampling_resumes_bit_identically(tmp_path):
-    full = Experiment(_cfg(tmp_path / "full", algorithm="clusamp", rounds=4)).run()
+    full = experiment(_cfg(tmp_path / "full", algorithm="clusamp", rounds=4)).run()
     cut = _cfg(tmp_path / "cut", algorithm="clusamp", rounds=2)
-    Experiment(cut).run()
+    experiment(cut).run()
     more = apply(cut, {"rounds": 4})
-    resumed = Experiment(more).run(resume=True)
+    resumed = experiment(more).run(resume=True)
     assert resumed["final"]["global_accuracy"] == full["final"]["global_accuracy"]
 
 
@@ -148,4 +148,4 @@ def test_unknown_policy_and_own_participants_are_rejected(tmp_path):
     with pytest.raises(ConfigError):
         validate(_cfg(tmp_path, sampling="magic"))
     with pytest.raises(ValueError, match="chooses its own participants"):
-        Experiment(_cfg(tmp_path, algorithm="fedma", sampling="clustered", model="simple-mlp", model_options={}))
+        experiment(_cfg(tmp_path, algorithm="fedma", sampling="clustered", model="simple-mlp", model_options={}))

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from fedfuse.config import ConfigError, RunConfig, apply, validate
+from fedfuse.engine.loop import strip_timing
 from fedfuse.engine.privacy import central_epsilon, noise_for_epsilon
-from fedfuse.experiment import Experiment, strip_timing
 from fedfuse.fusion.privacy import adapt_clip, dp_mean, update_noise_multiplier, update_norm
+from fedfuse.runner import experiment
 
 
 def _base() -> dict[str, torch.Tensor]:
@@ -122,7 +123,7 @@ def _cfg(tmp_path, **kw) -> RunConfig:
 def test_a_dp_run_reports_epsilon_and_is_the_same_under_every_executor(tmp_path) -> None:
     runs, models = {}, {}
     for ex in ("sequential", "processes", "batched"):
-        exp = Experiment(_cfg(tmp_path / ex, executor=ex, algorithm="fedprox", dp_quantile=0.5,
+        exp = experiment(_cfg(tmp_path / ex, executor=ex, algorithm="fedprox", dp_quantile=0.5,
                               dp_count_noise=1.0))
         exp.run()
         runs[ex] = [strip_timing(json.loads(line)) for line in (tmp_path / ex / "run" / "metrics.jsonl").open()]
@@ -141,7 +142,7 @@ def test_a_dp_run_reports_epsilon_and_is_the_same_under_every_executor(tmp_path)
 
 def test_dp_runs_differ_from_plain_ones_and_from_another_seed(tmp_path) -> None:
     def final(**kw):
-        exp = Experiment(_cfg(tmp_path / str(len(list(tmp_path.iterdir()))), **kw))
+        exp = experiment(_cfg(tmp_path / str(len(list(tmp_path.iterdir()))), **kw))
         exp.run()
         return exp.algo.global_model(exp.state)[0]
 
@@ -159,5 +160,5 @@ def test_central_dp_config_errors() -> None:
     with pytest.raises(ConfigError, match="2σ_b > z"):
         validate(apply(RunConfig(), {**ok, "dp_quantile": 0.5, "dp_noise": 1.0, "clients_per_round": 5}))
     with pytest.raises(ConfigError, match="drop fusion='median'"):
-        Experiment(apply(RunConfig(), {**ok, "algorithm_options": {"fusion": "median"}, "out": None,
+        experiment(apply(RunConfig(), {**ok, "algorithm_options": {"fusion": "median"}, "out": None,
                                        "rounds": 1, "clients": 4, "clients_per_round": 2}))

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_API = ("run", "compare", "sweep", "load", "make_config", "config_hash", "list_algorithms", "list_datasets",
-        "list_models", "list_partitions", "show", "Result", "Component")
+_API = ("run", "compare", "sweep", "list_algorithms", "list_datasets", "list_models", "list_partitions", "show",
+        "Component")
 _OTHER = {"ResultTable": "fedfuse.sweep", "Sweep": "fedfuse.sweep", "RunConfig": "fedfuse.config",
-          "ConfigError": "fedfuse.config", "Callback": "fedfuse.engine.callbacks",
+          "ConfigError": "fedfuse.config", "make_config": "fedfuse.config", "config_hash": "fedfuse.config",
+          "Result": "fedfuse.result", "load": "fedfuse.result", "Callback": "fedfuse.engine.callbacks",
           "write_report": "fedfuse.report"}
 
 __all__ = [  # noqa: RUF022 - grouped by kind
@@ -35,22 +36,19 @@ __all__ = [  # noqa: RUF022 - grouped by kind
 if TYPE_CHECKING:  # pragma: no cover
     from fedfuse.api import (
         Component,
-        Result,
         compare,
-        config_hash,
         list_algorithms,
         list_datasets,
         list_models,
         list_partitions,
-        load,
-        make_config,
         run,
         show,
         sweep,
     )
-    from fedfuse.config import ConfigError, RunConfig
+    from fedfuse.config import ConfigError, RunConfig, config_hash, make_config
     from fedfuse.engine.callbacks import Callback
     from fedfuse.report import write_report
+    from fedfuse.result import Result, load
     from fedfuse.sweep import ResultTable, Sweep
 
 

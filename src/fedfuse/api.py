@@ -16,192 +16,22 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
+from fedfuse.config import FLAGS, ConfigError, ConfigLike, RunConfig, config_hash, make_config
 from fedfuse.options import OptionInfo, describe
+from fedfuse.result import Result, load
+from fedfuse.runner import execute
 from fedfuse.types import Admits, Privacy
 
 if TYPE_CHECKING:  # pragma: no cover
-    import pandas as pd
-    from matplotlib.figure import Figure
-
     from fedfuse.engine.callbacks import Callback
     from fedfuse.sweep import ResultTable
 
-ConfigLike = RunConfig | Mapping[str, Any] | str | Path | None
-
-# Records carry these as lists/dicts; the per-round DataFrame keeps scalar columns only.
-_NON_SCALAR = ("clients", "client_test_accuracy")
-
-
-# ---- configuration -------------------------------------------------------------------------------------------
-def make_config(config: ConfigLike = None, /, **options: Any) -> RunConfig:
-    """A validated, fully resolved :class:`RunConfig`: defaults → ``config`` (object, mapping or YAML path) →
-    ``options``.  Raises :class:`fedfuse.config.ConfigError` naming a bad key or value."""
-    cfg = RunConfig()
-    if isinstance(config, RunConfig):
-        cfg = apply(RunConfig(), config.to_dict())
-    elif isinstance(config, str | Path):
-        cfg = apply(cfg, load_yaml(config))
-    elif config is not None:
-        cfg = apply(cfg, dict(config))
-    top = {k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__}
-    cfg = apply(cfg, top)
-    for k, v in options.items():  # one at a time, after the algorithm/model/... are chosen
-        if k not in top:
-            cfg = apply(cfg, {k: v})
-    return validate(cfg)
-
-
-def config_hash(cfg: RunConfig) -> str:
-    """SHA-256 of everything in a resolved config that can change a run's metrics.
-
-    Excluded: where outputs go and how they are produced (``out``, ``plots``, ``checkpoint_every``), where the
-    data files are (``data_dir``: the same files give the same run) and ``threads``.
-    """
-    import hashlib
-
-    d = cfg.to_dict()
-    for k in ("out", "plots", "checkpoint_every", "data_dir", "threads"):
-        d.pop(k, None)
-    text = json.dumps(d, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-# ---- results -------------------------------------------------------------------------------------------------
-def _augment(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Adds ``total_bytes`` (down + up + peer, cumulative) and ``bytes`` (this round) to each record."""
-    out = []
-    for h in history:
-        h = dict(h)
-        if "total_bytes" not in h:
-            h["total_bytes"] = sum(h.get(k) or 0 for k in ("total_bytes_down", "total_bytes_up", "total_bytes_peer"))
-        if "bytes" not in h:
-            h["bytes"] = sum(h.get(k) or 0 for k in ("bytes_down", "bytes_up", "bytes_peer"))
-        out.append(h)
-    return out
-
-
-@dataclass
-class Result:
-    """One finished run: its resolved config, per-round history, summary and (when written) output files."""
-
-    config: RunConfig
-    history: list[dict[str, Any]]
-    summary: dict[str, Any]
-    out: Path | None = None
-    cached: bool = field(default=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self.history = _augment(self.history)
-
-    # -- metrics --
-    @property
-    def metrics(self) -> pd.DataFrame:
-        """Per-round metrics as a DataFrame (one row per round, scalar columns: accuracies, losses, bytes, FLOPs,
-        parameter counts, timings and any scalar diagnostic of the algorithm); rounds without an evaluation hold
-        NaN in the evaluation columns."""
-        import pandas as pd
-
-        rows = [{k: v for k, v in h.items() if k not in _NON_SCALAR and not isinstance(v, list | dict)}
-                for h in self.history]
-        return pd.DataFrame.from_records(rows)
-
-    @property
-    def client_accuracy(self) -> pd.DataFrame:
-        """Personalised test accuracy of every client (columns) at every evaluated round (index)."""
-        import pandas as pd
-
-        rows = {h["round"]: {int(c): v for c, v in h["client_test_accuracy"].items()}
-                for h in self.history if h.get("client_test_accuracy")}
-        frame = pd.DataFrame.from_dict(rows, orient="index")
-        frame.index.name = "round"
-        return frame.sort_index(axis=1)
-
-    @property
-    def seed(self) -> int:
-        return self.config.seed
-
-    @property
-    def algorithm(self) -> str:
-        return self.config.algorithm
-
-    def final(self, key: str = "global_accuracy", last: int = 5) -> float | None:
-        """Mean of ``key`` over the last ``last`` evaluations."""
-        from fedfuse.stats import final_mean
-
-        return final_mean(self.history, key, last)
-
-    def best(self, key: str = "global_accuracy") -> float | None:
-        """Highest value of ``key`` over all evaluations."""
-        from fedfuse.stats import best_value
-
-        return best_value(self.history, key)
-
-    # -- files --
-    @property
-    def artefacts(self) -> dict[str, Path]:
-        """Output files that exist, by name (``config``, ``metrics``, ``summary``, ``curves``, ``partition``,
-        ``checkpoint``, ``model_final``, ``model_best`` and the algorithm's own files such as heat-maps)."""
-        if self.out is None or not self.out.is_dir():
-            return {}
-        known = {"config": "config.yaml", "metrics": "metrics.jsonl", "summary": "summary.json",
-                 "curves": "curves.png", "partition": "partition.png", "partition_json": "partition.json",
-                 "checkpoint": "checkpoint.pt", "model_final": "model_final.pt", "model_best": "model_best.pt"}
-        out = {name: self.out / f for name, f in known.items() if (self.out / f).exists()}
-        taken = set(known.values())
-        for p in sorted(self.out.iterdir()):
-            if p.is_file() and p.name not in taken:
-                out.setdefault(p.stem, p)
-        return out
-
-    def plot(self, metrics: Sequence[str] | str | None = None, path: str | Path | None = None) -> Figure:
-        """A figure with one panel per metric (default: the accuracies and losses this run measured) against
-        rounds; saved to ``path`` when given.  Loss-like metrics use a log scale."""
-        from fedfuse.plots import plot_metrics
-
-        return plot_metrics({self.config.algorithm: [self.history]}, metrics, path)
-
-    def __repr__(self) -> str:
-        acc = self.final("global_accuracy")
-        pers = self.final("personal_accuracy")
-        parts = [f"{self.config.algorithm} on {self.config.dataset}", f"seed {self.config.seed}",
-                 f"{len(self.history)} rounds"]
-        if acc is not None:
-            parts.append(f"final global acc {100 * acc:.2f}%")
-        if pers is not None:
-            parts.append(f"final personal acc {100 * pers:.2f}%")
-        if self.out:
-            parts.append(f"in {self.out}")
-        return f"Result({', '.join(parts)})"
-
-
-def load(run_dir: str | Path) -> Result:
-    """The :class:`Result` of a run directory written by ``fedfuse run`` or :func:`run` (``config.yaml`` and
-    ``metrics.jsonl``; ``summary.json`` when the run finished)."""
-    d = Path(run_dir)
-    if not (d / "config.yaml").exists() or not (d / "metrics.jsonl").exists():
-        raise FileNotFoundError(f"{d}: not a run directory (needs config.yaml and metrics.jsonl)")
-    cfg = apply(RunConfig(), load_yaml(d / "config.yaml"))
-    history = []
-    lines = [line for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    for i, line in enumerate(lines):
-        try:
-            history.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:  # a run killed while writing its last record
-                break
-            raise
-    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
-    return Result(cfg, history, summary, d)
-
-
-def is_run_dir(path: str | Path) -> bool:
-    p = Path(path)
-    return (p / "config.yaml").exists() and (p / "metrics.jsonl").exists()
+__all__ = ["Component", "ConfigLike", "Result", "compare", "config_hash", "list_algorithms", "list_datasets",
+           "list_models", "list_partitions", "load", "make_config", "run", "show", "sweep"]
 
 
 # ---- running -------------------------------------------------------------------------------------------------
@@ -221,22 +51,7 @@ def run(config: ConfigLike = None, /, *, progress: bool = False, callbacks: Sequ
     cfg = make_config(config, **options)
     if resume and not (cfg.out and (Path(cfg.out) / "checkpoint.pt").exists()):
         raise ConfigError(f"resume: no checkpoint.pt in out={cfg.out!r} (nothing to resume)")
-    return _execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume)
-
-
-def _execute(cfg: RunConfig, *, progress: bool = False, callbacks: Sequence[Callback] = (),
-             log: Sequence[str] = (), resume: bool = False, fed: Any = None) -> Result:
-    from fedfuse.engine.callbacks import CallbackList, make_loggers
-    from fedfuse.experiment import Experiment
-
-    cbs = CallbackList([*callbacks, *make_loggers(log, cfg)])
-    exp = Experiment(cfg, fed=fed, progress=progress, on_round=cbs.on_round)
-    cbs.on_run_start(exp.cfg)
-    try:
-        summary = exp.run(resume=resume)
-    finally:
-        cbs.on_run_end(exp.summary() if exp.history else {})
-    return Result(exp.cfg, exp.history, summary, exp.out)
+    return execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume)
 
 
 def compare(algorithms: Sequence[str] | str | None = None, config: ConfigLike = None, /, *,
@@ -260,13 +75,14 @@ def compare(algorithms: Sequence[str] | str | None = None, config: ConfigLike = 
     its checkpoint, so an interrupted or extended sweep runs only what is missing (``rerun=True`` forces).
     ``jobs > 1`` runs in that many processes; each run's metrics are identical to a serial run's.
     """
+    from fedfuse.report import write_compare
     from fedfuse.sweep import Sweep
 
     sw = Sweep.plan(algorithms, config, seeds=seeds, grid=grid, per_algorithm=per_algorithm, **options)
     sw.execute(out=out, store=store, jobs=jobs, rerun=rerun, progress=progress, log=log, callbacks=callbacks)
     table = sw.table(baseline=baseline, metric=metric, last=last, target=target, test=test)
     if out is not None:
-        table.write(out, plots=sw.points[0].config.plots)
+        write_compare(table, out, plots=sw.points[0].config.plots)
     return table
 
 
@@ -432,8 +248,6 @@ def show(name: str, kind: str | None = None) -> list[Component]:
 
     found: list[Component] = []
     if kind in (None, "config") and name in ("config", "run"):
-        from fedfuse.cli import FLAGS
-
         flag_help = {key: h for key, _, h in FLAGS.values()}
         opts = [o if o.help else OptionInfo(o.name, o.type, o.default, flag_help.get(o.name, ""), o.choices, o.bounds)
                 for o in describe(RunConfig)]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.config import (
+    FLAGS,
     ConfigError,
     RunConfig,
     apply,
@@ -20,30 +21,6 @@ from fedfuse.config import (
     validate,
 )
 from fedfuse.errors import run_guarded
-
-# flag → (config key, type, help).  Flags default to None so only what the user typed overrides the config file.
-FLAGS: dict[str, tuple[str, type, str]] = {
-    "--algorithm": ("algorithm", str, "algorithm to run (fedfuse list algorithms; fedfuse show NAME for its options)"),
-    "--dataset": ("dataset", str, "dataset name (fedfuse list datasets)"),
-    "--partition": ("partition", str, "how the training data is split over clients (fedfuse list partitions)"),
-    "--model": ("model", str, "model name, or auto for the dataset's default model (fedfuse list models)"),
-    "--clients": ("clients", int, "number of clients"),
-    "--clients-per-round": ("clients_per_round", int, "clients sampled for training each round"),
-    "--rounds": ("rounds", int, "communication rounds"),
-    "--local-epochs": ("local_epochs", int, "local epochs per round on each selected client"),
-    "--batch-size": ("batch_size", int, "local mini-batch size"),
-    "--lr": ("lr", float, "client learning rate"),
-    "--momentum": ("momentum", float, "client SGD momentum"),
-    "--weight-decay": ("weight_decay", float, "client L2 weight decay"),
-    "--optimizer": ("optimizer", str, "client optimizer: sgd or adam"),
-    "--seed": ("seed", int, "seed of everything random: partition, initialisation, sampling, batches"),
-    "--data-dir": ("data_dir", str, "directory holding the dataset files (default: $FEDFUSE_DATA)"),
-    "--out": ("out", str, "output directory (default: runs/<algorithm or compare>-<dataset>-<time>)"),
-    "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
-    "--eval-every": ("eval_every", int, "evaluate every N rounds (the last round is always evaluated)"),
-    "--threads": ("threads", int, "torch intra-op threads (0 = PyTorch's default; 1 is fastest for small models)"),
-    "--executor": ("executor", str, "where client work runs: sequential, batched, processes or auto"),
-}
 
 
 def _flag_help(key: str, fallback: str) -> str:
@@ -176,7 +153,7 @@ def _logs(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedfuse.api import _execute
+    from fedfuse.runner import execute
 
     if args.seeds or args.grid:
         if args.resume:
@@ -184,13 +161,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _sweep(args, algorithms=None)
     if args.resume:
         cfg = resume_config(args, build_config)
-        res = _execute(cfg, progress=not args.no_progress, log=_logs(args), resume=True)
+        res = execute(cfg, progress=not args.no_progress, log=_logs(args), resume=True)
     else:
         cfg = build_config(args)
         if not cfg.out:
             cfg.out = _default_out(cfg, cfg.algorithm)
         prepare_run_dir(cfg.out, overwrite=args.overwrite)
-        res = _execute(cfg, progress=not args.no_progress, log=_logs(args))
+        res = execute(cfg, progress=not args.no_progress, log=_logs(args))
     print(results_table(res.summary))
     print(f"outputs in {res.out}")
     return 0
@@ -219,6 +196,7 @@ def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
     """run --seeds/--grid and compare: plan, execute (cached, maybe parallel), print and write the table."""
     import os
 
+    from fedfuse.report import write_compare
     from fedfuse.stats import parse_seeds
     from fedfuse.sweep import Sweep, parse_grid
 
@@ -241,7 +219,7 @@ def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
                log=_logs(args), verbose=True)
     table = sw.table(baseline=args.baseline, metric=args.metric, last=args.last, target=args.target,
                      test=args.test)
-    table.write(root, plots=base.plots)
+    write_compare(table, root, plots=base.plots)
     md = table.to_markdown()
     print(md)
     print(f"outputs in {root}" + (f" (report: {root / 'report.md'})" if base.plots else ""))
@@ -301,7 +279,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_export_partitions(args: argparse.Namespace) -> int:
-    from fedfuse.data.flower_datasets import export_partitions
+    from fedfuse.data.export import export_partitions
 
     cfg = build_config(args)
     if not cfg.out:

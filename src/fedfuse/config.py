@@ -8,6 +8,8 @@ a bare option name that belongs to exactly one namespace (``mu=0.1``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import typing
 from collections.abc import Callable, Mapping
@@ -17,12 +19,39 @@ from typing import Any
 
 import yaml
 
+from fedfuse.errors import UserError
 from fedfuse.options import check_value, opt
 
 NAMESPACES = ("algorithm_options", "model_options", "partition_options", "dataset_options")
 
 
-class ConfigError(ValueError):
+# The command-line flag of each common key: flag → (config key, type, help).  Flags default to None so only what
+# the user typed overrides the config file; ``fedfuse show config`` reads the help of keys declared without one.
+FLAGS: dict[str, tuple[str, type, str]] = {
+    "--algorithm": ("algorithm", str, "algorithm to run (fedfuse list algorithms; fedfuse show NAME for its options)"),
+    "--dataset": ("dataset", str, "dataset name (fedfuse list datasets)"),
+    "--partition": ("partition", str, "how the training data is split over clients (fedfuse list partitions)"),
+    "--model": ("model", str, "model name, or auto for the dataset's default model (fedfuse list models)"),
+    "--clients": ("clients", int, "number of clients"),
+    "--clients-per-round": ("clients_per_round", int, "clients sampled for training each round"),
+    "--rounds": ("rounds", int, "communication rounds"),
+    "--local-epochs": ("local_epochs", int, "local epochs per round on each selected client"),
+    "--batch-size": ("batch_size", int, "local mini-batch size"),
+    "--lr": ("lr", float, "client learning rate"),
+    "--momentum": ("momentum", float, "client SGD momentum"),
+    "--weight-decay": ("weight_decay", float, "client L2 weight decay"),
+    "--optimizer": ("optimizer", str, "client optimizer: sgd or adam"),
+    "--seed": ("seed", int, "seed of everything random: partition, initialisation, sampling, batches"),
+    "--data-dir": ("data_dir", str, "directory holding the dataset files (default: $FEDFUSE_DATA)"),
+    "--out": ("out", str, "output directory (default: runs/<algorithm or compare>-<dataset>-<time>)"),
+    "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
+    "--eval-every": ("eval_every", int, "evaluate every N rounds (the last round is always evaluated)"),
+    "--threads": ("threads", int, "torch intra-op threads (0 = PyTorch's default; 1 is fastest for small models)"),
+    "--executor": ("executor", str, "where client work runs: sequential, batched, processes or auto"),
+}
+
+
+class ConfigError(UserError):
     """A bad key or value in a run configuration; the message names it and the valid choices."""
 
 
@@ -55,7 +84,7 @@ class RunConfig:
     out: str | None = opt(None, "run directory")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
     executor: str = opt("sequential", "how clients run: sequential | batched | processes | auto | flower "
-                                      "(engine/executor.py)")
+                                      "(engine/executors.py)")
     threads: int = opt(0, "torch intra-op threads; 0 = PyTorch's default", ge=0)
     val_fraction: float = opt(0.1, "fraction of each client's samples held out for validation", ge=0.0, lt=1.0)
     eval_every: int = opt(1, "evaluate every this many rounds (and at the last)", ge=1)
@@ -600,3 +629,38 @@ def resume_config(args: Any, build: Any) -> RunConfig:
     cfg = build(args)
     cfg.out = str(out)
     return cfg
+
+
+# ---- building a config from what a user gives ------------------------------------------------------------------
+ConfigLike = RunConfig | Mapping[str, Any] | str | Path | None
+
+
+def make_config(config: ConfigLike = None, /, **options: Any) -> RunConfig:
+    """A validated, fully resolved :class:`RunConfig`: defaults → ``config`` (object, mapping or YAML path) →
+    ``options``.  Raises :class:`ConfigError` naming a bad key or value."""
+    cfg = RunConfig()
+    if isinstance(config, RunConfig):
+        cfg = apply(RunConfig(), config.to_dict())
+    elif isinstance(config, str | Path):
+        cfg = apply(cfg, load_yaml(config))
+    elif config is not None:
+        cfg = apply(cfg, dict(config))
+    top = {k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__}
+    cfg = apply(cfg, top)
+    for k, v in options.items():  # one at a time, after the algorithm/model/... are chosen
+        if k not in top:
+            cfg = apply(cfg, {k: v})
+    return validate(cfg)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """SHA-256 of everything in a resolved config that can change a run's metrics.
+
+    Excluded: where outputs go and how they are produced (``out``, ``plots``, ``checkpoint_every``), where the
+    data files are (``data_dir``: the same files give the same run) and ``threads``.
+    """
+    d = cfg.to_dict()
+    for k in ("out", "plots", "checkpoint_every", "data_dir", "threads"):
+        d.pop(k, None)
+    text = json.dumps(d, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -12,6 +12,12 @@ import sys
 from collections.abc import Callable
 
 
+class UserError(ValueError):
+    """A mistake in what the user asked for (a bad option, value, file or combination): the message says what
+    and how to fix it; the command line prints it as one line and exits with 2.  :class:`fedfuse.config.ConfigError`
+    and :class:`fedfuse.data.dataset.DatasetNotFoundError` are user errors."""
+
+
 class DivergenceError(RuntimeError):
     """A run whose loss or model became non-finite; the message says at which round and what was kept."""
 
@@ -26,9 +32,6 @@ def _say(msg: str) -> None:
 
 def run_guarded(fn: Callable[[], int]) -> int:
     """Run a command; turn every expected failure into one ``fedfuse: error: ...`` line and an exit code."""
-    from fedfuse.config import ConfigError
-    from fedfuse.data.dataset import DatasetNotFoundError
-
     try:
         rc = int(fn())
         sys.stdout.flush()  # a closed pipe shows up here, inside the handler
@@ -43,7 +46,7 @@ def run_guarded(fn: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print("fedfuse: interrupted", file=sys.stderr)
         return 130
-    except (ConfigError, DatasetNotFoundError) as e:
+    except UserError as e:
         _say(str(e))
         return USAGE
     except DivergenceError as e:

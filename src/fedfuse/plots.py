@@ -18,6 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from fedfuse.stats import with_bytes
+
 PANELS = (
     ("global_accuracy", "global accuracy"),
     ("personal_accuracy", "personalised accuracy"),
@@ -184,9 +186,7 @@ def plot_curves(history: Sequence[Mapping[str, Any]], path: str | Path, title: s
 def plot_compare(histories: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, title: str = "") -> Path:
     """Overlaid curves of several runs (one line per label): a 2 × 3 grid of readable panels — accuracies and
     losses (log scale) against rounds, accuracy against cumulative communication."""
-    from fedfuse.api import _augment
-
-    groups = {name: [_augment(list(h))] for name, h in histories.items()}
+    groups = {name: [with_bytes(list(h))] for name, h in histories.items()}
     every = [h for hs in groups.values() for h in hs]
     keys = [k for k, _ in PANELS if available_metrics(every, (k,))] or ["train_loss"]
     panels = [(k, "round") for k in keys]

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from fedfuse.api import Result
 from fedfuse.plots import available_metrics, plot_metric
+from fedfuse.result import Result
 from fedfuse.sweep import ResultTable, _flatten, load_sweep
 
 CURVE_METRICS = ("global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "val_accuracy", "loss",
@@ -50,7 +50,7 @@ class _Page:
         self.blocks.append(("img", (rel, alt)))
 
     def markdown(self) -> str:
-        from fedfuse.reproduce.common import markdown
+        from fedfuse.tables import markdown
 
         out = []
         for kind, v in self.blocks:
@@ -118,6 +118,18 @@ def _diagnostic_pngs(run_dir: Path) -> list[Path]:
         m = re.match(r"(.*?)_?r\d+$", f.stem)
         series[m.group(1) + "_r" if m else f.stem] = f  # sorted: the last round wins
     return sorted(series.values())
+
+
+def write_compare(table: ResultTable, out: str | Path, *, plots: bool = True) -> Path:
+    """The table's files (:meth:`ResultTable.write`: ``compare.md/.csv/.json``, with ``plots`` ``compare.png``)
+    and, with ``plots``, the report when ``out`` holds the runs (``sweep.json`` from
+    :meth:`~fedfuse.sweep.Sweep.execute` or run directories below it).  Returns the Markdown table's path."""
+    md = table.write(out, plots=plots)
+    root = Path(out)
+    if plots and ((root / "sweep.json").exists() or any(root.rglob("metrics.jsonl"))):
+        write_report(root, metric=table.metric, last=table.last, target=table.target, baseline=table.baseline,
+                     test=table.test)
+    return md
 
 
 def write_report(path: str | Path, *, metric: str = "auto", last: int = 5, target: float | None = None,

@@ -161,3 +161,16 @@ def parse_seeds(spec: str | int | Sequence[int]) -> list[int]:
     except ValueError as e:
         raise ValueError(f"seeds: expected a count (3) or a comma list (0,1,2), got {spec!r}") from e
     return parse_seeds(values[0]) if "," not in s else values
+
+
+def with_bytes(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of the records with ``total_bytes`` (down + up + peer, cumulative) and ``bytes`` (this round)."""
+    out = []
+    for h in history:
+        h = dict(h)
+        if "total_bytes" not in h:
+            h["total_bytes"] = sum(h.get(k) or 0 for k in ("total_bytes_down", "total_bytes_up", "total_bytes_peer"))
+        if "bytes" not in h:
+            h["bytes"] = sum(h.get(k) or 0 for k in ("bytes_down", "bytes_up", "bytes_peer"))
+        out.append(h)
+    return out

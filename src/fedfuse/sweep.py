@@ -2,7 +2,7 @@
 
 A :class:`Sweep` is a list of labelled points (an algorithm and option overrides) times a list of seeds.
 :meth:`Sweep.execute` runs what is missing from a *store*: one directory per run named by the hash of its
-full resolved config (:func:`fedfuse.api.config_hash`).  A finished run there is loaded, an interrupted one
+full resolved config (:func:`fedfuse.config.config_hash`).  A finished run there is loaded, an interrupted one
 resumes from its checkpoint, so rerunning a sweep with more seeds or more grid values runs only the new runs.
 With ``jobs > 1`` runs execute in separate processes; every random draw depends only on the seed, so the
 metrics are the same as a serial run's.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfuse.api import ConfigLike, Result, config_hash, load, make_config
-from fedfuse.config import ConfigError, RunConfig, apply, parse_value, validate
+from fedfuse.config import ConfigError, ConfigLike, RunConfig, apply, config_hash, make_config, parse_value, validate
+from fedfuse.result import Result, is_run_dir, load
 from fedfuse.stats import (
     MeanStd,
     best_value,
@@ -286,11 +286,11 @@ def _accepts(cfg: RunConfig, key: str, value: Any) -> bool:
 
 def _run_job(cfg: RunConfig, resume: bool, progress: bool, log: list[str], callbacks: list[Any],
              fed: Any = None) -> Result:
-    from fedfuse.api import _execute
+    from fedfuse.runner import execute
 
     if cfg.out and not resume and Path(cfg.out).exists():
         shutil.rmtree(cfg.out)  # an incomplete run without a checkpoint: start it again
-    return _execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume, fed=fed)
+    return execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume, fed=fed)
 
 
 def _worker(args: tuple[dict[str, Any], bool, list[str], list[Any]]) -> Result:
@@ -311,7 +311,7 @@ def _run_parallel(todo: list[tuple[int, str, RunConfig, bool]], jobs: int, log: 
     # already run torch threads); spawn where forkserver does not exist.
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["fedfuse.sweep", "fedfuse.engine.loop", "fedfuse.experiment", "fedfuse.algorithms"])
+        ctx.set_forkserver_preload(["fedfuse.sweep", "fedfuse.engine.loop", "fedfuse.runner", "fedfuse.algorithms"])
     else:
         ctx = mp.get_context("spawn")
     out: dict[int, Result] = {}
@@ -453,7 +453,7 @@ class ResultTable:
         return f"{100 * self.target:.0f}%" if self.is_accuracy else f"{self.target:.4g}"
 
     def to_markdown(self) -> str:
-        from fedfuse.reproduce.common import markdown
+        from fedfuse.tables import markdown
 
         better = "lower is better, " if self.lower else ""
         note = (f"\n\nfinal = mean of the last {self.last} evaluations of {self.metric} ({better}best = the "
@@ -491,9 +491,8 @@ class ResultTable:
         return pd.DataFrame.from_records(recs)
 
     def write(self, out: str | Path, *, plots: bool = True) -> Path:
-        """Write ``compare.md``, ``compare.csv``, ``compare.json`` and, with ``plots``, ``compare.png`` and the
-        report (``report.md`` / ``report.html``, which needs ``sweep.json`` from :meth:`Sweep.execute` or run
-        directories below ``out``).  Returns the Markdown table's path."""
+        """Write ``compare.md``, ``compare.csv``, ``compare.json`` and, with ``plots``, ``compare.png``; returns the
+        Markdown table's path.  :func:`fedfuse.report.write_compare` writes these and the report."""
         import csv
 
         root = Path(out)
@@ -512,12 +511,8 @@ class ResultTable:
             import matplotlib.pyplot as plt
 
             from fedfuse.plots import plot_metrics
-            from fedfuse.report import write_report
 
             plt.close(plot_metrics(self.histories(), path=root / "compare.png"))
-            if (root / "sweep.json").exists() or any(root.rglob("metrics.jsonl")):
-                write_report(root, metric=self.metric, last=self.last, target=self.target, baseline=self.baseline,
-                             test=self.test)
         return root / "compare.md"
 
     def histories(self) -> dict[str, list[list[dict[str, Any]]]]:
@@ -559,7 +554,6 @@ def load_sweep(path: str | Path) -> dict[str, list[Result]]:
     Without ``sweep.json`` runs are grouped by their config without the seed; the label is the algorithm plus
     the options in which the groups differ.
     """
-    from fedfuse.api import is_run_dir
 
     root = Path(path)
     if (root / "sweep.json").exists():

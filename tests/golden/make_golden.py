@@ -74,11 +74,12 @@ def config(algorithm: str, executor: str, base: str | None = None) -> dict[str, 
 def final_metrics(algorithm: str, executor: str, base: str | None = None) -> dict[str, Any]:
     """The last round's record of the tiny run, without wall-clock fields."""
     from fedfuse.config import RunConfig, apply
-    from fedfuse.experiment import Experiment, strip_timing
+    from fedfuse.engine.loop import strip_timing
+    from fedfuse.runner import experiment
 
     lm = is_lora(algorithm) or algorithm == "simple-fedma"
     cfg = apply(RunConfig(), config(algorithm, executor, base))
-    exp = Experiment(cfg, fed=_token_federation() if lm else None)
+    exp = experiment(cfg, fed=_token_federation() if lm else None)
     exp.run()
     rec = strip_timing(exp.history[-1])
     return json.loads(json.dumps(rec))  # as the file holds it (floats round-trip exactly)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -23,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.data.datasets import LEAF_LETTERS, UNK, cache_dir, resolve_data_dir
+from fedfuse.data.corpus import corpus_path, load_corpus
+from fedfuse.data.datasets import LEAF_LETTERS, UNK, cache_dir
 
 CHAR_VOCAB: list[str] = [*LEAF_LETTERS, UNK]
 
@@ -46,40 +46,6 @@ class CharTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.vocab[i] if 0 <= i < len(self.vocab) and i != self.unk_id else "?" for i in ids)
-
-
-def clean_corpus(text: str, kind: str) -> str:
-    """Undo the word-level tokenisation artefacts of WikiText (``@-@``, `` , ``) and PTB (``<unk>``)."""
-    text = text.replace("<unk>", "")
-    if kind == "wikitext2":
-        text = text.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
-        text = re.sub(r"^ = .* = $", "", text, flags=re.M)  # section headings
-    text = re.sub(r" ([,.;:!?)'])", r"\1", text)
-    text = re.sub(r"\( ", "(", text)
-    text = re.sub(r"[ \t]+", " ", text)
-    text = re.sub(r"\n\s*\n+", "\n", text)
-    return text.strip() + "\n"
-
-
-CORPUS_FILES = {"wikitext2": ("wikitext2", "{}.txt"), "ptb": ("ptb", "ptb.{}.txt")}
-
-
-def corpus_path(name: str, split: str, data_dir: str | Path | None = None) -> Path:
-    root = resolve_data_dir(data_dir)
-    folder, pattern = CORPUS_FILES[name]
-    candidates = [root / folder / pattern.format(split)] if root else []
-    candidates += [Path("../shared/data") / folder / pattern.format(split)]
-    for c in candidates:
-        if c.is_file():
-            return c
-    from fedfuse.data.dataset import DatasetNotFoundError
-
-    raise DatasetNotFoundError(f"{name} {split} split not found (looked at {', '.join(map(str, candidates))}); "
-                               f"pass --data-dir pointing at a folder holding {folder}/")
-
-
-def load_corpus(name: str, split: str, data_dir: str | Path | None = None) -> str:
-    return clean_corpus(corpus_path(name, split, data_dir).read_text(encoding="utf-8"), name)
 
 
 # ---------------------------------------------------------------------------------------------- pretraining

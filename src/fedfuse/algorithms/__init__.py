@@ -34,12 +34,12 @@ def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of: {', '.join(sorted(ALGORITHMS))}") from None
+        raise ConfigError(f"unknown algorithm {name!r}; choose one of: {', '.join(sorted(ALGORITHMS))}") from None
 
 
 __all__ = ["ALGORITHMS", "Algorithm", "RoundInfo", "RunContext", "get_algorithm"]
 
-from fedfuse.config import register_algorithm_source  # noqa: E402  (config reads the registry, never imports it)
+from fedfuse.config import ConfigError, register_algorithm_source  # noqa: E402  (config reads it, never imports it)
 
 register_algorithm_source(lambda: ALGORITHMS)
 

@@ -8,10 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfuse.errors import UserError
 from fedfuse.types import Task
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(UserError, FileNotFoundError):
     """Raised when the canonical files of a dataset are missing; the message says what to put where."""
 
 
@@ -58,3 +59,22 @@ class Dataset:
     def test_labels(self) -> np.ndarray:
         y = self.test_y if self.test_y.dim() == 1 else self.test_y[:, 0]
         return y.cpu().numpy()
+
+
+@dataclass
+class Partition:
+    """Per-client indices into a dataset, plus the ground truth the partition defines."""
+
+    train_indices: list[np.ndarray]
+    test_indices: list[np.ndarray] | None = None
+    client_groups: list[int] | None = None
+    client_classes: list[list[int]] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.train_indices)
+
+    def sizes(self) -> np.ndarray:
+        """Number of training samples per client."""
+        return np.array([len(i) for i in self.train_indices], dtype=np.int64)

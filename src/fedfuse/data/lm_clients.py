@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfuse.data.corpus import load_corpus
 from fedfuse.data.datasets import resolve_data_dir
 from fedfuse.types import ClientData, Federation, Split
 
@@ -212,8 +213,6 @@ TASKS: dict[str, tuple[str, Callable[[str], str] | None]] = {
 
 
 def _corpus_text(name: str, data_dir: str | Path | None) -> str:
-    from fedfuse.adapters.text import load_corpus
-
     if name == "tiny-shakespeare":
         root = resolve_data_dir(data_dir)
         cands = [root / "tiny-shakespeare" / "input.txt"] if root else []

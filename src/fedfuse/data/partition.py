@@ -10,33 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fedfuse.data.dataset import Dataset
+from fedfuse.data.dataset import Dataset, Partition
 from fedfuse.rng import numpy_rng
-
-
-@dataclass
-class Partition:
-    """Per-client indices into a dataset, plus the ground truth the partition defines."""
-
-    train_indices: list[np.ndarray]
-    test_indices: list[np.ndarray] | None = None
-    client_groups: list[int] | None = None
-    client_classes: list[list[int]] | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.train_indices)
-
-    def sizes(self) -> np.ndarray:
-        """Number of training samples per client."""
-        return np.array([len(i) for i in self.train_indices], dtype=np.int64)
-
 
 PARTITIONS: dict[str, str] = {
     "iid": "uniform random split into equal sizes (differing by at most one)",

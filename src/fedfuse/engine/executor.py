@@ -6,13 +6,8 @@ an executor may run as the algorithm's declared :class:`~fedfuse.engine.program.
 seeds its own random streams from (seed, purpose, round, stage, client), so the result is the same whatever
 the order, the process or the batching.
 
-Executors (``executor`` config key / ``--executor``):
-
-- ``sequential`` — one client after another in this process (the reference);
-- ``batched`` — clients of a declared program trained together with ``torch.func`` (``engine/batched.py``);
-- ``processes`` — a pool of worker processes (``engine/processes.py``);
-- ``auto`` — a short probe picks one of the above (``engine/auto.py``);
-- ``flower`` — Flower's simulation runtime, one message per job (``fedfuse/flower/``, ``pip install fedfuse[flower]``).
+This module holds the reference :class:`SequentialExecutor`; the others live in their own modules and are
+found by name through :mod:`fedfuse.engine.executors`.
 
 The engine imports no algorithm: executors are typed with the protocols of :mod:`fedfuse.engine.contract`
 (``fit`` calls the algorithm's ``client_program`` and, when it declares none, its ``fit``).
@@ -26,12 +21,11 @@ from typing import Any
 import torch
 
 from fedfuse.engine.context import RunContext
-from fedfuse.engine.contract import Algorithm, ClientFn, Executor, Job
+from fedfuse.engine.contract import Algorithm, ClientFn, Job
 from fedfuse.rng import derive_seed, torch_generator
 from fedfuse.types import ClientData
 
-__all__ = ["EXECUTOR_NAMES", "ClientFn", "Job", "SequentialExecutor", "job_generator", "make_executor",
-           "seed_global"]
+__all__ = ["ClientFn", "Job", "SequentialExecutor", "job_generator", "seed_global"]
 
 
 def job_generator(seed: int, job: Job) -> torch.Generator:
@@ -79,38 +73,3 @@ class SequentialExecutor:
 
     def describe(self) -> str:
         return self.name
-
-
-EXECUTOR_NAMES = ("sequential", "batched", "processes", "auto", "flower")
-
-
-def make_executor(name: str, clients: Sequence[ClientData], seed: int, *, threads: int = 0,
-                  config: Any = None) -> Executor:
-    """The executor called ``name`` (one of :data:`EXECUTOR_NAMES`); ``config`` (the run's RunConfig) is
-    needed by ``flower``, whose nodes rebuild the run from it."""
-    if name == "sequential":
-        return SequentialExecutor(clients, seed)
-    if name == "batched":
-        from fedfuse.engine.batched import BatchedExecutor
-
-        return BatchedExecutor(clients, seed)
-    if name == "processes":
-        from fedfuse.engine.processes import ProcessExecutor
-
-        return ProcessExecutor(clients, seed, threads=threads or 1)
-    if name == "auto":
-        from fedfuse.engine.auto import AutoExecutor
-
-        return AutoExecutor(clients, seed, threads=threads or 1)
-    if name == "flower":
-        try:
-            from fedfuse.flower.executor import SimulationExecutor
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ValueError("executor 'flower' needs Flower: pip install 'fedfuse[flower]'") from e
-        if config is None:
-            raise ValueError("executor 'flower' needs the run's config")
-        return SimulationExecutor(config, seed, num_nodes=len(clients), threads=threads or 1)
-    raise ValueError(f"unknown executor {name!r}; choose one of: {', '.join(EXECUTOR_NAMES)}")
-
-
-EXECUTORS: dict[str, type[SequentialExecutor]] = {"sequential": SequentialExecutor}

@@ -9,9 +9,8 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,12 @@ import numpy as np
 import torch
 
 from fedfuse.config import ConfigError, RunConfig, check_resume, dump_yaml, resolve_device, validate
+from fedfuse.engine.callbacks import Callback, CallbackList
+from fedfuse.engine.checkpoint import CHECKPOINT, checkpoint_round, load_checkpoint, save_checkpoint
 from fedfuse.engine.client import TrainConfig, evaluate_model
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.engine.contract import Algorithm, Executor, Job
-from fedfuse.engine.executor import make_executor
+from fedfuse.engine.executors import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
 from fedfuse.engine.privacy import DP_SAMPLINGS, DPSettings, central_epsilon
 from fedfuse.engine.sampling import make_sampler
@@ -32,7 +33,6 @@ from fedfuse.errors import DivergenceError
 from fedfuse.rng import numpy_rng
 from fedfuse.types import SIM_PREFIX, Federation, Message
 
-CHECKPOINT = "checkpoint.pt"
 TIMING_KEYS = ("seconds", "wall_seconds")
 MAX_ROLLBACKS = 8  # on_divergence=rollback halves the lr at most this many times in one round
 log = logging.getLogger("fedfuse")
@@ -79,21 +79,13 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
     )
 
 
-AlgorithmLookup = Callable[[str], Callable[..., Algorithm]]
-NO_LOOKUP = ("the engine does not know fedfuse's algorithms (one-way layers: engine -> algorithms is not an arrow); "
-             "pass algorithm_lookup=fedfuse.algorithms.get_algorithm, or use fedfuse.experiment.Experiment / "
-             "fedfuse.experiment.run, which bind the registry")
-
-
-def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | None) -> Algorithm:
-    """The configured algorithm.  ``lookup(name) -> class`` resolves the name (the api/cli layer passes fedfuse's
-    registry, :func:`fedfuse.algorithms.get_algorithm`; the engine never imports ``fedfuse.algorithms``).
+def build_algorithm(cfg: RunConfig, ctx: RunContext, algorithm: type) -> Algorithm:
+    """An instance of the algorithm class ``algorithm`` with the options of ``cfg`` (the engine never imports
+    ``fedfuse.algorithms``: the caller hands it the class, e.g. ``fedfuse.algorithms.get_algorithm(name)``).
 
     An option or model the algorithm cannot work with is a :class:`ConfigError` naming both: the algorithm is
     constructed and initialised once as a dry run (algorithms inspect the model's structure there)."""
-    if lookup is None:
-        raise TypeError(NO_LOOKUP)
-    cls: Any = lookup(cfg.algorithm)
+    cls: Any = algorithm
     try:
         algo = cls(ctx, cls.Options(**cfg.algorithm_options))
         with torch.random.fork_rng(devices=[]):
@@ -106,15 +98,15 @@ def build_algorithm(cfg: RunConfig, ctx: RunContext, lookup: AlgorithmLookup | N
     return algo
 
 
-def assemble(cfg: RunConfig, device: torch.device, *, fed: Federation | None = None,
-             lookup: AlgorithmLookup | None = None) -> tuple[Federation, RunContext, Algorithm]:
+def assemble(cfg: RunConfig, device: torch.device, algorithm: type, *,
+             fed: Federation | None = None) -> tuple[Federation, RunContext, Algorithm]:
     """The federation, run context and algorithm of a validated config, exactly as every engine builds them
     (the in-process loop, and a Flower node rebuilding the run from the config it is sent)."""
     if fed is not None and fed.source is not None:  # another run's prepared federation: start from its data
         fed = fed.source
     fed = fed if fed is not None else build_federation(cfg, device)
     ctx = build_context(cfg, fed, device)
-    algo = build_algorithm(cfg, ctx, lookup)
+    algo = build_algorithm(cfg, ctx, algorithm)
     blinded = fed.blinded()
     prepared = algo.setup(blinded)  # an algorithm may hold data aside for the server (Fed-ET's public set)
     if prepared is not blinded:
@@ -142,21 +134,26 @@ class Experiment:
     def __init__(
         self,
         cfg: RunConfig,
+        algorithm: type,
         *,
         fed: Federation | None = None,
         executor: Executor | None = None,
         progress: bool = False,
         on_round: Callable[[dict[str, Any]], None] | None = None,
-        algorithm_lookup: AlgorithmLookup | None = None,
+        callbacks: Sequence[Callback] = (),
     ) -> None:
-        """``algorithm_lookup(name) -> class`` resolves ``cfg.algorithm`` (required: see :data:`NO_LOOKUP`)."""
-        if algorithm_lookup is None:
-            raise TypeError(NO_LOOKUP)
+        """Run ``cfg`` with the algorithm class ``algorithm`` (built with ``cfg.algorithm_options``; ``cfg.algorithm``
+        names it in the outputs).  ``fed`` replaces the federation the config describes, ``executor`` the one it
+        names.  ``on_round(record)`` is called after every round; ``callbacks`` get the run's whole lifecycle
+        (:class:`~fedfuse.engine.callbacks.Callback`: start, every round, end)."""
+        if not isinstance(algorithm, type):
+            raise TypeError(f"Experiment takes the algorithm's class (e.g. fedfuse.algorithms.get_algorithm(name)), "
+                            f"not {type(algorithm).__name__}")
         self.cfg = validate(cfg)
         self.device = resolve_device(self.cfg.device)
         if self.cfg.threads:
             torch.set_num_threads(self.cfg.threads)
-        self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, fed=fed, lookup=algorithm_lookup)
+        self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, algorithm, fed=fed)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
         if self.ctx.dp.central and self.sampler.name not in DP_SAMPLINGS:
@@ -168,6 +165,7 @@ class Experiment:
         self.executor.bind(self.ctx)  # executors that send the local-training settings along
         self.progress = progress
         self.on_round = on_round
+        self.callbacks = CallbackList(callbacks)
         self.out = Path(self.cfg.out) if self.cfg.out else None
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
@@ -178,6 +176,10 @@ class Experiment:
         self.faults = FaultPlan.from_config(self.cfg)
         self.late_box: dict[int, tuple[Message, Message]] = {}  # late_replies=next-round: cid -> (reply, sent)
 
+    def attach(self, *callbacks: Callback) -> None:
+        """Add callbacks after construction (e.g. ones that need :attr:`fed`)."""
+        self.callbacks.callbacks.extend(callbacks)
+
     # ---- setup / resume ------------------------------------------------------------------------
     def _fresh(self) -> None:
         self.state = self.algo.init_state()
@@ -186,24 +188,6 @@ class Experiment:
             self.out.mkdir(parents=True, exist_ok=True)
             dump_yaml(self.cfg, self.out / "config.yaml")
             (self.out / "metrics.jsonl").write_text("")
-            self._write_partition()
-
-    def _write_partition(self) -> None:
-        from fedfuse.data.report import label_histograms, plot_partition
-
-        assert self.out is not None
-        info = {
-            "dataset": self.fed.dataset,
-            "partition": self.fed.partition,
-            "clients": [
-                {"cid": c.cid, "train": c.num_train, "val": len(c.val), "test": len(c.test), "group": c.group}
-                for c in self.fed.clients
-            ],
-            "label_histograms": label_histograms(self.fed).tolist(),
-        }
-        (self.out / "partition.json").write_text(json.dumps(info))
-        if self.cfg.plots:
-            plot_partition(self.fed, self.out / "partition.png")
 
     def _resume(self) -> None:
         assert self.out is not None
@@ -242,16 +226,26 @@ class Experiment:
             "lr": self.ctx.train.lr,
             "executor": self.executor.describe(),
         }
-        tmp = self.out / (CHECKPOINT + ".tmp")
-        torch.save(ck, tmp)
-        os.replace(tmp, self.out / CHECKPOINT)
+        save_checkpoint(self.out / CHECKPOINT, ck)
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict[str, Any]:
+        """Run (or, with ``resume``, continue from ``checkpoint.pt``) every round; returns the summary.  The
+        callbacks' ``on_run_end`` is called also when the run fails (with the summary so far, ``{}`` before the
+        first round)."""
         if resume:
             self._resume()
         else:
             self._fresh()
+        self.callbacks.on_run_start(self.cfg)
+        summary: dict[str, Any] = {}
+        try:
+            summary = self._rounds()
+        finally:
+            self.callbacks.on_run_end(summary or (self.summary() if self.history else {}))
+        return summary
+
+    def _rounds(self) -> dict[str, Any]:
         R = self.cfg.rounds
         bar = None
         if self.progress:
@@ -278,6 +272,7 @@ class Experiment:
                 bar.set_postfix_str(_postfix(rec))
             if self.on_round:
                 self.on_round(rec)
+            self.callbacks.on_round(rec)
         if bar is not None:
             bar.close()
         self.executor.close()
@@ -311,8 +306,8 @@ class Experiment:
     def _divergence_message(self, r: int, why: str, lr: float) -> str:
         msg = f"the run diverged in round {r + 1}: {why}."
         ck = self.out / CHECKPOINT if self.out else None
-        if ck is not None and ck.exists():
-            done = int(torch.load(ck, map_location="cpu", weights_only=False)["round"])
+        done = checkpoint_round(ck) if ck is not None else None
+        if done is not None:
             msg += f" The last good checkpoint ({ck}, after round {done}) is kept."
         if self.cfg.on_divergence == "rollback":
             msg += f" Rolling back and halving the lr {MAX_ROLLBACKS} times (to {lr:.3g}) did not help."
@@ -539,35 +534,12 @@ class Experiment:
         g = self.algo.global_model(self.state)
         if g is not None:
             torch.save({"state": g[0], "meta": g[1], "round": len(self.history)}, self.out / "model_final.pt")
-        if self.cfg.plots:
-            from fedfuse.plots import plot_curves
-
-            plot_curves(self.history, self.out / "curves.png", title=f"{self.cfg.algorithm} on {self.cfg.dataset}")
         self.algo.finish(self.state, self.fed, self.out)
 
 
 def outs_results(outs: dict[int, Any]) -> dict[int, Message]:
     """The reply part of an executor's ``{cid: (reply, client_state)}`` output."""
     return {c: o[0] for c, o in outs.items()}
-
-
-def load_checkpoint(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """A run checkpoint; an empty, truncated or foreign file is a :class:`ConfigError` naming it."""
-    if not path.is_file():
-        raise ConfigError(f"--resume: {path} does not exist (nothing to resume)")
-    if path.stat().st_size == 0:
-        raise ConfigError(f"--resume: {path} is empty (the run was stopped while writing it?); start the run "
-                          "again with --overwrite")
-    try:
-        ck = torch.load(path, map_location=device, weights_only=False)
-    except Exception as e:  # truncated zip, wrong pickle, not a torch file at all
-        raise ConfigError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else 'corrupt'}); start the run again with --overwrite"
-                          ) from None
-    needed = ("round", "state", "client_states", "totals", "best", "history")
-    if not isinstance(ck, dict) or any(k not in ck for k in needed):
-        raise ConfigError(f"--resume: {path} is not a fedfuse run checkpoint (missing entries)")
-    return ck
 
 
 def _block(rec: dict[str, Any]) -> dict[str, Any]:
@@ -641,7 +613,6 @@ def strip_timing(rec: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in rec.items() if k not in TIMING_KEYS}
 
 
-def run(cfg: RunConfig, *, lookup: AlgorithmLookup | None = None, resume: bool = False,
-        progress: bool = False) -> dict[str, Any]:
-    """Convenience wrapper: build an :class:`Experiment` (algorithms resolved by ``lookup``) and run it."""
-    return Experiment(cfg, progress=progress, algorithm_lookup=lookup).run(resume=resume)
+def run(cfg: RunConfig, algorithm: type, *, resume: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Convenience wrapper: build an :class:`Experiment` of ``algorithm`` and run it; returns the summary."""
+    return Experiment(cfg, algorithm, progress=progress).run(resume=resume)

@@ -29,7 +29,11 @@ from typing import Any
 
 import torch
 
+from fedfuse.algorithms import get_algorithm
+from fedfuse.config import make_config, resolve_device
+from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
+from fedfuse.engine.loop import Experiment, assemble
 from fedfuse.flower import wire
 from fedfuse.flower.executor import JOB, FlowerExecutor
 from fedfuse.types import Message as FedfuseMessage
@@ -67,8 +71,6 @@ def node_run(run_json: str, node_config: Any = None) -> NodeRun:
     directory instead of the path in the server's config (the files must be the same for the same run)."""
     key = run_key(run_json)
     if key not in _RUNS:
-        from fedfuse.api import make_config
-
         cfg = make_config(json.loads(run_json))
         data_dir = (node_config or {}).get("data-dir")
         prepare_node(dataclasses.replace(cfg, data_dir=str(data_dir)) if data_dir else cfg, key=key)
@@ -78,14 +80,10 @@ def node_run(run_json: str, node_config: Any = None) -> NodeRun:
 def prepare_node(cfg: Any, fed: Any = None, *, key: str | None = None) -> NodeRun:
     """Build (and cache) this node's side of run ``cfg``.  ``fed`` gives the federation instead of building it
     from the config — for a federation assembled in code, as ``Experiment(cfg, fed=...)`` accepts in process."""
-    from fedfuse.algorithms import get_algorithm
-    from fedfuse.config import resolve_device
-    from fedfuse.engine.loop import assemble
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with torch.random.fork_rng(devices=[]):
-        fed, ctx, algo = assemble(cfg, resolve_device(cfg.device), fed=fed, lookup=get_algorithm)
+        fed, ctx, algo = assemble(cfg, resolve_device(cfg.device), get_algorithm(cfg.algorithm), fed=fed)
         built = NodeRun(fed.blinded(), ctx, algo)  # client hooks never see the partition's ground truth
     _RUNS.clear()  # one run at a time per node process
     _RUNS[key or run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
@@ -94,8 +92,6 @@ def prepare_node(cfg: Any, fed: Any = None, *, key: str | None = None) -> NodeRu
 
 def handle(msg: Message, context: Context) -> Message:
     """Run one fedfuse client job carried by ``msg`` and return the reply message."""
-    from fedfuse.engine.client import TrainConfig
-
     job_rec = msg.content[JOB]
     run = node_run(str(job_rec["run"]), context.node_config)
     method, cid, seed = str(job_rec["method"]), int(job_rec["cid"]), int(job_rec["seed"])
@@ -203,10 +199,6 @@ server_app = ServerApp()
 @server_app.main()
 def _main(grid: Grid, context: Context) -> None:
     """Deployment: run the fedfuse experiment named by the run config, with the nodes as its clients."""
-    from fedfuse.algorithms import get_algorithm
-    from fedfuse.api import make_config
-    from fedfuse.engine.loop import Experiment
-
     rc = dict(context.run_config)
     if "fedfuse-config" not in rc:
         raise ValueError("the fedfuse ServerApp needs run config 'fedfuse-config' (a fedfuse YAML config file)")
@@ -216,13 +208,13 @@ def _main(grid: Grid, context: Context) -> None:
     cfg = make_config(str(rc["fedfuse-config"]), **overrides)
     timeout = float(rc.get("round-timeout", 0) or 0) or None
     executor = FlowerExecutor(grid, cfg, cfg.seed, round_timeout=timeout, min_nodes=int(rc.get("min-nodes", 1)))
-    exp = Experiment(cfg, executor=executor, algorithm_lookup=get_algorithm)
+    exp = Experiment(cfg, get_algorithm(cfg.algorithm), executor=executor)
     summary = exp.run(resume=bool(rc.get("resume", False)))
     log.info("fedfuse run finished: %s", json.dumps(summary.get("final", {}), default=str)[:500])
 
 
 def serving_app(requests: queue.Queue[Any], replies: queue.Queue[Any]) -> ServerApp:
-    """A ServerApp that serves a :class:`~fedfuse.flower.executor.SimulationExecutor` living in the caller's
+    """A ServerApp that serves a :class:`~fedfuse.flower.simulation.SimulationExecutor` living in the caller's
     thread: it sends each batch of jobs it is handed and returns the replies, until it is handed ``None``."""
     app = ServerApp()
 

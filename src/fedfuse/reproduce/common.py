@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.config import RunConfig, apply, resolve_device, validate
-from fedfuse.experiment import Experiment, build_federation
+from fedfuse.engine.loop import build_federation
+from fedfuse.runner import experiment
 from fedfuse.types import Federation
 
 _FED_CACHE: dict[str, Federation] = {}
@@ -38,30 +39,9 @@ def run_one(base: dict[str, Any], out: Path, progress: bool = True, **overrides:
 
         res = run_cached(cfg, progress=progress, fed=federation_for(cfg))
         return res.summary, res.history
-    exp = Experiment(cfg, fed=federation_for(cfg), progress=progress)
+    exp = experiment(cfg, fed=federation_for(cfg), progress=progress)
     summary = exp.run()
     return summary, exp.history
-
-
-def markdown(rows: Iterable[dict[str, Any]]) -> str:
-    rows = list(rows)
-    if not rows:
-        return ""
-    cols: list[str] = []
-    for r in rows:
-        cols += [c for c in r if c not in cols]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
-    return "\n".join(lines)
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
-    return str(v)
 
 
 def pct(v: float | None) -> float | None:

@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
-from fedfuse.reproduce.common import markdown, run_one
+from fedfuse.reproduce.common import run_one
 from fedfuse.stats import mean_std, paired_test, parse_seeds
+from fedfuse.tables import markdown
 
 DESCRIPTION = "FedMA vs FedAvg (both forms)/ensemble/one-shot on MNIST SimpleMLP; Simple-FedMA on PTB + WikiText-2"
 

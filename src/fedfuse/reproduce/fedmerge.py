@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfuse.reproduce.common import markdown, run_seeds
+from fedfuse.reproduce.common import run_seeds
 from fedfuse.stats import mean_std, paired_test, parse_seeds
+from fedfuse.tables import markdown
 
 DESCRIPTION = "FedMerge vs FedAvg/IFCA/FedEM over seeds: MNIST label-cluster (defaults check) and CIFAR-10 cluster/Dir"
 

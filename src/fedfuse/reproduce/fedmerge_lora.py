@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfuse.reproduce.common import markdown
+from fedfuse.tables import markdown
 
 DESCRIPTION = "FedMerge on LoRA adapters vs Local/FedIT/FedLoRA/FedEM-LoRA; parameter-scale sweep (d vs rank)"
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fedfuse.config import RunConfig, apply, resolve_device, validate
-    from fedfuse.experiment import Experiment
+    from fedfuse.runner import experiment
     from fedfuse.stats import parse_seeds
 
     torch.set_num_threads(max(int(args.threads), 1))
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
                 "out": str(out / "runs" / f"{label.replace(' ', '_').replace('=', '')}-seed{seed}"),
                 "algorithm_options": {**lora, **opts}}))
             t0 = time.perf_counter()
-            summary = Experiment(cfg, fed=fed).run()
+            summary = experiment(cfg, fed=fed).run()
             rec = record(label, algo, opts, seed, summary, rounds, fed.num_clients, time.perf_counter() - t0)
             records.append(rec)
             with open(done, "a") as f:

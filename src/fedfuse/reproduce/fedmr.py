@@ -52,8 +52,9 @@ from typing import Any
 import torch
 import yaml
 
-from fedfuse.reproduce.common import markdown, run_one
+from fedfuse.reproduce.common import run_one
 from fedfuse.stats import best_value, final_mean, mean_std, paired_test, parse_seeds
+from fedfuse.tables import markdown
 
 DESCRIPTION = ("FedMR Table 1 with the authors' settings: CIFAR-10 Dir(0.1)/Dir(0.5)/IID + FEMNIST, FedMR, "
                "two-stage, FedMR-p vs FedAvg, FedProx, FedMut, FedExP, FedASAM (--scale cpu|full|paper, --quick)")

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.config import RunConfig, apply, validate
-from fedfuse.experiment import Experiment
-from fedfuse.reproduce.common import federation_for, markdown, run_one
+from fedfuse.reproduce.common import federation_for, run_one
+from fedfuse.runner import experiment
 from fedfuse.stats import mean_std, paired_test, parse_seeds
+from fedfuse.tables import markdown
 from fedfuse.types import ClientData, Federation, Split
 
 DESCRIPTION = "MSfusion vs HeteroFL/FedRolex over seeds: MNIST defaults, CIFAR-10 (mu sweep, ablations, ring), PTB"
@@ -375,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
                 cfg = validate(apply(RunConfig(), {**base, "algorithm": algo, "seed": sd,
                                                    "out": str(out / "ptb" / algo / f"seed{sd}"),
                                                    "algorithm_options": {"mu": 0.25, **LR}}))
-                exp = Experiment(cfg, fed=truncated(federation_for(cfg), s["ptb_seqs"], s["ptb_test"]),
+                exp = experiment(cfg, fed=truncated(federation_for(cfg), s["ptb_seqs"], s["ptb_test"]),
                                  progress=False)
                 runs.append((exp.run(), exp.history))
             results["ptb"].append(cell_row(algo, runs, seeds, time.time() - t, "perplexity", mu=0.25,

@@ -1,0 +1,139 @@
+"""The run store: a finished (or interrupted) run directory read back as a :class:`Result`.
+
+A run directory holds ``config.yaml``, ``metrics.jsonl`` (one record per round) and, once the run finished,
+``summary.json``; the engine writes them, this module reads them.  The API, sweeps and reports all hand
+results around as :class:`Result`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedfuse.config import RunConfig, apply, load_yaml
+from fedfuse.stats import best_value, final_mean, with_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+# Records carry these as lists/dicts; the per-round DataFrame keeps scalar columns only.
+_NON_SCALAR = ("clients", "client_test_accuracy")
+
+
+@dataclass
+class Result:
+    """One finished run: its resolved config, per-round history, summary and (when written) output files."""
+
+    config: RunConfig
+    history: list[dict[str, Any]]
+    summary: dict[str, Any]
+    out: Path | None = None
+    cached: bool = field(default=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.history = with_bytes(self.history)
+
+    # -- metrics --
+    @property
+    def metrics(self) -> pd.DataFrame:
+        """Per-round metrics as a DataFrame (one row per round, scalar columns: accuracies, losses, bytes, FLOPs,
+        parameter counts, timings and any scalar diagnostic of the algorithm); rounds without an evaluation hold
+        NaN in the evaluation columns."""
+        import pandas as pd
+
+        rows = [{k: v for k, v in h.items() if k not in _NON_SCALAR and not isinstance(v, list | dict)}
+                for h in self.history]
+        return pd.DataFrame.from_records(rows)
+
+    @property
+    def client_accuracy(self) -> pd.DataFrame:
+        """Personalised test accuracy of every client (columns) at every evaluated round (index)."""
+        import pandas as pd
+
+        rows = {h["round"]: {int(c): v for c, v in h["client_test_accuracy"].items()}
+                for h in self.history if h.get("client_test_accuracy")}
+        frame = pd.DataFrame.from_dict(rows, orient="index")
+        frame.index.name = "round"
+        return frame.sort_index(axis=1)
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    @property
+    def algorithm(self) -> str:
+        return self.config.algorithm
+
+    def final(self, key: str = "global_accuracy", last: int = 5) -> float | None:
+        """Mean of ``key`` over the last ``last`` evaluations."""
+        return final_mean(self.history, key, last)
+
+    def best(self, key: str = "global_accuracy") -> float | None:
+        """Highest value of ``key`` over all evaluations."""
+        return best_value(self.history, key)
+
+    # -- files --
+    @property
+    def artefacts(self) -> dict[str, Path]:
+        """Output files that exist, by name (``config``, ``metrics``, ``summary``, ``curves``, ``partition``,
+        ``checkpoint``, ``model_final``, ``model_best`` and the algorithm's own files such as heat-maps)."""
+        if self.out is None or not self.out.is_dir():
+            return {}
+        known = {"config": "config.yaml", "metrics": "metrics.jsonl", "summary": "summary.json",
+                 "curves": "curves.png", "partition": "partition.png", "partition_json": "partition.json",
+                 "checkpoint": "checkpoint.pt", "model_final": "model_final.pt", "model_best": "model_best.pt"}
+        out = {name: self.out / f for name, f in known.items() if (self.out / f).exists()}
+        taken = set(known.values())
+        for p in sorted(self.out.iterdir()):
+            if p.is_file() and p.name not in taken:
+                out.setdefault(p.stem, p)
+        return out
+
+    def plot(self, metrics: Sequence[str] | str | None = None, path: str | Path | None = None) -> Figure:
+        """A figure with one panel per metric (default: the accuracies and losses this run measured) against
+        rounds; saved to ``path`` when given.  Loss-like metrics use a log scale."""
+        from fedfuse.plots import plot_metrics
+
+        return plot_metrics({self.config.algorithm: [self.history]}, metrics, path)
+
+    def __repr__(self) -> str:
+        acc = self.final("global_accuracy")
+        pers = self.final("personal_accuracy")
+        parts = [f"{self.config.algorithm} on {self.config.dataset}", f"seed {self.config.seed}",
+                 f"{len(self.history)} rounds"]
+        if acc is not None:
+            parts.append(f"final global acc {100 * acc:.2f}%")
+        if pers is not None:
+            parts.append(f"final personal acc {100 * pers:.2f}%")
+        if self.out:
+            parts.append(f"in {self.out}")
+        return f"Result({', '.join(parts)})"
+
+
+def load(run_dir: str | Path) -> Result:
+    """The :class:`Result` of a run directory written by ``fedfuse run`` or :func:`run` (``config.yaml`` and
+    ``metrics.jsonl``; ``summary.json`` when the run finished)."""
+    d = Path(run_dir)
+    if not (d / "config.yaml").exists() or not (d / "metrics.jsonl").exists():
+        raise FileNotFoundError(f"{d}: not a run directory (needs config.yaml and metrics.jsonl)")
+    cfg = apply(RunConfig(), load_yaml(d / "config.yaml"))
+    history = []
+    lines = [line for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # a run killed while writing its last record
+                break
+            raise
+    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+    return Result(cfg, history, summary, d)
+
+
+def is_run_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "config.yaml").exists() and (p / "metrics.jsonl").exists()

@@ -1,0 +1,66 @@
+"""The composition root: where fedfuse's layers are wired into a run.
+
+The engine (:mod:`fedfuse.engine.loop`) knows no algorithm, no executor above it and no output file for humans.
+This module binds them for fedfuse's own entry points (:mod:`fedfuse.api`, the command line, sweeps, the
+reproductions):
+
+- the algorithm: the class registered under ``cfg.algorithm`` (:func:`fedfuse.algorithms.get_algorithm`);
+- the executor ``flower`` (Flower's simulation runtime), registered with the engine's executor registry when
+  this module is imported;
+- the run directory's partition files and curves (:mod:`fedfuse.outputs`), as callbacks.
+
+Code that brings its own algorithm builds :class:`fedfuse.engine.loop.Experiment` with the class directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fedfuse.algorithms import get_algorithm
+from fedfuse.config import RunConfig
+from fedfuse.engine.callbacks import Callback, make_loggers
+from fedfuse.engine.executors import register_executor
+from fedfuse.engine.loop import Experiment
+from fedfuse.errors import UserError
+from fedfuse.outputs import output_callbacks
+from fedfuse.result import Result
+from fedfuse.types import ClientData, Federation
+
+
+def _flower_executor(clients: Sequence[ClientData], seed: int, *, threads: int = 0, config: Any = None) -> Any:
+    """``--executor flower``: the nodes rebuild the run from ``config``."""
+    try:
+        from fedfuse.flower.simulation import SimulationExecutor
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise UserError("executor 'flower' needs Flower: pip install 'fedfuse[flower]'") from e
+    if config is None:
+        raise TypeError("executor 'flower' needs the run's config")
+    return SimulationExecutor(config, seed, num_nodes=len(clients), threads=threads or 1)
+
+
+register_executor("flower", _flower_executor)
+
+
+def experiment(cfg: RunConfig, *, fed: Federation | None = None, executor: Any | None = None,
+               progress: bool = False, on_round: Callable[[dict[str, Any]], None] | None = None,
+               callbacks: Sequence[Callback] = ()) -> Experiment:
+    """The :class:`~fedfuse.engine.loop.Experiment` of ``cfg`` with fedfuse's algorithm of that name, writing the
+    run directory's partition files and curves (when ``out`` and ``plots`` are set)."""
+    exp = Experiment(cfg, get_algorithm(cfg.algorithm), fed=fed, executor=executor, progress=progress,
+                     on_round=on_round, callbacks=callbacks)
+    exp.attach(*output_callbacks(exp.fed))
+    return exp
+
+
+def execute(cfg: RunConfig, *, progress: bool = False, callbacks: Sequence[Callback] = (),
+            log: Sequence[str] = (), resume: bool = False, fed: Federation | None = None) -> Result:
+    """Run ``cfg`` (a resolved config) with the given callbacks and built-in loggers; returns its :class:`Result`."""
+    exp = experiment(cfg, fed=fed, progress=progress, callbacks=[*callbacks, *make_loggers(log, cfg)])
+    summary = exp.run(resume=resume)
+    return Result(exp.cfg, exp.history, summary, exp.out)
+
+
+def run(cfg: RunConfig, *, resume: bool = False, progress: bool = False) -> dict[str, Any]:
+    """Build the :func:`experiment` of ``cfg`` and run it; returns the summary."""
+    return experiment(cfg, progress=progress).run(resume=resume)
