@@ -284,6 +284,21 @@ def cmd_export_partitions(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if not cfg.out:
         raise ConfigError("export-partitions: give the output directory with --out DIR")
+    if args.nodes:  # one bundle per SuperNode, each holding only its clients
+        from fedfuse.engine.loop import build_federation
+        from fedfuse.flower.node_data import write_node_bundles
+
+        fed = build_federation(cfg)
+        try:
+            paths = write_node_bundles(fed, cfg.out, args.nodes, overwrite=args.overwrite,
+                                       meta={"seed": cfg.seed, "partition": cfg.partition,
+                                             "val_fraction": cfg.val_fraction})
+        except FileExistsError as e:
+            raise ConfigError(str(e)) from None
+        for k, p in enumerate(paths):
+            held = [c.cid for c in fed.clients if c.cid % args.nodes == k]
+            print(f"wrote {p} (clients {held}): start its SuperNode with --node-config \"data='{p.resolve()}'\"")
+        return 0
     try:
         out = export_partitions(cfg, cfg.out, overwrite=args.overwrite)
     except FileExistsError as e:
@@ -419,6 +434,9 @@ def make_parser() -> argparse.ArgumentParser:
                                     "Hugging Face DatasetDict (train: x, label, partition_id, sample_id; test) "
                                     "with a README; Flower reads it with NaturalIdPartitioner('partition_id').")
     _add_run_flags(ex)
+    ex.add_argument("--nodes", type=int, default=0, metavar="N",
+                    help="write OUT/node-K/ bundles instead, one per SuperNode (client c on node c %% N), each with "
+                         "its clients' train/validation/test tensors only")
     ex.set_defaults(func=cmd_export_partitions)
     _add_reproduce(sub)
     from fedfuse.adapters.cli import add_pretrain_parser

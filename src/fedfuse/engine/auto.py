@@ -51,6 +51,10 @@ class AutoExecutor:
     def bind(self, ctx: RunContext) -> None:
         """Nothing to learn: every executor it may choose runs in this process or reads the algorithm."""
 
+    def present(self) -> set[int] | None:
+        """Every client: their data is in this process."""
+        return None
+
     def restore(self, choice: str | None) -> None:
         """Reuse a recorded choice (resume)."""
         if choice:

@@ -97,6 +97,8 @@ class Executor(Protocol):
         """Learn the run's context (executors that send the local-training settings along); usually a no-op."""
     def restore(self, choice: str | None) -> None:
         """Resume with the choice recorded in the checkpoint (``describe()`` of the interrupted run)."""
+    def present(self) -> set[int] | None:
+        """The clients that can take part now (a Flower node holding their data is connected); ``None``: all."""
     def close(self) -> None:
         """Release workers."""
     def describe(self) -> str: ...

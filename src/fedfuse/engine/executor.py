@@ -68,6 +68,10 @@ class SequentialExecutor:
     def restore(self, choice: str | None) -> None:
         """Nothing to restore: this executor makes no choice."""
 
+    def present(self) -> set[int] | None:
+        """Every client: their data is in this process."""
+        return None
+
     def close(self) -> None:
         """Release workers (no-op here)."""
 

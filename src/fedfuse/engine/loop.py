@@ -115,6 +115,20 @@ def assemble(cfg: RunConfig, device: torch.device, algorithm: type, *,
     return fed, ctx, algo
 
 
+def among_present(clients: list[int], present: set[int] | None, num_clients: int,
+                  rng: np.random.Generator) -> list[int]:
+    """The sampled ``clients`` with each absent one (no connected node holds its data) replaced by a present
+    client not sampled yet, drawn uniformly with ``rng``; unchanged when all are present (``present`` None means
+    everyone is).  Fewer come back when fewer are present."""
+    if present is None or all(c in present for c in clients):
+        return clients
+    kept = [c for c in clients if c in present]
+    pool = sorted(c for c in present if c not in kept and 0 <= c < num_clients)
+    need = min(len(clients) - len(kept), len(pool))
+    extra = [pool[i] for i in rng.choice(len(pool), size=need, replace=False)] if need else []
+    return sorted(kept + extra)
+
+
 @dataclass
 class Totals:
     bytes_down: int = 0
@@ -319,6 +333,12 @@ class Experiment:
         algo, seed, cfg = self.algo, self.cfg.seed, self.cfg
         info = RoundInfo(index=r, total=self.cfg.rounds)
         clients = self.sampler.select(algo, info, numpy_rng(seed, "select", r))
+        present = self.executor.present()  # Flower: only clients whose node is connected can take part
+        if present is not None:
+            chosen = among_present(clients, present, self.ctx.num_clients, numpy_rng(seed, "select-present", r))
+            if chosen != clients:
+                self.sampler.counts = {c: self.sampler.counts.get(c, 1) for c in chosen}
+            clients = chosen
         sampling_weight = self.sampler.weights()
         fates = self.faults.fates(r, clients)
         dropped = [c for c in clients if fates[c] == DROPOUT]

@@ -35,12 +35,13 @@ from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
 from fedfuse.engine.loop import Experiment, assemble
 from fedfuse.flower import wire
-from fedfuse.flower.executor import JOB, FlowerExecutor
+from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
 from fedfuse.types import Message as FedfuseMessage
 
 try:
-    from flwr.app import ConfigRecord, Context, Message, MetricRecord
+    from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
+    from flwr.common.constant import ErrorCode
     from flwr.serverapp import Grid, ServerApp
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("fedfuse.flower needs Flower: pip install 'fedfuse[flower]'") from e
@@ -53,11 +54,13 @@ _RUNS: dict[str, Any] = {}
 
 @dataclasses.dataclass
 class NodeRun:
-    """What a node rebuilt from a run's config: the federation (its clients' data), context and algorithm."""
+    """What a node rebuilt from a run's config: the federation (its clients' data), context and algorithm.
+    ``held`` is the set of client ids whose data the node holds (``None``: it rebuilt every client)."""
 
     fed: Any
     ctx: Any
     algo: Any
+    held: frozenset[int] | None = None
 
 
 def run_key(run_json: str) -> str:
@@ -69,11 +72,30 @@ def node_run(run_json: str, node_config: Any = None) -> NodeRun:
 
     A SuperNode started with ``--node-config "data-dir='/path'"`` reads the dataset files from its own
     directory instead of the path in the server's config (the files must be the same for the same run)."""
+    node_config = dict(node_config or {})
     key = run_key(run_json)
+    if node_config.get("data"):  # the same run over other node-local data is another node run
+        from fedfuse.flower.node_data import NODE_KEYS
+
+        key = run_key(run_json + json.dumps({k: str(node_config[k]) for k in (*NODE_KEYS, "partition-id")
+                                             if k in node_config}))
     if key not in _RUNS:
         cfg = make_config(json.loads(run_json))
-        data_dir = (node_config or {}).get("data-dir")
-        prepare_node(dataclasses.replace(cfg, data_dir=str(data_dir)) if data_dir else cfg, key=key)
+        if node_config.get("data"):  # node-local data: only the clients the node holds
+            from fedfuse.algorithms.base import Algorithm
+            from fedfuse.flower.node_data import check_compatible, load_node_data
+
+            if get_algorithm(cfg.algorithm).setup is not Algorithm.setup:
+                raise ValueError(f"{cfg.algorithm} prepares server-side data from the clients' (setup); it cannot "
+                                 "run on nodes that hold only their own data")
+            data = load_node_data(node_config, seed=cfg.seed, val_fraction=cfg.val_fraction)
+            check_compatible(data, cfg)
+            built = prepare_node(cfg, data.federation(cfg.clients), key=key)
+            built.held = frozenset(data.client_ids)
+            log.info("node data %s: clients %s", data.source, data.client_ids)
+        else:
+            data_dir = node_config.get("data-dir")
+            prepare_node(dataclasses.replace(cfg, data_dir=str(data_dir)) if data_dir else cfg, key=key)
     return _RUNS[key]
 
 
@@ -85,7 +107,8 @@ def prepare_node(cfg: Any, fed: Any = None, *, key: str | None = None) -> NodeRu
     with torch.random.fork_rng(devices=[]):
         fed, ctx, algo = assemble(cfg, resolve_device(cfg.device), get_algorithm(cfg.algorithm), fed=fed)
         built = NodeRun(fed.blinded(), ctx, algo)  # client hooks never see the partition's ground truth
-    _RUNS.clear()  # one run at a time per node process
+    while len(_RUNS) >= 4:  # a node process serves one run at a time; a few entries for in-process test grids
+        del _RUNS[next(iter(_RUNS))]
     _RUNS[key or run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
     return built
 
@@ -95,6 +118,11 @@ def handle(msg: Message, context: Context) -> Message:
     job_rec = msg.content[JOB]
     run = node_run(str(job_rec["run"]), context.node_config)
     method, cid, seed = str(job_rec["method"]), int(job_rec["cid"]), int(job_rec["seed"])
+    if run.held is not None and cid not in run.held:  # never train or evaluate as another client
+        reason = (f"node {context.node_id} does not hold client {cid} (it holds clients {sorted(run.held)}): "
+                  "job refused")
+        log.error("%s", reason)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
     train = json.loads(str(job_rec["train"]))
     if train:
         run.ctx.train = TrainConfig(**train)
@@ -180,6 +208,17 @@ def _metrics(result: Any) -> dict[str, float]:
 
 
 client_app = ClientApp()
+
+
+@client_app.query()
+def _query(msg: Message, context: Context) -> Message:
+    """Which clients this node serves: ``[ids]`` when it holds node-local data, ``"*"`` when it rebuilds the
+    whole federation from the config (and so can serve any client)."""
+    held: Any = "*"
+    if context.node_config.get("data"):
+        run = node_run(str(msg.content[JOB]["run"]), context.node_config)
+        held = sorted(run.held or ())
+    return Message(content=RecordDict({CLIENTS: ConfigRecord({"clients": json.dumps(held)})}), reply_to=msg)
 
 
 @client_app.train()

@@ -301,7 +301,7 @@ class LocalFederation:
 
     def __init__(self, dir: str | Path, nodes: int = 2, *, auth: bool = True, env: Mapping[str, str] | None = None,
                  connection: str = DEFAULT_CONNECTION, node_config: Sequence[str] | None = None,
-                 startup_timeout: float = 60.0) -> None:
+                 startup_timeout: float = 60.0, warm: bool = False, worker_poll: float | None = None) -> None:
         self.dir = Path(dir).resolve()
         self.num_nodes = nodes
         self.auth = auth
@@ -309,6 +309,9 @@ class LocalFederation:
         self.node_config = list(node_config) if node_config is not None else [
             f"partition-id={i} num-partitions={nodes}" for i in range(nodes)]
         self.startup_timeout = startup_timeout
+        self.warm = warm
+        self.worker_poll = worker_poll
+        self.workers: list[_Proc | None] = [None] * nodes  # warm ClientApp workers (``warm=True``)
         self.logs = self.dir / "logs"
         self.home = self.dir / "cli-home"  # FLWR_HOME of the flwr CLI (holds the SuperLink connection)
         self.port = 0
@@ -381,7 +384,17 @@ class LocalFederation:
             cmd += ["--auth-supernode-private-key", str(self.certs.node_keys[i][0])]
         if self.node_config[i]:
             cmd += ["--node-config", self.node_config[i]]
-        return self._spawn(f"supernode-{i}", cmd, self.dir / f"supernode-{i}-home")
+        runtime = cmd[cmd.index("--port") + 1]
+        if self.warm:
+            cmd += ["--isolation", "process"]
+        proc = self._spawn(f"supernode-{i}", cmd, self.dir / f"supernode-{i}-home")
+        if self.warm:  # the SuperNode launches no ClientApp process: a warm worker claims its tasks
+            worker = [sys.executable, "-m", "fedfuse.flower.worker", "--runtime-api-address", f"127.0.0.1:{runtime}",
+                      "--parent-pid", str(proc.popen.pid)]
+            if self.worker_poll is not None:
+                worker += ["--poll", str(self.worker_poll)]
+            self.workers[i] = self._spawn(f"worker-{i}", worker, self.dir / f"supernode-{i}-home")
+        return proc
 
     def _wait_node(self, i: int) -> int:
         """Wait until SuperNode ``i`` is connected: it logs ``SuperNode ID: N`` once the SuperLink accepted it
@@ -431,12 +444,12 @@ class LocalFederation:
 
     def kill(self, node_index: int) -> None:
         """SIGKILL SuperNode ``node_index`` and every process it spawned (a device that dies: no goodbye)."""
-        proc = self.nodes[node_index]
-        if proc is None:
-            return
-        _signal_tree(_tree(proc.popen.pid), signal.SIGKILL)
-        proc.popen.wait()
-        self.nodes[node_index] = None
+        proc, worker = self.nodes[node_index], self.workers[node_index]
+        for p in (proc, worker):
+            if p is not None:
+                _signal_tree(_tree(p.popen.pid), signal.SIGKILL)
+                p.popen.wait()
+        self.nodes[node_index] = self.workers[node_index] = None
 
     def stop(self) -> None:
         """Terminate the SuperNodes, then the SuperLink (SIGTERM; SIGKILL to what is left after 10 s)."""
@@ -444,7 +457,8 @@ class LocalFederation:
             _signal_tree(_tree(stream.pid), signal.SIGKILL)
             stream.wait()
         self._streams.clear()
-        for procs in ([p for p in self.nodes if p is not None], [self.superlink] if self.superlink else []):
+        nodes = [p for p in self.nodes + self.workers if p is not None]
+        for procs in (nodes, [self.superlink] if self.superlink else []):
             trees = [_tree(p.popen.pid) for p in procs]
             for p in procs:
                 _signal_tree([p.popen.pid], signal.SIGTERM)
@@ -457,6 +471,7 @@ class LocalFederation:
             for p in procs:
                 p.popen.wait()
         self.nodes = [None] * len(self.nodes)
+        self.workers = [None] * len(self.workers)
         self.superlink = None
 
     # -- the flwr CLI ------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ RETRY_AFTER = 3  # calls a node that left a message unanswered is skipped before
 #: client hooks that run on the nodes, and the Flower message type each travels as
 METHODS = {"fit": "train", "evaluate": "evaluate"}
 JOB = "fedfuse.job"
+CLIENTS = "fedfuse.clients"  # a node's answer to the "query" message: the client ids it holds
 
 
 class FlowerExecutor:
@@ -61,6 +62,8 @@ class FlowerExecutor:
         self.lost: dict[int, str] = {}  # the last call's jobs without a usable reply, with the reason
         self._started = False
         self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
+        self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
+        self.served: dict[int, list[int] | None] = {}  # node -> the clients it holds (None: any, see discover)
 
     def bind(self, ctx: Any) -> None:
         """Follow ``ctx.train`` (the run's local-training settings) when building messages."""
@@ -78,6 +81,51 @@ class FlowerExecutor:
                     raise RuntimeError(f"no Flower SuperNode connected within {self.node_wait:.0f} s")
                 self._started = True
                 return ids
+
+    def discover(self, ids: list[int]) -> None:
+        """Ask every node not asked yet which clients it serves (a ``query`` message; the ClientApp answers with
+        the client ids of its node-local data, or ``"*"`` when it rebuilds the federation from the config and
+        serves any client).  A node that does not answer is asked again on the next call."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        for n in [n for n in self.served if n not in ids]:  # gone from the SuperLink's list
+            del self.served[n]
+        new = [n for n in ids if n not in self.served]
+        if not new:
+            return
+        msgs = [Message(content=RecordDict({JOB: ConfigRecord({"run": self.run_json})}), message_type="query",
+                        dst_node_id=n) for n in new]
+        query = getattr(self.grid, "query", None)  # an in-process grid answers without counting a call
+        saved, self.round_timeout = self.round_timeout, self.round_timeout or 120.0
+        try:
+            replies = query(msgs) if query is not None else self.send_and_receive(msgs)
+        finally:
+            self.round_timeout = saved
+        for rep in replies:
+            node = rep.metadata.src_node_id
+            if rep.has_error():
+                log.warning("flower: node %d did not say which clients it holds: %s", node, rep.error.reason)
+                continue
+            held = json.loads(str(rep.content[CLIENTS]["clients"]))
+            self.served[node] = None if held == "*" else [int(c) for c in held]
+            log.info("flower: node %d serves %s", node, "any client" if held == "*" else f"clients {held}")
+
+    def holders(self, ids: list[int]) -> dict[int, int]:
+        """client id -> the connected node that holds its data (nodes with node-local data only)."""
+        out: dict[int, int] = {}
+        for n in ids:
+            for c in self.served.get(n) or ():
+                out.setdefault(c, n)
+        return out
+
+    def present(self) -> set[int] | None:
+        """The clients a connected node can serve, or ``None`` when some node serves any client (it rebuilds the
+        federation from the config).  The loop samples among these."""
+        ids = self.nodes()
+        self.discover(ids)
+        if any(self.served.get(n, None) is None for n in ids if n in self.served) or not self.served:
+            return None
+        return set(self.holders(ids))
 
     def route(self, ids: list[int]) -> list[int]:
         """The nodes to send to: those that answered lately.  A node that left a message unanswered (it died,
@@ -107,16 +155,25 @@ class FlowerExecutor:
         self.lost = {}
         if not jobs:
             return {}
-        nodes = self.route(self.nodes())
+        ids = self.nodes()
+        self.discover(ids)
+        holders = self.holders(ids)
+        anyone = self.route([n for n in ids if self.served.get(n, None) is None])
         self._silent = {n: k - 1 for n, k in self._silent.items() if k > 1}
         train = json.dumps(asdict(self._ctx.train) if self._ctx is not None else {}, default=str)
         payloads: dict[int, tuple[Any, Any]] = {}  # a payload broadcast to many clients is encoded once
         sent = {}
         for job in jobs:
+            node = holders.get(job.cid)
+            if node is None and anyone:
+                node = anyone[job.cid % len(anyone)]
+            if node is None:  # nobody connected holds this client's data: it cannot take part
+                self.lost[job.cid] = "no connected node holds its data"
+                continue
             if id(job.payload) not in payloads:
                 payloads[id(job.payload)] = wire.to_records(job.payload)
-            sent[job.cid] = self.message(method, job, nodes[job.cid % len(nodes)], payloads[id(job.payload)], train)
-        replies = list(self.grid.send_and_receive(list(sent.values()), timeout=self.round_timeout))
+            sent[job.cid] = self.message(method, job, node, payloads[id(job.payload)], train)
+        replies = self.send_and_receive(list(sent.values())) if sent else []
         by_message = {m.metadata.message_id: cid for cid, m in sent.items() if m.metadata.message_id}
         out: dict[int, Any] = {}
         for rep in replies:
@@ -134,6 +191,27 @@ class FlowerExecutor:
                 self._silent[msg.metadata.dst_node_id] = RETRY_AFTER
         for cid, reason in sorted(self.lost.items()):
             log.warning("flower: client %d did not reply: %s", cid, reason)
+        return out
+
+    def send_and_receive(self, messages: list[Any]) -> list[Any]:
+        """Push ``messages`` and collect their replies until all came or ``round_timeout`` passed.
+
+        Flower's ``Grid.send_and_receive`` checks for replies every 3 s (flwr 1.41, fixed); with a grid that
+        exposes ``push_messages``/``pull_messages`` (the deployment and simulation grids) the executor checks
+        every :attr:`poll` seconds instead, so a round is not rounded up to the next multiple of 3 s."""
+        push, pull = getattr(self.grid, "push_messages", None), getattr(self.grid, "pull_messages", None)
+        if push is None or pull is None:
+            return list(self.grid.send_and_receive(messages, timeout=self.round_timeout))
+        waiting = set(push(messages))
+        end = None if self.round_timeout is None else time.monotonic() + self.round_timeout
+        out: list[Any] = []
+        while waiting:
+            got = list(pull(waiting))
+            out += got
+            waiting -= {m.metadata.reply_to_message_id for m in got}
+            if not waiting or (end is not None and time.monotonic() >= end):
+                break
+            time.sleep(self.poll)
         return out
 
     def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
@@ -154,16 +232,20 @@ class LocalGrid:
 
     Every message is serialised to Flower's protobuf and parsed back on the way out and on the way back, so
     what a node receives is exactly what would cross the network.  ``fail`` maps node ids to a callable
-    ``(round_of_calls) -> bool`` that drops the node's replies (simulated node failure).
+    ``(round_of_calls) -> bool`` that drops the node's replies (simulated node failure); ``node_config`` adds
+    each node's Flower node config (e.g. ``{"data": DIR}``: node-local data).  ``received`` keeps the serialised
+    replies (what the server receives) when ``keep_replies`` is set.
     """
 
-    def __init__(self, client_app: Any, num_nodes: int, *, fail: dict[int, Any] | None = None) -> None:
+    def __init__(self, client_app: Any, num_nodes: int, *, fail: dict[int, Any] | None = None,
+                 node_config: Sequence[dict[str, Any]] | None = None) -> None:
         from flwr.app import Context, RecordDict
 
         self.client_app = client_app
         self.node_ids = list(range(1, num_nodes + 1))
-        self.contexts = {n: Context(run_id=1, node_id=n, node_config={"partition-id": i, "num-partitions": num_nodes},
-                                    state=RecordDict(), run_config={})
+        self.contexts = {n: Context(run_id=1, node_id=n, state=RecordDict(), run_config={},
+                                    node_config={"partition-id": i, "num-partitions": num_nodes,
+                                                 **(node_config[i] if node_config else {})})
                          for i, n in enumerate(self.node_ids)}
         self.fail = fail or {}
         self.calls = 0
@@ -173,6 +255,8 @@ class LocalGrid:
             if getattr(TaskIdentity, "_" + attr) is None:
                 setattr(TaskIdentity, attr, value)
         self.bytes_sent = 0  # serialised message sizes, both directions
+        self.keep_replies = False
+        self.received: list[bytes] = []
 
     def get_node_ids(self) -> list[int]:
         return list(self.node_ids)
@@ -187,6 +271,10 @@ class LocalGrid:
         proto.ParseFromString(raw)
         return message_from_proto(proto)
 
+    def query(self, messages: Sequence[Any]) -> list[Any]:
+        """The nodes' answers to the executor's ``query`` messages (not counted as calls, never failed)."""
+        return [self._wire(self.client_app(self._wire(m), self.contexts[m.metadata.dst_node_id])) for m in messages]
+
     def send_and_receive(self, messages: Sequence[Any], *, timeout: float | None = None) -> list[Any]:
         self.calls += 1
         out = []
@@ -195,5 +283,10 @@ class LocalGrid:
             if node in self.fail and self.fail[node](self.calls):
                 continue
             received = self._wire(msg)
-            out.append(self._wire(self.client_app(received, self.contexts[node])))
+            reply = self.client_app(received, self.contexts[node])
+            if self.keep_replies:
+                from flwr.common.serde import message_to_proto
+
+                self.received.append(message_to_proto(reply).SerializeToString())
+            out.append(self._wire(reply))
         return out

@@ -70,6 +70,10 @@ class SimulationExecutor(FlowerExecutor):
             raise RuntimeError(f"the Flower simulation failed: {reply}") from reply
         return reply
 
+    def present(self) -> set[int] | None:
+        """Every client: the simulation's virtual nodes rebuild the federation from the config."""
+        return None
+
     def serve(self, grid: Any, fn: ClientFn, jobs: list[Job]) -> dict[int, Any]:
         """Called in the ServerApp's thread with its grid."""
         self.grid = grid
