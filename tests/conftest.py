@@ -11,3 +11,10 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _outputs_outside_the_repository(tmp_path, monkeypatch):
+    """Every test runs in its own temporary directory, so a default output path (``runs/...``) never lands in
+    the working tree."""
+    monkeypatch.chdir(tmp_path)

@@ -106,7 +106,7 @@ def test_discovery_lists_registries_and_show_matches_validation():
     (cfg,) = show("config")
     assert {o.name for o in cfg.options} == set(RunConfig.__dataclass_fields__)
     assert all(o.help for o in cfg.options if o.name in ("rounds", "lr", "clients"))
-    with pytest.raises(KeyError, match="known names"):
+    with pytest.raises(KeyError, match="unknown name"):
         show("nothing-like-this")
 
 

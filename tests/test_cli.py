@@ -33,16 +33,30 @@ def test_resume_cli_continues_a_run(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["run", "--algorithm", "nope"], "algorithm: unknown value 'nope'; choose one of:"),
-        (["run", "--dataset", "imagenet"], "dataset: unknown value 'imagenet'"),
-        (["run", "--set", "bogus=1"], "unknown key 'bogus'; valid keys:"),
+        (["run", "--algorithm", "nope"], "algorithm: unknown algorithm 'nope' (all: fedfuse list algorithms)"),
+        (["run", "--algorithm", "fedmergee"], "algorithm: unknown algorithm 'fedmergee'; did you mean fedmerge,"),
+        (["run", "--dataset", "imagenet"], "dataset: unknown dataset 'imagenet'"),
+        (["run", "--set", "bogus=1"], "unknown key 'bogus' (keys: fedfuse show config"),
+        (["run", "--set", "clients_per_rnd=3"], "unknown key 'clients_per_rnd'; did you mean clients_per_round"),
+        (["run", "--set", "muu=0.1"], "did you mean mu? It is an option of fedprox"),
+        (["run", "--set", "mu=0.1"], "mu is an option of fedprox, fedrolex, heterofl, msfusion, not of fedavg: "
+                                     "e.g. --algorithm fedprox --set mu=..."),
+        (["run", "--set", "fedprox.mu=0.1"], "fedprox.mu: an option of fedprox, but this run's algorithm is fedavg; "
+                                             "run it with --algorithm fedprox --set fedprox.mu=..."),
+        (["run", "--set", "fedprx.mu=0.1"], "nor an algorithm; did you mean fedprox"),
+        (["run", "--algorithm", "fedprox", "--set", "muu=0.1"], "unknown key 'muu'; did you mean mu?"),
         (["run", "--set", "rounds=abc"], "rounds: expected an integer"),
-        (["run", "--set", "algorithm_options.mu=1"], "unknown option 'mu' for algorithm 'fedavg'; valid options:"),
+        (["run", "--set", "algorithm_options.mu=1"], "unknown option 'mu' for algorithm 'fedavg'; choose one of: "
+                                                     "clip_norm, fusion"),
+        (["run", "--set", "model_options.widthz=[3]", "--model", "mlp"],
+         "unknown option 'widthz' for model 'mlp'; did you mean widths?"),
         (["run", "--clients", "3", "--clients-per-round", "5"], "clients_per_round: 5 exceeds clients (3)"),
         (["run", "--rounds", "0"], "rounds: must be >= 1"),
         (["run", "--set", "novalue"], "--set expects KEY=VALUE"),
-        (["run", "--partition", "weird"], "partition: unknown value 'weird'"),
-        (["run", "--model", "alexnet"], "model: unknown value 'alexnet'"),
+        (["run", "--partition", "weird"], "partition: unknown partition 'weird'"),
+        (["run", "--partition", "dirichlett"], "did you mean dirichlet"),
+        (["run", "--model", "alexnet"], "model: unknown model 'alexnet'"),
+        (["run", "--dataset", "MNST"], "did you mean mnist"),
         (["run", "--optimizer", "lbfgs"], "optimizer: unknown value 'lbfgs'; choose one of: sgd, adam"),
         (["run", "--resume", "/nonexistent/dir"], "no checkpoint.pt there"),
     ],
@@ -51,6 +65,63 @@ def test_errors_name_the_key_and_choices(argv, needle, capsys):
     assert main([*argv, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert needle in err
+    assert err.count("\n") == 1 and len(err) < 400  # one line, never a dump of every name
+    assert not Path("runs").exists()  # nothing written for a run that never started
+
+
+def test_yaml_key_typo_suggests_the_key(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("clients_per_rnd: 3\n")
+    assert main(["run", "--config", str(cfg), "--no-progress"]) == 2
+    assert "unknown key 'clients_per_rnd'; did you mean clients_per_round" in capsys.readouterr().err
+
+
+def test_names_are_case_insensitive(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["run", "--algorithm", "FedProx", "--set", "FedProx.mu=0.5", *FAST, "--out", str(out),
+                 "--set", "plots=false"]) == 0
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["algorithm"] == "fedprox" and cfg["algorithm_options"]["mu"] == 0.5
+    assert main(["show", "FEDPROX"]) == 0 and "fedprox (algorithm)" in capsys.readouterr().out
+    assert main(["show", "fedmergee"]) == 2
+    assert "did you mean fedmerge" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--dataset", "mnist", "--data-dir", "/nonexistent"],
+                                  ["--clients", "1000", "--clients-per-round", "5"]])
+def test_a_failed_run_leaves_no_folder(tmp_path, argv, capsys):
+    out = tmp_path / "never"
+    assert main(["run", *argv, "--out", str(out), "--no-progress"]) == 2
+    assert not out.exists() and not Path("runs").exists()
+
+
+def test_a_runs_config_yaml_reruns_into_a_new_directory(tmp_path, capsys):
+    first = tmp_path / "first"
+    assert main(["run", *FAST, "--out", str(first), "--set", "plots=false"]) == 0
+    capsys.readouterr()
+    assert main(["run", "--config", str(first / "config.yaml"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    again = Path(out.strip().splitlines()[-1].removeprefix("outputs in "))
+    assert again.resolve() != first.resolve() and (again / "summary.json").exists()
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (first, again))
+    assert a["final"]["global_accuracy"] == b["final"]["global_accuracy"]  # the same run again
+    assert a["final"]["loss"] == b["final"]["loss"]
+
+
+def test_set_means_the_same_in_run_and_compare(tmp_path, capsys):
+    """A bare option applies to every algorithm that has it; ALGO.option to that one; typos get suggestions."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--algorithms", "fedavg,fedprox,heterofl", *FAST, "--out", str(out),
+                 "--set", "mu=0.3", "--set", "heterofl.mu=0.5", "--set", "plots=false"]) == 0
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    opts = {r["label"]: yaml.safe_load((Path(r["dir"]) / "config.yaml").read_text())["algorithm_options"]
+            for r in runs}
+    assert "mu" not in opts["fedavg"] and opts["fedprox"]["mu"] == 0.3 and opts["heterofl"]["mu"] == 0.5
+    assert main(["compare", "--algorithms", "fedavg,fedprox", *FAST, "--set", "muu=0.1"]) == 2
+    assert "--set muu: no algorithm among fedavg, fedprox has this option; did you mean mu?" in \
+        capsys.readouterr().err
+    assert main(["compare", "--algorithms", "fedavg,fedprox", *FAST, "--set", "msfusion.mu=0.1"]) == 2
+    assert "msfusion (in msfusion.mu), which is not among the algorithms fedavg, fedprox" in capsys.readouterr().err
 
 
 def test_missing_data_dir_error_names_files(tmp_path, capsys):
@@ -147,7 +218,7 @@ def test_show_lists_every_option_config_accepts(capsys):
     assert main(["show", "dirichlet"]) == 0 and "alpha" in capsys.readouterr().out
     assert main(["show", "cnn"]) == 0 and "hidden" in capsys.readouterr().out
     assert main(["show", "config"]) == 0 and "clients_per_round" in capsys.readouterr().out
-    assert main(["show", "nope"]) == 2 and "known names" in capsys.readouterr().err
+    assert main(["show", "nope"]) == 2 and "unknown name 'nope'" in capsys.readouterr().err
 
 
 def test_list_into_a_closed_pipe_exits_quietly():

@@ -28,9 +28,9 @@ DESIGN = SRC.parent.parent / "docs" / "design.md"
 # module may import modules of its own layer or of a lower one, never of a higher one, and never in a cycle.
 LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("foundation", "message and federation types, structure declarations, seeded RNG, option declarations, "
-                   "error types, statistics, Markdown tables",
+                   "error types, statistics, Markdown tables, name suggestions",
      ("fedfuse.types", "fedfuse.structure", "fedfuse.rng", "fedfuse.options", "fedfuse.errors", "fedfuse.stats",
-      "fedfuse.tables", "fedfuse._callable")),
+      "fedfuse.tables", "fedfuse._callable", "fedfuse.names")),
     ("plots", "figures of metric histories", ("fedfuse.plots",)),
     ("models", "model classes and their registry", ("fedfuse.models", "fedfuse.models.*")),
     ("fusion", "pure operators on named tensors", ("fedfuse.fusion", "fedfuse.fusion.*")),

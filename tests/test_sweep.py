@@ -30,8 +30,22 @@ def test_plan_applies_grid_keys_only_where_they_exist():
     assert labels == ["fedavg lr=0.05", "fedprox mu=0.1 lr=0.05", "fedprox mu=0.5 lr=0.05"]
     assert [p.config.algorithm_options.get("mu") for p in sw.points] == [None, 0.1, 0.5]
     assert len(sw.configs()) == 6 and [c.seed for _, c in sw.configs()] == [0, 0, 0, 1, 1, 1]
-    with pytest.raises(ConfigError, match="no algorithm among fedavg has this option"):
+    with pytest.raises(ConfigError, match=r"mu is an option of fedprox.*not of fedavg"):
         Sweep.plan(["fedavg"], grid={"mu": [0.1]}, **SMALL)
+    with pytest.raises(ConfigError, match=r"no algorithm among fedavg, local has this option; did you mean mu\? "
+                                          r"It is an option of fedprox"):
+        Sweep.plan(["fedavg", "local"], grid={"muu": [0.1]}, **SMALL)
+
+
+def test_plan_options_apply_where_they_exist_and_algo_prefix_to_one():
+    """The API's options mean what ``--set`` means: bare → every algorithm that has it, ALGO.opt → that one."""
+    sw = Sweep.plan(["fedavg", "FedProx", "heterofl"], mu=0.2, **{"heterofl.mu": 0.4}, **SMALL)
+    assert [p.config.algorithm for p in sw.points] == ["fedavg", "fedprox", "heterofl"]
+    assert [p.config.algorithm_options.get("mu") for p in sw.points] == [None, 0.2, 0.4]
+    sw = Sweep.plan(["fedavg", "fedprox"], grid={"fedprox.mu": [0.1, 0.3]}, **SMALL)
+    assert [p.label for p in sw.points] == ["fedavg", "fedprox mu=0.1", "fedprox mu=0.3"]
+    with pytest.raises(ConfigError, match="mu: no algorithm among fedavg, local has this option"):
+        Sweep.plan(["fedavg", "local"], mu=0.1, **SMALL)
     with pytest.raises(ConfigError, match="not among the algorithms"):
         Sweep.plan(["fedavg"], per_algorithm={"fedprox": {"mu": 1}}, **SMALL)
     with pytest.raises(ConfigError, match="rounds: expected an integer"):

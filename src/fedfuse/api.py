@@ -138,8 +138,10 @@ class Component:
         head += "".join("\n" + line for e in self.privacy for line in privacy_lines(e))
         if not self.options:
             return head + "\n  (no options)"
-        where = (f"set with --set {self.namespace}.NAME=VALUE, or under '{self.namespace}:' in a --config file"
-                 if self.namespace else "set with a flag, --set NAME=VALUE, or as a top-level key of a --config file")
+        prefix = self.name if self.kind == "algorithm" else self.namespace
+        where = (f"set with --set {prefix}.NAME=VALUE (or NAME=VALUE), or under '{self.namespace}:' in a --config "
+                 "file" if self.namespace else
+                 "set with a flag, --set NAME=VALUE, or as a top-level key of a --config file")
         rows = [(o.name, o.type, _show_default(o.default), _show_help(o)) for o in self.options]
         w = [max(len(r[i]) for r in [*rows, ("option", "type", "default", "")]) for i in range(3)]
         lines = [head, f"  options ({where}):",
@@ -245,7 +247,10 @@ def show(name: str, kind: str | None = None) -> list[Component]:
     from fedfuse.data.datasets import DATASETS, dataset_options
     from fedfuse.data.partition import PARTITIONS, partition_options
     from fedfuse.models import MODELS, model_options
+    from fedfuse.names import canonical, unknown
 
+    every = sorted({*ALGORITHMS, *MODELS, *DATASETS, *PARTITIONS, "config"})
+    name = canonical(name, every) or name
     found: list[Component] = []
     if kind in (None, "config") and name in ("config", "run"):
         flag_help = {key: h for key, _, h in FLAGS.values()}
@@ -267,6 +272,6 @@ def show(name: str, kind: str | None = None) -> list[Component]:
         found.append(Component("partition", name, PARTITIONS[name], "partition_options",
                                _from_defaults(partition_options(name))))
     if not found:
-        names = sorted({*ALGORITHMS, *MODELS, *DATASETS, *PARTITIONS, "config"})
-        raise KeyError(f"nothing is called {name!r}; known names: {', '.join(names)}")
+        raise KeyError(unknown(kind or "name", name, every,
+                               listing="fedfuse list; 'fedfuse show config' for the run's own keys"))
     return found

@@ -14,7 +14,7 @@ from fedfuse.config import (
     ConfigError,
     RunConfig,
     apply,
-    load_yaml,
+    config_file,
     parse_value,
     prepare_run_dir,
     resume_config,
@@ -81,24 +81,31 @@ def _add_log_flag(p: argparse.ArgumentParser) -> None:
                         "(OUT/metrics.csv); comma-separated")
 
 
-def build_config(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> RunConfig:
-    """defaults → --config file → flags → --set, then validation."""
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items as an ordered mapping (YAML values; a later item for a key wins)."""
+    sets: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        sets.pop(k.strip(), None)
+        sets[k.strip()] = parse_value(v)
+    return sets
+
+
+def build_config(args: argparse.Namespace, skip: tuple[str, ...] = (), sets: dict[str, Any] | None = None
+                 ) -> RunConfig:
+    """defaults → --config file → flags → --set (``sets`` instead when given), then validation."""
     cfg = RunConfig()
     if args.config:
-        cfg = apply(cfg, load_yaml(args.config))
+        cfg = apply(cfg, config_file(args.config))
     flags = {key: getattr(args, key) for _, (key, _, _) in FLAGS.items()
              if key not in skip and getattr(args, key, None) is not None}
     cfg = apply(cfg, flags)
     if getattr(args, "alpha", None) is not None:
         cfg = apply(cfg, {"partition_options.alpha": args.alpha})
-    sets: dict[str, Any] = {}
-    for item in args.sets:
-        if "=" not in item:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        sets[k.strip()] = parse_value(v)
-    for k, v in sets.items():  # one at a time so a namespace chosen earlier (e.g. algorithm) is respected
-        cfg = apply(cfg, {k: v})
+    for k, v in (parse_sets(args.sets) if sets is None else sets).items():
+        cfg = apply(cfg, {k: v})  # one at a time so a namespace chosen earlier (e.g. algorithm) is respected
     return validate(cfg)
 
 
@@ -173,25 +180,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split_per_algorithm(sets: list[str], names: list[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """``--set ALGO.option=value`` applies to one algorithm only; other ``--set`` items to all."""
-    from fedfuse.algorithms import ALGORITHMS
-
-    per_algo: dict[str, dict[str, Any]] = {}
-    common = []
-    for item in sets:
-        head = item.split("=", 1)[0]
-        algo = max((a for a in ALGORITHMS if head.startswith(a + ".")), key=len, default=None)
-        if algo is None:
-            common.append(item)
-        elif algo not in names:
-            raise ConfigError(f"--set {item}: {algo} is not among --algorithms {','.join(names)}")
-        else:
-            k, v = item.split("=", 1)
-            per_algo.setdefault(algo, {})[f"algorithm_options.{k[len(algo) + 1:]}"] = parse_value(v)
-    return common, per_algo
-
-
 def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
     """run --seeds/--grid and compare: plan, execute (cached, maybe parallel), print and write the table."""
     import os
@@ -200,10 +188,10 @@ def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
     from fedfuse.stats import parse_seeds
     from fedfuse.sweep import Sweep, parse_grid
 
-    per_algo: dict[str, dict[str, Any]] = {}
-    if algorithms:
-        args.sets, per_algo = _split_per_algorithm(args.sets, algorithms)
-    base = build_config(args, skip=("algorithm",) if algorithms else ())
+    sets = parse_sets(args.sets)
+    top = {k: v for k, v in sets.items() if k in RunConfig.__dataclass_fields__}
+    options = {k: v for k, v in sets.items() if k not in top}  # each algorithm that has them (Sweep.plan)
+    base = build_config(args, skip=("algorithm",) if algorithms else (), sets=top)
     try:
         seeds = parse_seeds(args.seeds) if args.seeds else [base.seed]
     except ValueError as e:
@@ -214,7 +202,7 @@ def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
     root = Path(base.out or _default_out(base, "compare" if algorithms else f"sweep-{base.algorithm}"))
     store = args.store or (root / "runs" if base.out else os.environ.get("FEDFUSE_STORE", "runs/store"))
     base.out = None
-    sw = Sweep.plan(algorithms, base, seeds=seeds, grid=grid, per_algorithm=per_algo)
+    sw = Sweep.plan(algorithms, base, seeds=seeds, grid=grid, **options)
     sw.execute(out=root, store=store, jobs=args.jobs, rerun=args.rerun, progress=not args.no_progress,
                log=_logs(args), verbose=True)
     table = sw.table(baseline=args.baseline, metric=args.metric, last=args.last, target=args.target,
@@ -418,7 +406,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "over seeds and a paired test against a baseline. Runs are cached by config "
                                    "hash, so adding seeds or grid values runs only the new runs.")
     c.add_argument("--algorithms", required=True, help="comma-separated, e.g. fedavg,fedprox,local,fedavg-ft; "
-                   "--set ALGO.option=VALUE sets an option of one of them")
+                   "--set OPTION=VALUE applies to every one that has OPTION, --set ALGO.OPTION=VALUE to ALGO only")
     _add_run_flags(c, with_algorithm=False)
     _add_log_flag(c)
     _add_sweep_flags(c, compare=True)

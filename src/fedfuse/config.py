@@ -1,8 +1,12 @@
 """Run configuration: one flat dataclass plus four option namespaces, validated with helpful errors.
 
 Resolution order: defaults → ``--config FILE.yaml`` → explicit CLI flags → ``--set key=value``.
-``--set`` accepts a top-level field (``rounds=50``), a namespaced option (``algorithm_options.mu=0.1``) or
-a bare option name that belongs to exactly one namespace (``mu=0.1``).
+``--set`` accepts a top-level field (``rounds=50``), a namespaced option (``algorithm_options.mu=0.1``), an
+option of one algorithm (``fedprox.mu=0.1``: applies when that is the run's algorithm) or a bare option name
+that belongs to exactly one namespace (``mu=0.1``).  In a sweep over several algorithms (``compare``) a bare or
+``algorithm_options.`` option applies to every algorithm that has it (:meth:`fedfuse.sweep.Sweep.plan`).
+Registry names (algorithm, dataset, partition, model) are matched ignoring case when one name matches; every
+unknown name is reported with the closest known names (:mod:`fedfuse.names`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ FLAGS: dict[str, tuple[str, type, str]] = {
 
 class ConfigError(UserError):
     """A bad key or value in a run configuration; the message names it and the valid choices."""
+
+
+class UnknownKeyError(ConfigError):
+    """A key or option name that the configuration (with its chosen algorithm, model, ...) does not have.
+
+    A sweep over several algorithms applies an option to those that have it and skips the others on this error.
+    """
+
+
+#: where the full list of names of each registry is shown
+LISTINGS = {"algorithm": "fedfuse list algorithms", "dataset": "fedfuse list datasets",
+            "partition": "fedfuse list partitions", "model": "fedfuse list models"}
 
 
 MAX_LR = 100.0  # a client learning rate above this is certainly a typo (SGD and Adam both diverge at once)
@@ -194,10 +210,7 @@ def namespace_defaults(cfg: RunConfig, namespace: str) -> dict[str, Any]:
     """Valid option names (with defaults) of the chosen algorithm/model/partition/dataset."""
     what = namespace.replace("_options", "")
     if what in ("algorithm", "dataset", "partition", "model"):
-        value = getattr(cfg, what)
-        choices = _registry_choices(what)
-        if value not in choices and not _is_hf(what, value):
-            raise ConfigError(f"{what}: unknown value {value!r}; choose one of: {', '.join(choices)}")
+        _check_choice(what, getattr(cfg, what))
     if namespace == "algorithm_options":
         return registered_algorithms()[cfg.algorithm].option_defaults()
     if namespace == "model_options":
@@ -213,6 +226,31 @@ def namespace_defaults(cfg: RunConfig, namespace: str) -> dict[str, Any]:
 
         return dataset_options(cfg.dataset)
     raise ConfigError(f"unknown namespace {namespace!r}")
+
+
+def canonical_name(key: str, value: Any) -> Any:
+    """A registry name (algorithm, dataset, partition, model, optimizer, ...) written in another case
+    (``FedProx``, ``MNIST``) as the registry spells it, when exactly one name matches; other values unchanged."""
+    if not isinstance(value, str) or _is_hf(key, value):
+        return value
+    choices = _registry_choices(key)
+    if not choices:
+        return value
+    from fedfuse.names import canonical
+
+    return canonical(value, choices) or value
+
+
+def _check_choice(key: str, value: Any) -> None:
+    """Raise a :class:`ConfigError` with the closest names unless ``value`` is a valid ``key``."""
+    choices = _registry_choices(key)
+    if value in choices or _is_hf(key, value):
+        return
+    from fedfuse.names import unknown
+
+    what = {"partition": "partition", "model": "model"}.get(key, key)
+    msg = unknown(what, str(value), choices, listing=LISTINGS.get(key, ""))
+    raise ConfigError(f"{key}: {msg}")
 
 
 def resolved_model(cfg: RunConfig) -> str:
@@ -340,7 +378,7 @@ def apply(cfg: RunConfig, updates: dict[str, Any]) -> RunConfig:
                 for k, v in value.items():
                     pending.append((f"{key}.{k}", v))
                 continue
-            values[key] = _coerce(key, value, types[key])
+            values[key] = canonical_name(key, _coerce(key, value, types[key]))
         else:
             pending.append((key, value))
     cfg = RunConfig(**values)
@@ -349,30 +387,96 @@ def apply(cfg: RunConfig, updates: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def algorithm_prefix(key: str) -> tuple[str, str] | None:
+    """``("fedprox", "mu")`` for ``fedprox.mu`` (an option of one algorithm, any case), else None."""
+    if "." not in key:
+        return None
+    head, name = key.split(".", 1)
+    if head in NAMESPACES:
+        return None
+    from fedfuse.names import canonical
+
+    algo = canonical(head, registered_algorithms())
+    return (algo, name) if algo else None
+
+
+def _options_of(cfg: RunConfig, ns: str) -> dict[str, Any]:
+    try:
+        return namespace_defaults(cfg, ns)
+    except ConfigError:
+        return {}
+
+
+def algorithms_with_option(name: str) -> list[str]:
+    """The algorithms that declare an option called ``name``."""
+    return sorted(a for a, cls in registered_algorithms().items() if name in cls.option_defaults())
+
+
+def _unknown_option(name: str, what: str, owner: str, defaults: Mapping[str, Any]) -> str:
+    """``unknown option 'muu' for algorithm 'fedprox'; did you mean mu?`` (or its few valid options)."""
+    from fedfuse.names import unknown
+
+    msg = unknown("option", name, sorted(defaults), listing=f"fedfuse show {owner}")
+    return msg.replace(f"option {name!r}", f"option {name!r} for {what} {owner!r}", 1)
+
+
+def _all_algorithm_options() -> list[str]:
+    """Every option name any registered algorithm declares."""
+    return sorted({k for cls in registered_algorithms().values() for k in cls.option_defaults()})
+
+
 def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
+    from fedfuse.names import closest, did_you_mean
+
+    prefixed = algorithm_prefix(key)
+    if prefixed is not None:
+        algo, name = prefixed
+        if algo != cfg.algorithm:
+            raise UnknownKeyError(
+                f"{key}: an option of {algo}, but this run's algorithm is {cfg.algorithm}; run it with "
+                f"--algorithm {algo} --set {algo}.{name}=..., or compare both: fedfuse compare --algorithms "
+                f"{cfg.algorithm},{algo} --set {algo}.{name}=...")
+        key = f"algorithm_options.{name}"
     if "." in key:
         ns, name = key.split(".", 1)
         if ns not in NAMESPACES:
-            raise ConfigError(f"unknown key {key!r}; namespaces are {', '.join(NAMESPACES)}")
+            head = ns
+            hint = did_you_mean(head, [*NAMESPACES, *registered_algorithms()])
+            raise UnknownKeyError(f"unknown key {key!r}: {head!r} is neither an option namespace "
+                                  f"({', '.join(NAMESPACES)}) nor an algorithm" + (f"; {hint}" if hint else ""))
         defaults = namespace_defaults(cfg, ns)
         if name not in defaults:
             what = ns.replace("_options", "")
-            raise ConfigError(
-                f"unknown option {name!r} for {what} {getattr(cfg, what)!r}; valid options: "
-                f"{', '.join(sorted(defaults)) or '(none)'}"
-            )
+            owner = resolved_model(cfg) if what == "model" else getattr(cfg, what)
+            msg = _unknown_option(name, what, owner, defaults)
+            others = algorithms_with_option(name) if ns == "algorithm_options" else []
+            if others and not did_you_mean(name, defaults):
+                msg += (f"; {name} is an option of {', '.join(others[:5])}{', ...' if len(others) > 5 else ''} "
+                        f"(e.g. --algorithm {others[0]} --set {others[0]}.{name}=...)")
+            raise UnknownKeyError(msg)
         _, hints = _option_hints(cfg, ns)
         getattr(cfg, ns)[name] = _coerce_option(key, value, defaults[name], hints.get(name))
         return cfg
-    owners = [ns for ns in NAMESPACES if key in namespace_defaults(cfg, ns)]
+    owners = [ns for ns in NAMESPACES if key in _options_of(cfg, ns)]
     if len(owners) == 1:
         return _apply_option(cfg, f"{owners[0]}.{key}", value)
     if len(owners) > 1:
         raise ConfigError(f"option {key!r} is ambiguous: say one of {', '.join(f'{o}.{key}' for o in owners)}")
-    valid = sorted(_field_types())
+    valid = list(_field_types())
     for ns in NAMESPACES:
-        valid += [f"{ns}.{k}" for k in sorted(namespace_defaults(cfg, ns))]
-    raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(valid)}")
+        valid += list(_options_of(cfg, ns))
+    hint = did_you_mean(key, valid)
+    msg = f"unknown key {key!r}" + (f"; {hint}" if hint else "")
+    near = [key] if algorithms_with_option(key) else [] if hint else closest(key, _all_algorithm_options(), 1, 0.75)
+    if near:
+        others = algorithms_with_option(near[0])
+        owners = f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}"
+        what = f"{key} is" if near[0] == key else f"did you mean {near[0]}? It is"
+        msg += (f"; {what} an option of {owners}, not of {cfg.algorithm}: e.g. --algorithm {others[0]} "
+                f"--set {near[0]}=...")
+    elif not hint:
+        msg += f" (keys: fedfuse show config; options of {cfg.algorithm}: fedfuse show {cfg.algorithm})"
+    raise UnknownKeyError(msg)
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -396,10 +500,10 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"{f.name}: expected a mapping of option: value, got {v!r}")
         values[f.name] = v
     cfg = RunConfig(**values)
-    for key in ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling"):
-        choices = _registry_choices(key)
-        if getattr(cfg, key) not in choices and not _is_hf(key, getattr(cfg, key)):
-            raise ConfigError(f"{key}: unknown value {getattr(cfg, key)!r}; choose one of: {', '.join(choices)}")
+    keys = ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling")
+    cfg = dataclasses.replace(cfg, **{k: canonical_name(k, getattr(cfg, k)) for k in keys})
+    for key in keys:
+        _check_choice(key, getattr(cfg, key))
     if cfg.clients_per_round > cfg.clients:
         raise ConfigError(
             f"clients_per_round: {cfg.clients_per_round} exceeds clients ({cfg.clients}); choose 1..{cfg.clients}"
@@ -426,10 +530,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         what = ns.replace("_options", "")
         for k in given:
             if k not in defaults:
-                raise ConfigError(
-                    f"unknown option {k!r} for {what} {getattr(cfg, what)!r}; valid options: "
-                    f"{', '.join(sorted(defaults)) or '(none)'}"
-                )
+                raise UnknownKeyError(_unknown_option(k, what, getattr(cfg, what), defaults))
         declared, hints = _option_hints(cfg, ns)
         merged = {}
         for k, default in defaults.items():
@@ -549,6 +650,17 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def config_file(path: str | Path) -> dict[str, Any]:
+    """The keys of a ``--config`` YAML file.  A run's own ``config.yaml`` names the run's directory as ``out``;
+    that entry is dropped, so re-running the file starts a new run in a new directory (``--out`` chooses it)
+    instead of colliding with the run it came from."""
+    data = load_yaml(path)
+    out = data.get("out")
+    if isinstance(out, str) and Path(out).resolve() == Path(path).resolve().parent:
+        data = {k: v for k, v in data.items() if k != "out"}
+    return data
+
+
 def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
@@ -568,7 +680,9 @@ RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "config.yaml")
 
 def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
     """Check that a fresh run may write into ``out``: not a file, writable, and not an earlier run's directory
-    unless ``overwrite`` (then the earlier run's files are removed).  Raises :class:`ConfigError`."""
+    unless ``overwrite`` (then the earlier run's files are removed).  Creates nothing: the run makes its
+    directory once its data and model are built, so a run that fails before leaves no empty folder.
+    Raises :class:`ConfigError`."""
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {path}: is a file, not a directory; choose another --out")
@@ -576,13 +690,15 @@ def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
     if earlier and not overwrite:
         raise ConfigError(f"--out {path}: already holds a run ({', '.join(earlier)}); pass --overwrite to replace "
                           f"it, --resume {path} to continue it, or choose another --out")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".fedfuse-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    import os
+
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {path}: cannot write there ({existing} is a file); choose another --out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {path}: cannot write there ({existing} is not writable)")
     if earlier:
         for name in (*RUN_FILES, "checkpoint.pt.tmp", "model_best.pt", "model_final.pt"):
             (path / name).unlink(missing_ok=True)
@@ -642,7 +758,7 @@ def make_config(config: ConfigLike = None, /, **options: Any) -> RunConfig:
     if isinstance(config, RunConfig):
         cfg = apply(RunConfig(), config.to_dict())
     elif isinstance(config, str | Path):
-        cfg = apply(cfg, load_yaml(config))
+        cfg = apply(cfg, config_file(config))
     elif config is not None:
         cfg = apply(cfg, dict(config))
     top = {k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__}

@@ -110,18 +110,34 @@ class Sweep:
     def plan(cls, algorithms: Sequence[str] | str | None = None, config: ConfigLike = None, /, *,
              seeds: int | str | Sequence[int] = 1, grid: Mapping[str, Sequence[Any]] | None = None,
              per_algorithm: Mapping[str, Mapping[str, Any]] | None = None, **options: Any) -> Sweep:
-        """Validate every point before anything runs.  A grid key applies to each algorithm that accepts it
-        (it is an error only when no algorithm does); ``per_algorithm[name]`` options apply to that one."""
-        base = make_config(config, **options)
+        """Validate every point before anything runs.
+
+        ``options`` and ``grid`` keys mean the same as in :func:`fedfuse.run` and ``--set``: a top-level key
+        applies to every run; an option (``mu``, ``algorithm_options.mu``) applies to each algorithm that has it
+        (an error only when none does); ``ALGO.option`` (``fedprox.mu``) to that algorithm only, as do the
+        options in ``per_algorithm[ALGO]``."""
+        from fedfuse.config import algorithm_prefix, canonical_name
+
+        top = {k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__}
+        rest = {k: v for k, v in options.items() if k not in top}
+        base = make_config(config, **top)
         if isinstance(algorithms, str):
             algorithms = [a.strip() for a in algorithms.split(",") if a.strip()]
+        algorithms = [canonical_name("algorithm", a) for a in algorithms or []]
+        for a in algorithms:
+            validate(apply(RunConfig(), {"algorithm": a}))  # an unknown name: the closest names
         names = list(algorithms) if algorithms else [base.algorithm]
         if len(set(names)) != len(names):
             raise ConfigError(f"algorithms: listed twice in {', '.join(names)}")
-        per_algorithm = dict(per_algorithm or {})
+        per_algorithm = {canonical_name("algorithm", k): v for k, v in (per_algorithm or {}).items()}
         stray = sorted(set(per_algorithm) - set(names))
+        for k in [*rest, *(grid or {})]:
+            pre = algorithm_prefix(k)
+            if pre is not None and pre[0] not in names:
+                stray.append(f"{pre[0]} (in {k})")
         if stray:
-            raise ConfigError(f"options given for {', '.join(stray)}, which is not among the algorithms")
+            raise ConfigError(f"options given for {', '.join(stray)}, which is not among the algorithms "
+                              f"{', '.join(names)}")
         seed_list = parse_seeds(seeds)
         if len(set(seed_list)) != len(seed_list):
             raise ConfigError(f"seeds: listed twice in {seed_list}")
@@ -135,7 +151,12 @@ class Sweep:
             start = base.to_dict()
             if algorithms:  # a new algorithm starts from its own option defaults
                 start = {**start, "algorithm": name, "algorithm_options": {}}
-            cfg = validate(apply(apply(RunConfig(), start), dict(per_algorithm.get(name, {}))))
+            cfg = apply(RunConfig(), start)
+            for k, v in rest.items():
+                if _accepts(cfg, k, v):
+                    cfg = apply(cfg, {k: v})
+                    used.add(k)
+            cfg = validate(apply(cfg, dict(per_algorithm.get(name, {}))))
             keys = [k for k in grid if _accepts(cfg, k, grid[k][0])]
             used.update(keys)
             for combo in expand_grid({k: grid[k] for k in keys}):
@@ -144,11 +165,11 @@ class Sweep:
                     c = apply(c, {k: v})
                 c = validate(c)
                 parts = [name] if (len(names) > 1 or not combo) else []
-                parts += [f"{k}={_fmt_value(v)}" for k, v in combo.items()]
+                parts += [f"{_short_key(k)}={_fmt_value(v)}" for k, v in combo.items()]
                 points.append(Point(" ".join(parts), c))
-        unused = [k for k in grid if k not in used]
-        if unused:
-            raise ConfigError(f"--grid {', '.join(unused)}: no algorithm among {', '.join(names)} has this option")
+        for k in [*rest, *grid]:
+            if k not in used:
+                _raise_unused(k, names, base, "--grid" if k in grid else "--set")
         labels = [p.label for p in points]
         if len(set(labels)) != len(labels):
             raise ConfigError(f"two sweep points share a label: {labels}")
@@ -275,13 +296,56 @@ def _status(run_dir: Path, cfg: RunConfig, strict: bool = True) -> str:
 
 
 def _accepts(cfg: RunConfig, key: str, value: Any) -> bool:
+    """Whether ``key`` names a key or option of ``cfg`` (its algorithm, model, ...); a bad value still raises."""
+    from fedfuse.config import UnknownKeyError
+
     try:
         apply(RunConfig(**{**cfg.to_dict()}), {key: value})
-    except ConfigError as e:
-        if "unknown" in str(e):
-            return False
-        raise
+    except UnknownKeyError:
+        return False
     return True
+
+
+def _short_key(key: str) -> str:
+    """A grid key as a label shows it: ``fedprox.mu`` → ``mu`` (the label names the algorithm already)."""
+    from fedfuse.config import algorithm_prefix
+
+    pre = algorithm_prefix(key)
+    return pre[1] if pre else key
+
+
+def _raise_unused(key: str, names: list[str], base: RunConfig, flag: str) -> None:
+    """The error for an option no algorithm of the sweep has: the closest option names and who has them."""
+    from fedfuse.config import UnknownKeyError, _all_algorithm_options, algorithms_with_option
+    from fedfuse.names import closest, did_you_mean
+
+    name = key.split(".", 1)[1] if key.startswith("algorithm_options.") else key
+    if len(names) == 1:  # one algorithm: its own message says what would work
+        apply(apply(RunConfig(), {**base.to_dict(), "algorithm": names[0]}), {key: None})
+    known: set[str] = set()
+    for n in names:
+        cfg = apply(RunConfig(), {**base.to_dict(), "algorithm": n, "algorithm_options": {}})
+        known.update(registered_options(cfg))
+    hint = did_you_mean(name, sorted(known))
+    msg = f"{flag} {key}: no algorithm among {', '.join(names)} has this option"
+    if hint:
+        raise UnknownKeyError(f"{msg}; {hint}")
+    near = [name] if algorithms_with_option(name) else closest(name, _all_algorithm_options(), 1, 0.75)
+    if near:
+        owners = algorithms_with_option(near[0])
+        what = f"{name} is" if near[0] == name else f"did you mean {near[0]}? It is"
+        msg += f"; {what} an option of {', '.join(owners[:5])}{', ...' if len(owners) > 5 else ''}"
+    raise UnknownKeyError(msg)
+
+
+def registered_options(cfg: RunConfig) -> list[str]:
+    """Every key and option name ``cfg`` accepts, bare (``rounds``, ``mu``, ``widths``...)."""
+    from fedfuse.config import NAMESPACES, namespace_defaults
+
+    names = list(RunConfig.__dataclass_fields__)
+    for ns in NAMESPACES:
+        names += list(namespace_defaults(cfg, ns))
+    return names
 
 
 def _run_job(cfg: RunConfig, resume: bool, progress: bool, log: list[str], callbacks: list[Any],

@@ -34,7 +34,9 @@ def get_algorithm(name: str) -> type[Algorithm]:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise ConfigError(f"unknown algorithm {name!r}; choose one of: {', '.join(sorted(ALGORITHMS))}") from None
+        from fedfuse.names import unknown
+
+        raise ConfigError(unknown("algorithm", name, sorted(ALGORITHMS), listing="fedfuse list algorithms")) from None
 
 
 __all__ = ["ALGORITHMS", "Algorithm", "RoundInfo", "RunContext", "get_algorithm"]

@@ -253,7 +253,9 @@ MODELS: dict[str, ModelInfo] = {
 def _info(name: str) -> ModelInfo:
     key = name.strip().lower().replace("_", "-")
     if key not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+        from fedfuse.names import unknown
+
+        raise ValueError(unknown("model", name, list(MODELS), listing="fedfuse list models"))
     return MODELS[key]
 
 
