@@ -20,7 +20,7 @@ from fedfuse.config import (
     resume_config,
     validate,
 )
-from fedfuse.errors import run_guarded
+from fedfuse.errors import UserError, run_guarded
 
 
 def _flag_help(key: str, fallback: str) -> str:
@@ -194,7 +194,7 @@ def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
     base = build_config(args, skip=("algorithm",) if algorithms else (), sets=top)
     try:
         seeds = parse_seeds(args.seeds) if args.seeds else [base.seed]
-    except ValueError as e:
+    except UserError as e:
         raise ConfigError(str(e)) from None
     if args.jobs < 1:
         raise ConfigError(f"--jobs: must be >= 1, got {args.jobs}")
@@ -459,23 +459,30 @@ def make_parser() -> argparse.ArgumentParser:
     rep.add_argument("--target", type=float, default=None, help="target accuracy (0-1) for the *-to-target columns")
     rep.add_argument("--test", choices=("t", "wilcoxon"), default="t", help="paired test over seeds")
     rep.set_defaults(func=cmd_report)
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    for command in sub.choices.values():  # also accepted after the command: fedfuse run --debug ...
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return p
 
 
+DEBUG_HELP = "print the traceback of an internal error (a bug in fedfuse) on screen"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    return run_guarded(lambda: int(args.func(args)))
-
-
-def _quiet_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
     import os
 
+    args = make_parser().parse_args(argv)
+    before = os.environ.get("FEDFUSE_DEBUG")
+    if args.debug:  # an environment variable, so worker processes see it too
+        os.environ["FEDFUSE_DEBUG"] = "1"
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout replaced (e.g. captured in tests)
-        pass
+        return run_guarded(lambda: int(args.func(args)))
+    finally:
+        if args.debug:
+            if before is None:
+                os.environ.pop("FEDFUSE_DEBUG", None)
+            else:
+                os.environ["FEDFUSE_DEBUG"] = before
 
 
 if __name__ == "__main__":

@@ -592,7 +592,7 @@ def _check_namespace_rules(cfg: RunConfig, resolved: dict[str, dict[str, Any]]) 
                             ("dataset_options", check_dataset_options, cfg.dataset)):
         try:
             check(name, resolved[ns])
-        except ValueError as e:
+        except UserError as e:
             raise ConfigError(f"{ns}: {e}") from None
 
 
@@ -700,7 +700,7 @@ def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {path}: cannot write there ({existing} is not writable)")
     if earlier:
-        for name in (*RUN_FILES, "checkpoint.pt.tmp", "model_best.pt", "model_final.pt"):
+        for name in (*RUN_FILES, "checkpoint.pt.tmp", "model_best.pt", "model_final.pt", "fedfuse.log"):
             (path / name).unlink(missing_ok=True)
     return path
 

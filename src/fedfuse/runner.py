@@ -14,7 +14,10 @@ Code that brings its own algorithm builds :class:`fedfuse.engine.loop.Experiment
 
 from __future__ import annotations
 
+import datetime
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from fedfuse.algorithms import get_algorithm
@@ -22,7 +25,7 @@ from fedfuse.config import RunConfig
 from fedfuse.engine.callbacks import Callback, make_loggers
 from fedfuse.engine.executors import register_executor
 from fedfuse.engine.loop import Experiment
-from fedfuse.errors import UserError
+from fedfuse.errors import BUG, DivergenceError, UserError
 from fedfuse.outputs import output_callbacks
 from fedfuse.result import Result
 from fedfuse.types import ClientData, Federation
@@ -41,6 +44,8 @@ def _flower_executor(clients: Sequence[ClientData], seed: int, *, threads: int =
 
 register_executor("flower", _flower_executor)
 
+LOG = "fedfuse.log"  # the run's log: the traceback of an internal error
+
 
 def experiment(cfg: RunConfig, *, fed: Federation | None = None, executor: Any | None = None,
                progress: bool = False, on_round: Callable[[dict[str, Any]], None] | None = None,
@@ -55,10 +60,38 @@ def experiment(cfg: RunConfig, *, fed: Federation | None = None, executor: Any |
 
 def execute(cfg: RunConfig, *, progress: bool = False, callbacks: Sequence[Callback] = (),
             log: Sequence[str] = (), resume: bool = False, fed: Federation | None = None) -> Result:
-    """Run ``cfg`` (a resolved config) with the given callbacks and built-in loggers; returns its :class:`Result`."""
-    exp = experiment(cfg, fed=fed, progress=progress, callbacks=[*callbacks, *make_loggers(log, cfg)])
-    summary = exp.run(resume=resume)
+    """Run ``cfg`` (a resolved config) with the given callbacks and built-in loggers; returns its :class:`Result`.
+
+    An internal error (anything but a user error, a divergence or an interruption: a bug in fedfuse) is written
+    with its traceback to the run's log, ``fedfuse.log`` in ``cfg.out``, and re-raised with a note naming it."""
+    try:
+        exp = experiment(cfg, fed=fed, progress=progress, callbacks=[*callbacks, *make_loggers(log, cfg)])
+        summary = exp.run(resume=resume)
+    except (UserError, DivergenceError):
+        raise
+    except Exception as e:
+        path = log_internal_error(cfg, e)
+        if path is not None:
+            e.add_note(f"traceback in {path}")
+        raise
     return Result(exp.cfg, exp.history, summary, exp.out)
+
+
+def log_internal_error(cfg: RunConfig, e: BaseException) -> Path | None:
+    """Append ``e`` and its traceback to ``fedfuse.log`` in the run directory (None when the run writes no
+    files or the log cannot be written)."""
+    if not cfg.out:
+        return None
+    path = Path(cfg.out) / LOG
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+            f.write(f"{stamp} run {cfg.algorithm} on {cfg.dataset}, seed {cfg.seed}: {BUG}\n")
+            f.write("".join(traceback.format_exception(e)))
+    except OSError:
+        return None
+    return path
 
 
 def run(cfg: RunConfig, *, resume: bool = False, progress: bool = False) -> dict[str, Any]:

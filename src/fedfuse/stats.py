@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fedfuse.errors import UserError
+
 
 @dataclass(frozen=True)
 class MeanStd:
@@ -138,7 +140,7 @@ def paired_test(method: Sequence[float], baseline: Sequence[float], test: str = 
     elif test == "wilcoxon":
         p = float(sps.wilcoxon(diffs).pvalue)
     else:
-        raise ValueError(f"paired_test: test must be 't' or 'wilcoxon', got {test!r}")
+        raise UserError(f"paired_test: test must be 't' or 'wilcoxon', got {test!r}")
     return PairedTest(mean_diff, p, n, test)
 
 
@@ -148,18 +150,18 @@ def parse_seeds(spec: str | int | Sequence[int]) -> list[int]:
     A sequence is returned as a list."""
     if isinstance(spec, int):
         if spec < 1:
-            raise ValueError(f"seeds: a count must be >= 1, got {spec} (a bare number is a count: "
-                             f"write '{spec},' for the single seed {spec})")
+            raise UserError(f"seeds: a count must be >= 1, got {spec} (a bare number is a count: "
+                            f"write '{spec},' for the single seed {spec})")
         return list(range(spec))
     if not isinstance(spec, str):
         return [int(s) for s in spec]
     s = spec.strip()
     if not s:
-        raise ValueError("seeds: empty")
+        raise UserError("seeds: empty")
     try:
         values = [int(x) for x in s.split(",") if x.strip()]
     except ValueError as e:
-        raise ValueError(f"seeds: expected a count (3) or a comma list (0,1,2), got {spec!r}") from e
+        raise UserError(f"seeds: expected a count (3) or a comma list (0,1,2), got {spec!r}") from e
     return parse_seeds(values[0]) if "," not in s else values
 
 

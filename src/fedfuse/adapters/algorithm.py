@@ -25,6 +25,7 @@ from fedfuse.adapters.lora import AdapterModel, LoraSpec, adapter_model
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import TrainStats, train_local
 from fedfuse.engine.program import ClientProgram
+from fedfuse.errors import UserError
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
 from fedfuse.types import ClientData, Federation, FitStats, Message, TensorDict
@@ -57,8 +58,8 @@ class LoraAlgorithm(Algorithm):
     def __init__(self, ctx: Any, options: Any | None = None) -> None:
         super().__init__(ctx, options)
         if not self.opt.base:
-            raise ValueError(f"{self.name}: option base is required (fedfuse:PATH.pt from `fedfuse pretrain`, "
-                             "or hf:DIR)")
+            raise UserError(f"{self.name}: option base is required (fedfuse:PATH.pt from `fedfuse pretrain`, "
+                            "or hf:DIR)")
         self.spec = LoraSpec(int(self.opt.rank), float(self.opt.alpha), float(self.opt.lora_dropout),
                              tuple(self.opt.targets))
 

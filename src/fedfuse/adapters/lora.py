@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedfuse.errors import UserError
 from fedfuse.types import TensorDict
 
 ADAPTER_MARK = "lora_"
@@ -75,8 +76,8 @@ def parse_base(base: str) -> tuple[str, str]:
         return "fedfuse", base[8:]
     if base.endswith(".pt"):
         return "fedfuse", base
-    raise ValueError(f"base {base!r}: use fedfuse:PATH.pt (from `fedfuse pretrain`) or hf:DIR (a Hugging Face "
-                     "causal LM saved with save_pretrained)")
+    raise UserError(f"base {base!r}: use fedfuse:PATH.pt (from `fedfuse pretrain`) or hf:DIR (a Hugging Face "
+                    "causal LM saved with save_pretrained)")
 
 
 def load_base(base: str, device: torch.device | str = "cpu") -> tuple[nn.Module, Any, dict[str, Any]]:
@@ -91,7 +92,7 @@ def load_base(base: str, device: torch.device | str = "cpu") -> tuple[nn.Module,
             raise FileNotFoundError(f"base model {path} not found: run `fedfuse pretrain` first (it prints the path)")
         ck = torch.load(path, map_location="cpu", weights_only=False)
         if ck.get("kind") != "fedfuse-lm":
-            raise ValueError(f"{path} is not a fedfuse pretrained LM (kind={ck.get('kind')!r})")
+            raise UserError(f"{path} is not a fedfuse pretrained LM (kind={ck.get('kind')!r})")
         vocab = list(ck["vocab"])
         lm = TransformerModel(len(vocab), len(vocab), task="lm", **ck["model"])
         lm.load_state_dict(ck["state"])
@@ -125,14 +126,14 @@ class AdapterModel:
             self.module = inject_adapter_in_model(cfg, module)
         except ValueError as e:
             names = sorted({n.rsplit(".", 1)[-1] for n, m in module.named_modules() if isinstance(m, nn.Linear)})
-            raise ValueError(f"LoRA targets {list(spec.targets)} match no module of {base}; "
-                             f"linear layers are named: {', '.join(names)}") from e
+            raise UserError(f"LoRA targets {list(spec.targets)} match no module of {base}; "
+                            f"linear layers are named: {', '.join(names)}") from e
         self.module.to(self.device)
         for n, p in self.module.named_parameters():
             p.requires_grad_(ADAPTER_MARK in n)
         self.params: dict[str, nn.Parameter] = {n: p for n, p in self.module.named_parameters() if ADAPTER_MARK in n}
         if not self.params:
-            raise ValueError(f"no LoRA parameters were created for targets {list(spec.targets)}")
+            raise UserError(f"no LoRA parameters were created for targets {list(spec.targets)}")
         self.keys = list(self.params)
         self.vocab_size = int(self.module(torch.zeros(1, 1, dtype=torch.long, device=self.device)).shape[-1])
 

@@ -24,6 +24,7 @@ import torch
 
 from fedfuse.data.corpus import corpus_path, load_corpus
 from fedfuse.data.datasets import LEAF_LETTERS, UNK, cache_dir
+from fedfuse.errors import UserError
 
 CHAR_VOCAB: list[str] = [*LEAF_LETTERS, UNK]
 
@@ -75,7 +76,7 @@ class PretrainConfig:
 
     def model_kwargs(self) -> dict[str, Any]:
         if self.size not in PRESETS:
-            raise ValueError(f"size {self.size!r}; choose one of {', '.join(PRESETS)}")
+            raise UserError(f"size {self.size!r}; choose one of {', '.join(PRESETS)}")
         return {**PRESETS[self.size], "dropout": self.dropout, "norm_first": True, "max_len": 512}
 
 

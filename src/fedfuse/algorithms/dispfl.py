@@ -47,6 +47,7 @@ from fedfuse.algorithms.dpsgd import DPSGD
 from fedfuse.engine.client import TrainStats, task_loss
 from fedfuse.engine.peers import TOPOLOGIES, unpack_mail
 from fedfuse.engine.program import ClientProgram
+from fedfuse.errors import UserError
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
 from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
@@ -58,7 +59,7 @@ def erk_densities(shapes: dict[str, tuple[int, ...]], density: float, power: flo
     if distribution == "uniform":
         return {k: float(density) for k in shapes}
     if distribution != "ERK":
-        raise ValueError(f"mask distribution {distribution!r}; choose ERK or uniform")
+        raise UserError(f"mask distribution {distribution!r}; choose ERK or uniform")
     dense: set[str] = set()
     while True:
         rhs, divisor, raw = 0.0, 0.0, {}

@@ -40,6 +40,7 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.peers import TOPOLOGIES, deliver, mail_of, own_tensors, peer_graph, route_peers, unpack_mail
 from fedfuse.engine.program import ClientProgram
+from fedfuse.errors import UserError
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
@@ -57,7 +58,7 @@ def gossip_matrix(adj: np.ndarray, mixing: str = "metropolis") -> np.ndarray:
         for i in range(n):
             w[i, adj[i]] = 1.0 / (deg[i] + 1.0)
     else:
-        raise ValueError(f"mixing={mixing!r}; choose metropolis or uniform")
+        raise UserError(f"mixing={mixing!r}; choose metropolis or uniform")
     w[np.arange(n), np.arange(n)] = 1.0 - w.sum(axis=1)
     return w
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
+from fedfuse.errors import UserError
 from fedfuse.fusion.average import add_scaled, clip_updates, delta, robust_average, weighted_average
 from fedfuse.fusion.privacy import dp_mean
 from fedfuse.options import opt
@@ -66,17 +67,17 @@ class FedAvg(Algorithm):
         super().__init__(ctx, options)
         robust = getattr(self.opt, "fusion", "mean") != "mean" or getattr(self.opt, "clip_norm", 0.0) > 0
         if robust and type(self).aggregate_fit is not FedAvg.aggregate_fit:
-            raise ValueError(f"{self.name} fuses with its own rule; fusion={self.opt.fusion!r} and clip_norm apply "
-                             "to FedAvg-style averaging only (fedavg, fedprox, fedavg-ft, ...)")
+            raise UserError(f"{self.name} fuses with its own rule; fusion={self.opt.fusion!r} and clip_norm apply "
+                            "to FedAvg-style averaging only (fedavg, fedprox, fedavg-ft, ...)")
         if robust and ctx.dp.central:
-            raise ValueError("dp=central replaces the mean with DP-FedAvg's clipped, noised mean; drop "
-                             f"fusion={self.opt.fusion!r} / clip_norm={self.opt.clip_norm:g} (use dp_clip)")
+            raise UserError("dp=central replaces the mean with DP-FedAvg's clipped, noised mean; drop "
+                            f"fusion={self.opt.fusion!r} / clip_norm={self.opt.clip_norm:g} (use dp_clip)")
 
     def client_weights(self, results: dict[int, Message]) -> list[float]:
         if self.opt.weighting == "uniform":
             return [1.0] * len(results)
         if self.opt.weighting != "samples":
-            raise ValueError(f"weighting={self.opt.weighting!r}; choose samples or uniform")
+            raise UserError(f"weighting={self.opt.weighting!r}; choose samples or uniform")
         return [float(r.num_examples) for r in results.values()]
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:

@@ -45,6 +45,7 @@ from fedfuse.engine.client import (
 )
 from fedfuse.engine.context import init_states, model_params
 from fedfuse.engine.program import ClientProgram, run_program
+from fedfuse.errors import UserError
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.mixture import e_step, mixture_objective, pack, unpack
 from fedfuse.options import opt
@@ -82,7 +83,7 @@ class FedEM(Algorithm):
 
     def init_state(self) -> ServerState:
         if self.opt.m < 1:
-            raise ValueError(f"m must be >= 1, got {self.opt.m}")
+            raise UserError(f"m must be >= 1, got {self.opt.m}")
         return {"learners": init_states(self.ctx, self.opt.m, "fedem-init")}
 
     def init_client_state(self, cid: int) -> ClientState:

@@ -47,6 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
 from fedfuse.engine.client import TrainStats, train_flops_per_sample
 from fedfuse.engine.program import ClientProgram
+from fedfuse.errors import UserError
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng, torch_generator
@@ -118,8 +119,8 @@ class FedET(Algorithm):
         if mode == "auto":
             mode = "head" if same else "distill"
         if mode == "head" and not same:
-            raise ValueError("fedet transfer=head needs small models whose final layer has the server's shape "
-                             f"{self.server_head}; set their width (e.g. cnn-cifar hidden) or use transfer=distill")
+            raise UserError("fedet transfer=head needs small models whose final layer has the server's shape "
+                            f"{self.server_head}; set their width (e.g. cnn-cifar hidden) or use transfer=distill")
         self.mode = mode
 
     # ---- models ------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.context import init_states, model_params
 from fedfuse.engine.program import ClientProgram, LossTerm
+from fedfuse.errors import UserError
 from fedfuse.fusion.average import delta
 from fedfuse.fusion.merge import (
     cluster_ari,
@@ -142,20 +143,20 @@ class FedMerge(Algorithm):
         super().__init__(ctx, options)
         o = self.opt
         if o.d < 1:
-            raise ValueError(f"d must be >= 1, got {o.d}")
+            raise UserError(f"d must be >= 1, got {o.d}")
         if o.merge_update not in ("fixed", "gradient", "none"):
-            raise ValueError(f"merge_update={o.merge_update!r}; choose fixed, gradient or none")
+            raise UserError(f"merge_update={o.merge_update!r}; choose fixed, gradient or none")
         if o.init not in ("shared", "independent"):
-            raise ValueError(f"init={o.init!r}; choose shared or independent")
+            raise UserError(f"init={o.init!r}; choose shared or independent")
         if o.theta_update not in ("paper", "column_normalised"):
-            raise ValueError(f"theta_update={o.theta_update!r}; choose paper or column_normalised")
+            raise UserError(f"theta_update={o.theta_update!r}; choose paper or column_normalised")
         if o.size_norm not in ("sampled", "all"):
-            raise ValueError(f"size_norm={o.size_norm!r}; choose sampled or all")
+            raise UserError(f"size_norm={o.size_norm!r}; choose sampled or all")
         if o.fixed_k and not 1 <= o.fixed_k <= o.d:
-            raise ValueError(f"fixed_k must be in [1, d={o.d}], got {o.fixed_k}")
+            raise UserError(f"fixed_k must be in [1, d={o.d}], got {o.fixed_k}")
         if o.init == "shared" and o.d > 1 and not o.fixed_k and self.logit_init_std() == 0.0:
-            raise ValueError("init=shared with uniform initial weights (logit_init_std=0) never breaks the symmetry "
-                             "of the d global models (it is FedAvg); use logit_init_std > 0 or init=independent")
+            raise UserError("init=shared with uniform initial weights (logit_init_std=0) never breaks the symmetry "
+                            "of the d global models (it is FedAvg); use logit_init_std > 0 or init=independent")
         self.keys = select_keys(ctx.model(), o.merge_params)
 
     # ---- server --------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from fedfuse.adapters.lora import cross_term_gap
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import TrainStats, make_optimizer, task_loss
 from fedfuse.engine.program import ClientProgram, run_program
+from fedfuse.errors import UserError
 from fedfuse.fusion.average import delta, weighted_average
 from fedfuse.fusion.merge import (
     cluster_ari,
@@ -73,7 +74,7 @@ def adapter_keys(keys: list[str], spec: str) -> list[str]:
         modules = list(dict.fromkeys(k.split(".lora_")[0] for k in keys))
         keep = set(modules[-n:])
         return [k for k in keys if k.split(".lora_")[0] in keep]
-    raise ValueError(f"merge_params={spec!r}; choose all, lora_A, lora_B or last-K")
+    raise UserError(f"merge_params={spec!r}; choose all, lora_A, lora_B or last-K")
 
 
 def pack(adapters: list[TensorDict]) -> TensorDict:

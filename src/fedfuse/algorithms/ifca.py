@@ -27,6 +27,7 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.engine.client import TrainStats, forward_flops_per_sample, per_sample_losses
 from fedfuse.engine.context import init_states, model_params
 from fedfuse.engine.program import ClientProgram
+from fedfuse.errors import UserError
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.mixture import pack, unpack
 from fedfuse.options import opt
@@ -58,9 +59,9 @@ class IFCA(Algorithm):
 
     def init_state(self) -> ServerState:
         if self.opt.k < 1:
-            raise ValueError(f"k must be >= 1, got {self.opt.k}")
+            raise UserError(f"k must be >= 1, got {self.opt.k}")
         if self.opt.weighting not in ("uniform", "samples"):
-            raise ValueError(f"weighting={self.opt.weighting!r}; choose uniform or samples")
+            raise UserError(f"weighting={self.opt.weighting!r}; choose uniform or samples")
         return {"models": init_states(self.ctx, self.opt.k, "ifca-init"), "assign": [-1] * self.ctx.num_clients}
 
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:

@@ -75,6 +75,7 @@ from fedfuse.engine.client import (
 )
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
 from fedfuse.engine.program import ClientProgram, LossTerm
+from fedfuse.errors import UserError
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -113,7 +114,7 @@ def contrastive_loss(z: torch.Tensor, z_agg: torch.Tensor, z_prev: torch.Tensor,
     elif similarity == "dot":
         pos, neg = (z * z_agg).sum(-1), (z * z_prev).sum(-1)
     else:
-        raise ValueError(f"similarity={similarity!r}; choose dot or cosine")
+        raise UserError(f"similarity={similarity!r}; choose dot or cosine")
     per = F.softplus((neg - pos) / tau)
     return per if reduction == "none" else per.mean()
 
@@ -171,7 +172,7 @@ def assemble(latest: TensorDict, counts: TensorDict, ever: TensorDict, w0: Tenso
     if mode == "zero_stale":
         fill = {k: torch.where(ever[k], unheld_value(k, v), w0[k].to(v.dtype)) for k, v in latest.items()}
         return fill_unheld(latest, counts, fill)
-    raise ValueError(f"assembly={mode!r}; choose one of {', '.join(ASSEMBLIES)}")
+    raise UserError(f"assembly={mode!r}; choose one of {', '.join(ASSEMBLIES)}")
 
 
 def neighbours(n: int, num: int, topology: str) -> list[int]:
@@ -180,7 +181,7 @@ def neighbours(n: int, num: int, topology: str) -> list[int]:
         return [m for m in range(num) if m != n]
     if topology == "ring":
         return sorted({(n - 1) % num, (n + 1) % num} - {n})
-    raise ValueError(f"topology={topology!r}; choose full or ring")
+    raise UserError(f"topology={topology!r}; choose full or ring")
 
 
 _FWD_FLOPS: dict[tuple, float] = {}
@@ -269,8 +270,8 @@ class MSfusion(Algorithm):
         super().__init__(ctx, options)
         self.serverless = self.opt.global_model == "none"
         if self.serverless and self.opt.fallback == "combined":
-            raise ValueError("msfusion: fallback=combined needs the combined model, which global_model=none does "
-                             "not assemble; use fallback=memory")
+            raise UserError("msfusion: fallback=combined needs the combined model, which global_model=none does "
+                            "not assemble; use fallback=memory")
         self._full = ctx.model({})
         self.spec: SliceSpec = slice_spec(self._full)
         self.shapes = {k: tuple(v.shape) for k, v in self._full.state_dict().items()}

@@ -26,6 +26,7 @@ import numpy as np
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
 from fedfuse.engine.context import client_initial_state
 from fedfuse.engine.program import ClientProgram
+from fedfuse.errors import UnsupportedModel, UserError
 from fedfuse.fusion.average import weighted_average
 from fedfuse.fusion.match import align_to
 from fedfuse.fusion.permute import PermGroup, perm_spec
@@ -58,8 +59,8 @@ class SimpleFedMA(Algorithm):
     def __init__(self, ctx, options=None) -> None:
         super().__init__(ctx, options)
         if getattr(ctx.model(), "perm_groups", None) is None:  # the model declares its permutation groups
-            raise ValueError(f"simple-fedma permutes transformer layers; model {ctx.model_name!r} is not a "
-                             "transformer (use --model transformer, or fedma / oneshot-match for MLPs and CNNs)")
+            raise UnsupportedModel(f"simple-fedma permutes transformer layers; model {ctx.model_name!r} is not a "
+                                   "transformer (use --model transformer, or fedma / oneshot-match for MLPs and CNNs)")
 
     def _spec(self):
         flag = {"auto": None, "yes": True, "no": False}[self.opt.residual]
@@ -88,7 +89,7 @@ class SimpleFedMA(Algorithm):
         elif self.opt.weighting == "uniform":
             w = [1.0] * len(cids)
         else:
-            raise ValueError(f"weighting={self.opt.weighting!r}; choose uniform or samples")
+            raise UserError(f"weighting={self.opt.weighting!r}; choose uniform or samples")
         merged, moved = merge([results[c].tensors for c in cids], self._spec(), self.opt.metric, w,
                               base=state["global"])
         return {**state, "global": merged, "moved": moved}

@@ -20,6 +20,7 @@ from fedfuse.data.dataset import Dataset, Partition
 from fedfuse.data.datasets import load_dataset
 from fedfuse.data.flower_datasets import GROUP_COLUMN, _need
 from fedfuse.data.partition import make_partition
+from fedfuse.errors import UserError
 
 
 def export_partitions(cfg: Any, out: str | os.PathLike[str], overwrite: bool = False) -> Path:
@@ -43,7 +44,7 @@ def _input_feature(hf: Any, x: torch.Tensor) -> Any:
     if len(shape) == 1:
         return hf.List(hf.Value(dtype), length=shape[0])
     if len(shape) not in arrays:
-        raise ValueError(f"cannot export inputs of shape {shape}")
+        raise UserError(f"cannot export inputs of shape {shape}")
     return arrays[len(shape)](shape, dtype)
 
 
@@ -57,7 +58,7 @@ def write_partitions(ds: Dataset, part: Partition, out: str | os.PathLike[str], 
     with partition ``natural`` (or ``flwr:natural-id``) and the same seed rebuilds the same federation.
     """
     if ds.task != "classification":
-        raise ValueError(f"export-partitions writes classification datasets; {ds.name!r} is a {ds.task} dataset")
+        raise UserError(f"export-partitions writes classification datasets; {ds.name!r} is a {ds.task} dataset")
     hf = _need("datasets")
     target = Path(out)
     if target.exists() and any(target.iterdir()):

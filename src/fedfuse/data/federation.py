@@ -9,6 +9,7 @@ import torch
 
 from fedfuse.data.dataset import Dataset
 from fedfuse.data.partition import Partition
+from fedfuse.errors import UserError
 from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Federation, Split
 
@@ -36,9 +37,9 @@ def build_federation(
     ``Federation.test`` is the full global test set.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if test_fraction is not None and test_fraction < 0:
-        raise ValueError(f"test_fraction must be >= 0, got {test_fraction}")
+        raise UserError(f"test_fraction must be >= 0, got {test_fraction}")
     n_train, n_test = len(dataset.train_y), len(dataset.test_y)
     ratio = float(test_fraction) if test_fraction is not None else n_test / max(n_train, 1)
     name = str(partition.info.get("name", ""))

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fedfuse.data.dataset import Dataset, DatasetNotFoundError, Partition
+from fedfuse.errors import UserError
 from fedfuse.rng import numpy_rng
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def hf_dataset_info(name: str) -> DatasetInfo:
 
     path = str(name).strip()[len(HF_PREFIX):]
     if not path:
-        raise ValueError("dataset 'hf:' needs a path: hf:/path/to/dir (save_to_disk or parquet files)")
+        raise UserError("dataset 'hf:' needs a path: hf:/path/to/dir (save_to_disk or parquet files)")
     return DatasetInfo(
         name=str(name).strip(),
         description=f"local Hugging Face dataset at {path} (save_to_disk directory or parquet files)",
@@ -111,16 +112,16 @@ def check_hf_options(opts: dict[str, Any]) -> None:
     """Raise ValueError naming the option for a bad ``hf:`` option value."""
     f = opts.get("test_fraction")
     if isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 < float(f) < 1.0:
-        raise ValueError(f"option test_fraction of an hf: dataset must be a number in (0, 1), got {f!r}")
+        raise UserError(f"option test_fraction of an hf: dataset must be a number in (0, 1), got {f!r}")
     if opts.get("normalization") not in NORMALIZATIONS:
-        raise ValueError(f"option normalization of an hf: dataset must be one of {NORMALIZATIONS}, "
-                         f"got {opts.get('normalization')!r}")
+        raise UserError(f"option normalization of an hf: dataset must be one of {NORMALIZATIONS}, "
+                        f"got {opts.get('normalization')!r}")
     for key in ("train_split", "test_split", "image_column", "label_column", "group_column"):
         v = opts.get(key)
         if v is not None and (not isinstance(v, str) or not v):
-            raise ValueError(f"option {key} of an hf: dataset must be a non-empty string, got {v!r}")
+            raise UserError(f"option {key} of an hf: dataset must be a non-empty string, got {v!r}")
     if not opts.get("train_split"):
-        raise ValueError("option train_split of an hf: dataset must name a split, e.g. train")
+        raise UserError("option train_split of an hf: dataset must name a split, e.g. train")
 
 
 def _resolve(path: str, root: Path | None) -> Path:
@@ -157,11 +158,11 @@ def _pick(columns: Sequence[str], wanted: str | None, preferred: Sequence[str], 
           fallback: Callable[[], str | None]) -> str:
     if wanted is not None:
         if wanted not in columns:
-            raise ValueError(f"{what} column {wanted!r} (option {option}) not found; columns: {list(columns)}")
+            raise UserError(f"{what} column {wanted!r} (option {option}) not found; columns: {list(columns)}")
         return wanted
     found = next((c for c in preferred if c in columns), None) or fallback()
     if found is None:
-        raise ValueError(f"no {what} column found among {list(columns)}; set option {option}")
+        raise UserError(f"no {what} column found among {list(columns)}; set option {option}")
     return found
 
 
@@ -173,7 +174,7 @@ def _column(ds: Any, col: str) -> np.ndarray:
     try:
         return np.stack([np.asarray(v) for v in arr])
     except ValueError as e:
-        raise ValueError(f"column {col!r}: samples have different shapes ({e}); resize them to one shape") from None
+        raise UserError(f"column {col!r}: samples have different shapes ({e}); resize them to one shape") from None
 
 
 def _inputs(raw: np.ndarray, is_image: bool) -> np.ndarray:
@@ -234,7 +235,7 @@ def load_hf(path: str, root: Path | None, opts: dict[str, Any]) -> Dataset:
     name = f"{HF_PREFIX}{path}"
     tr_name, te_name = str(opts["train_split"]), str(opts["test_split"])
     if tr_name not in splits:
-        raise ValueError(f"dataset {name!r} has no split {tr_name!r} (option train_split); splits: {list(splits)}")
+        raise UserError(f"dataset {name!r} has no split {tr_name!r} (option train_split); splits: {list(splits)}")
     train = splits[tr_name]
     columns = list(train.column_names)
     features = train.features
@@ -247,7 +248,7 @@ def load_hf(path: str, root: Path | None, opts: dict[str, Any]) -> Dataset:
     is_image = type(features[image_col]).__name__ == "Image"
     group_col = opts["group_column"] or (GROUP_COLUMN if GROUP_COLUMN in columns else None)
     if opts["group_column"] is not None and group_col not in columns:
-        raise ValueError(f"group column {group_col!r} (option group_column) not found; columns: {columns}")
+        raise UserError(f"group column {group_col!r} (option group_column) not found; columns: {columns}")
 
     x_tr, y_tr = _inputs(_column(train, image_col), is_image), _column(train, label_col)
     groups, group_names = _groups(train, group_col)
@@ -379,8 +380,8 @@ def _flower_kwargs(name: str, num_clients: int, n: int, seed: int, opts: dict[st
         if sizes is None:  # equal sizes, as fedfuse's iid
             sizes = [len(a) for a in np.array_split(np.arange(n), num_clients)]
         if len(sizes) != num_clients or sum(sizes) > n or any(isinstance(s, bool) or s < 1 for s in sizes):
-            raise ValueError(f"partition_sizes must be {num_clients} positive integers summing to at most {n}, "
-                             f"got {sizes!r}")
+            raise UserError(f"partition_sizes must be {num_clients} positive integers summing to at most {n}, "
+                            f"got {sizes!r}")
         kw["partition_sizes"] = [int(s) for s in sizes]
     if name == "shard" and kw.get("shard_size") is None:
         kw.pop("shard_size")
@@ -405,13 +406,13 @@ def flwr_partition(name: str, dataset: Dataset, num_clients: int | None, seed: i
     columns: dict[str, Any] = {"label": labels, "index": np.arange(n, dtype=np.int64)}
     if name == "natural-id":
         if dataset.train_groups is None:
-            raise ValueError(f"partition 'flwr:natural-id' needs a group column: dataset {dataset.name!r} has none "
-                             "(hf: datasets: option group_column; a partition_id column is used when present)")
+            raise UserError(f"partition 'flwr:natural-id' needs a group column: dataset {dataset.name!r} has none "
+                            "(hf: datasets: option group_column; a partition_id column is used when present)")
         columns["group"] = np.asarray(dataset.train_groups, dtype=np.int64)
         k = len(np.unique(columns["group"]))
         if num_clients and int(num_clients) != k:
-            raise ValueError(f"partition 'flwr:natural-id': the group column has {k} distinct values, "
-                             f"so clients must be {k}, got {num_clients}")
+            raise UserError(f"partition 'flwr:natural-id': the group column has {k} distinct values, "
+                            f"so clients must be {k}, got {num_clients}")
         num_clients = k
     assert num_clients is not None
     table = hf.Dataset.from_dict(columns)
@@ -424,7 +425,7 @@ def flwr_partition(name: str, dataset: Dataset, num_clients: int | None, seed: i
         parts = [np.asarray(partitioner.load_partition(i)["index"], dtype=np.int64)
                  for i in range(partitioner.num_partitions)]
     except ValueError as e:
-        raise ValueError(f"partition 'flwr:{name}' ({FLWR_PARTITIONS[name].cls}): {e}") from None
+        raise UserError(f"partition 'flwr:{name}' ({FLWR_PARTITIONS[name].cls}): {e}") from None
     if name == "natural-id":  # Flower numbers natural ids by first appearance; fedfuse by sorted group id
         parts.sort(key=lambda p: int(columns["group"][p[0]]) if len(p) else -1)
     covered = int(sum(len(p) for p in parts))

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from fedfuse.data.lm_clients import encode_pairs, make_federation
+from fedfuse.errors import UserError
 from fedfuse.types import Federation
 
 ALPACA_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
@@ -49,10 +50,10 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
-            raise ValueError(f"{path}: expected a list of records (or a dict holding exactly one list)")
+            raise UserError(f"{path}: expected a list of records (or a dict holding exactly one list)")
         data = lists[0]
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a list of records")
+        raise UserError(f"{path}: expected a list of records")
     return [r for r in data if isinstance(r, dict)]
 
 
@@ -87,7 +88,7 @@ def discover(path: str | Path, group_field: str | None = None) -> dict[str, dict
         recs = read_records(path)
         field = group_field or next((f for f in ("task", "role", "category") if recs and f in recs[0]), None)
         if field is None:
-            raise ValueError(f"{path}: one file needs a grouping field (task/role); pass group_field")
+            raise UserError(f"{path}: one file needs a grouping field (task/role); pass group_field")
         for r in recs:
             out.setdefault(str(r.get(field)), {"train": [], "test": []})["train"].append(r)
         return dict(sorted(out.items()))
@@ -109,7 +110,7 @@ def discover(path: str | Path, group_field: str | None = None) -> dict[str, dict
         for f in _files(path):
             out[f.stem] = {"train": read_records(f), "test": []}
     if not out:
-        raise ValueError(f"{path}: no .json/.jsonl files found")
+        raise UserError(f"{path}: no .json/.jsonl files found")
     return out
 
 
@@ -138,7 +139,7 @@ def instruction_federation(path: str | Path, tokenizer: Any, *, group_field: str
     if clients:
         missing = [c for c in clients if c not in groups]
         if missing:
-            raise ValueError(f"unknown clients {missing}; available: {', '.join(groups)}")
+            raise UserError(f"unknown clients {missing}; available: {', '.join(groups)}")
         groups = {c: groups[c] for c in clients}
     rng = np.random.default_rng(seed)
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -156,7 +157,7 @@ def instruction_federation(path: str | Path, tokenizer: Any, *, group_field: str
         tr = tr[:train]
         nv = round(val_fraction * len(tr))
         if len(tr) < 2 or not te:
-            raise ValueError(f"client {name!r} has too few usable records ({len(tr)} train, {len(te)} test)")
+            raise UserError(f"client {name!r} has too few usable records ({len(tr)} train, {len(te)} test)")
 
         def enc(pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
             out = []

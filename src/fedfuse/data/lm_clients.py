@@ -28,6 +28,7 @@ import torch
 
 from fedfuse.data.corpus import load_corpus
 from fedfuse.data.datasets import resolve_data_dir
+from fedfuse.errors import UserError
 from fedfuse.types import ClientData, Federation, Split
 
 IGNORE = -100
@@ -163,7 +164,7 @@ def pick_roles(texts: dict[str, str], plays: dict[str, str], count: int, min_cha
         picked += [by_play[p][depth][1] for p in order if len(by_play[p]) > depth][: count - len(picked)]
         depth += 1
     if len(picked) < count:
-        raise ValueError(f"only {len(picked)} roles have >= {min_chars} characters; ask for fewer clients")
+        raise UserError(f"only {len(picked)} roles have >= {min_chars} characters; ask for fewer clients")
     return picked
 
 
@@ -259,7 +260,7 @@ def task_split(tokenizer: Any, data_dir: str | Path | None = None, *, tasks: Seq
     max_len = 3 * width + 8
     for name in names:
         if name not in TASKS:
-            raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
+            raise UserError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
         src, fn = TASKS[name]
         if src not in texts:
             texts[src] = _corpus_text(src, data_dir)
@@ -267,7 +268,7 @@ def task_split(tokenizer: Any, data_dir: str | Path | None = None, *, tasks: Seq
         w = 2 * width if fn is None else width
         snips = _snippets(texts[src], w, n, rng)
         if len(snips) < n:
-            raise ValueError(f"task {name}: only {len(snips)} snippets available, need {n}")
+            raise UserError(f"task {name}: only {len(snips)} snippets available, need {n}")
         pairs = []
         for s in snips:
             if fn is None:

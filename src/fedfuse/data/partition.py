@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from fedfuse.data.dataset import Dataset, Partition
+from fedfuse.errors import UserError
 from fedfuse.rng import numpy_rng
 
 PARTITIONS: dict[str, str] = {
@@ -68,7 +69,7 @@ def check_partition_options(name: str, options: dict[str, Any]) -> None:
     _check_name(name)
     unknown = sorted(set(options) - set(_OPTIONS[name]))
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for partition {name!r}; valid: {', '.join(_OPTIONS[name])}")
+        raise UserError(f"unknown option(s) {unknown} for partition {name!r}; valid: {', '.join(_OPTIONS[name])}")
     for key, v in options.items():
         if key in _BOUNDS and v is not None:
             kind, lo, inclusive = _BOUNDS[key]
@@ -76,16 +77,16 @@ def check_partition_options(name: str, options: dict[str, Any]) -> None:
             ok_type = ok_type and (kind is float or float(v).is_integer())
             if not ok_type or not math.isfinite(float(v)) or (v < lo if inclusive else v <= lo):
                 what = "an integer" if kind is int else "a number"
-                raise ValueError(f"{key} must be {what} {'>=' if inclusive else '>'} {lo}, got {v!r}")
+                raise UserError(f"{key} must be {what} {'>=' if inclusive else '>'} {lo}, got {v!r}")
         if key in _CHOICES and v not in _CHOICES[key]:
-            raise ValueError(f"{key} must be one of {', '.join(map(str, _CHOICES[key]))}, got {v!r}")
+            raise UserError(f"{key} must be one of {', '.join(map(str, _CHOICES[key]))}, got {v!r}")
         if key in ("balance", "overlapping") and not isinstance(v, bool):
-            raise ValueError(f"{key} must be true or false, got {v!r}")
+            raise UserError(f"{key} must be true or false, got {v!r}")
         if key == "group_sizes" and v is not None and (
             not isinstance(v, list | tuple) or not v
             or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v)
         ):
-            raise ValueError(f"group_sizes must be a list of positive integers (or none), got {v!r}")
+            raise UserError(f"group_sizes must be a list of positive integers (or none), got {v!r}")
 
 
 def partition_options(name: str) -> dict[str, object]:
@@ -106,9 +107,9 @@ def make_partition(
     unknown = sorted(set(options) - set(_OPTIONS[name]))
     if unknown:
         valid = ", ".join(_OPTIONS[name]) or "none"
-        raise ValueError(f"unknown option(s) {unknown} for partition {name!r}; valid options: {valid}")
+        raise UserError(f"unknown option(s) {unknown} for partition {name!r}; valid options: {valid}")
     if dataset.task == "lm" and name not in _LM_PARTITIONS:
-        raise ValueError(
+        raise UserError(
             f"partition {name!r} needs real labels; dataset {dataset.name!r} is a language model, "
             f"use one of {list(_LM_PARTITIONS)}"
         )
@@ -116,11 +117,11 @@ def make_partition(
     check_partition_options(name, opts)
     if name != "natural":
         if num_clients is None or int(num_clients) < 1:
-            raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+            raise UserError(f"num_clients must be >= 1, got {num_clients}")
         num_clients = int(num_clients)
         n = len(dataset.train_y)
         if num_clients * MIN_SAMPLES_PER_CLIENT > n:
-            raise ValueError(
+            raise UserError(
                 f"clients: {num_clients} clients for {n} training samples of {dataset.name!r} leaves fewer than "
                 f"{MIN_SAMPLES_PER_CLIENT} samples per client; use at most {n // MIN_SAMPLES_PER_CLIENT} clients"
             )
@@ -130,7 +131,7 @@ def make_partition(
         part.test_indices = [np.sort(np.asarray(i, dtype=np.int64)) for i in part.test_indices]
     empty = [c for c, idx in enumerate(part.train_indices) if len(idx) == 0]
     if empty:
-        raise ValueError(
+        raise UserError(
             f"partition {name!r} left client(s) {empty[:10]} without training samples; use fewer clients"
         )
     part.info = {
@@ -148,7 +149,7 @@ def make_partition(
 
 def _check_name(name: str) -> None:
     if name not in PARTITIONS:
-        raise ValueError(f"unknown partition {name!r}; valid choices: {', '.join(PARTITIONS)}")
+        raise UserError(f"unknown partition {name!r}; valid choices: {', '.join(PARTITIONS)}")
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +165,7 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 def _check_enough(n: int, num_clients: int, what: str = "training samples") -> None:
     if num_clients > n:
-        raise ValueError(f"cannot split {n} {what} among {num_clients} clients; use at most {n} clients")
+        raise UserError(f"cannot split {n} {what} among {num_clients} clients; use at most {n} clients")
 
 
 def _equal_sizes(n: int, k: int) -> np.ndarray:
@@ -194,17 +195,17 @@ def _group_sizes(
     """Client-group sizes: the given ones (validated) or as equal as possible."""
     if group_sizes is None:
         if num_clients < num_groups:
-            raise ValueError(
+            raise UserError(
                 f"need at least one client per {what}: {num_groups} {what}s but {num_clients} clients"
             )
         return _equal_sizes(num_clients, num_groups)
     sizes = np.asarray(list(group_sizes), dtype=np.int64)
     if len(sizes) != num_groups:
-        raise ValueError(f"group_sizes has {len(sizes)} entries but there are {num_groups} {what}s")
+        raise UserError(f"group_sizes has {len(sizes)} entries but there are {num_groups} {what}s")
     if (sizes < 1).any():
-        raise ValueError(f"group_sizes must all be >= 1, got {sizes.tolist()}")
+        raise UserError(f"group_sizes must all be >= 1, got {sizes.tolist()}")
     if int(sizes.sum()) != num_clients:
-        raise ValueError(
+        raise UserError(
             f"group_sizes {sizes.tolist()} sum to {int(sizes.sum())}, not num_clients={num_clients}"
         )
     return sizes
@@ -246,12 +247,12 @@ def _dirichlet(dataset: Dataset, num_clients: int, seed: int, opts: dict[str, An
     alpha, min_size = float(opts["alpha"]), int(opts["min_size"])
     attempts = int(opts["max_attempts"])
     if alpha <= 0:
-        raise ValueError(f"alpha must be > 0, got {alpha}")
+        raise UserError(f"alpha must be > 0, got {alpha}")
     labels = dataset.train_labels.astype(np.int64)
     n = len(labels)
     _check_enough(n, num_clients)
     if min_size * num_clients > n:
-        raise ValueError(
+        raise UserError(
             f"min_size={min_size} is impossible: {num_clients} clients × {min_size} > {n} samples; "
             "lower min_size"
         )
@@ -275,7 +276,7 @@ def _dirichlet(dataset: Dataset, num_clients: int, seed: int, opts: dict[str, An
         best = max(best, int(sizes.min()))
         if sizes.min() >= min_size:
             return Partition([np.concatenate(p) for p in pieces])
-    raise ValueError(
+    raise UserError(
         f"dirichlet(alpha={alpha}) did not give every one of {num_clients} clients >= {min_size} samples in "
         f"{attempts} attempts (best minimum {best}); use a smaller min_size, a larger alpha or fewer clients"
     )
@@ -287,7 +288,7 @@ def _shards(dataset: Dataset, num_clients: int, seed: int, opts: dict[str, Any])
     labels = dataset.train_labels.astype(np.int64)
     num_classes = _num_classes(dataset, labels)
     if not 1 <= h <= num_classes:
-        raise ValueError(f"classes_per_client must be in [1, {num_classes}] (the number of classes), got {h}")
+        raise UserError(f"classes_per_client must be in [1, {num_classes}] (the number of classes), got {h}")
     rng = numpy_rng(seed, "partition", "shards")
     # Balanced seeded assignment: each client takes the h least-used classes, ties broken at random, so class
     # usage counts never differ by more than one and the class sets vary between clients.
@@ -329,17 +330,17 @@ def _label_cluster(dataset: Dataset, num_clients: int, seed: int, opts: dict[str
     num_classes = _num_classes(dataset, labels)
     k = int(opts["clusters"])
     if not 1 <= k <= num_classes:
-        raise ValueError(f"clusters must be in [1, {num_classes}] (the number of classes), got {k}")
+        raise UserError(f"clusters must be in [1, {num_classes}] (the number of classes), got {k}")
     if k > num_clients:
-        raise ValueError(f"need at least one client per cluster: {k} clusters but {num_clients} clients")
+        raise UserError(f"need at least one client per cluster: {k} clusters but {num_clients} clients")
     sizes = _group_sizes(opts["group_sizes"], k, num_clients, "cluster")
     overlapping = bool(opts["overlapping"])
     within = opts["within"] or ("dirichlet" if overlapping else "equal")
     if within not in ("equal", "dirichlet"):
-        raise ValueError(f"within must be 'equal' or 'dirichlet', got {within!r}")
+        raise UserError(f"within must be 'equal' or 'dirichlet', got {within!r}")
     alpha = float(opts["cluster_alpha"])
     if alpha <= 0:
-        raise ValueError(f"cluster_alpha must be > 0, got {alpha}")
+        raise UserError(f"cluster_alpha must be > 0, got {alpha}")
     rng = numpy_rng(seed, "partition", "label-cluster")
 
     if overlapping:
@@ -347,9 +348,9 @@ def _label_cluster(dataset: Dataset, num_clients: int, seed: int, opts: dict[str
         per = num_classes * 3 // 10 if per is None else int(per)
         per = max(per, 1)
         if per > num_classes:
-            raise ValueError(f"classes_per_cluster={per} exceeds the {num_classes} classes")
+            raise UserError(f"classes_per_cluster={per} exceeds the {num_classes} classes")
         if per * k < num_classes:
-            raise ValueError(
+            raise UserError(
                 f"clusters × classes_per_cluster = {k}×{per} < {num_classes} classes: some classes would "
                 "belong to no cluster; raise classes_per_cluster or clusters"
             )
@@ -416,7 +417,7 @@ def _at_least_one(counts: np.ndarray) -> None:
 def _natural(dataset: Dataset, num_clients: int | None, seed: int, opts: dict[str, Any]) -> Partition:
     """One client per user; fewer clients than users takes a seeded random subset, ordered by user id."""
     if dataset.train_groups is None:
-        raise ValueError(
+        raise UserError(
             f"dataset {dataset.name!r} has no natural users; the natural partition needs a LEAF dataset "
             "(femnist, shakespeare)"
         )
@@ -425,7 +426,7 @@ def _natural(dataset: Dataset, num_clients: int | None, seed: int, opts: dict[st
     wanted = [int(x) for x in (num_clients, opts["max_clients"]) if x]
     k = min(wanted) if wanted else len(users)
     if k > len(users):
-        raise ValueError(f"dataset {dataset.name!r} has {len(users)} users; cannot make {k} natural clients")
+        raise UserError(f"dataset {dataset.name!r} has {len(users)} users; cannot make {k} natural clients")
     if k < len(users):
         users = np.sort(numpy_rng(seed, "partition", "natural").permutation(users)[:k])
     order = np.argsort(groups, kind="stable")
@@ -448,7 +449,7 @@ def _natural(dataset: Dataset, num_clients: int | None, seed: int, opts: dict[st
 def _domain(dataset: Dataset, num_clients: int, seed: int, opts: dict[str, Any]) -> Partition:
     """Client group g holds domain g; its clients split the domain's train and test samples iid."""
     if dataset.train_domains is None:
-        raise ValueError(
+        raise UserError(
             f"dataset {dataset.name!r} has no domains; load an image dataset with rotate_domains=k or use "
             "shakespeare's plays as domains"
         )

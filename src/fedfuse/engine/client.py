@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.errors import UserError
 from fedfuse.types import ClientData, Split
 
 ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -51,7 +52,7 @@ class TrainConfig:
     def with_two_pass(self, kind: str, rho: float, eta: float = 0.01) -> TrainConfig:
         """These settings with SAM (``kind="sam"``) or ASAM (``"asam"``) two-pass steps of radius ``rho``."""
         if kind not in ("sam", "asam"):
-            raise ValueError(f"two_pass must be 'sam' or 'asam', not {kind!r}")
+            raise UserError(f"two_pass must be 'sam' or 'asam', not {kind!r}")
         return dataclasses.replace(self, two_pass=kind, sam_rho=float(rho), sam_eta=float(eta))
 
     def schedule(self, n: int) -> list[int]:
@@ -108,9 +109,9 @@ def scheduled_lr(lr: float, r: int, total: int, schedule: str = "constant", min_
         return float(lr)
     if schedule == "cyclic":
         if not 0.0 < min_ratio <= 1.0:
-            raise ValueError(f"lr_min_ratio must be in (0, 1], got {min_ratio}")
+            raise UserError(f"lr_min_ratio must be in (0, 1], got {min_ratio}")
         return cyclic_lr(r, total, min_ratio * float(lr), float(lr))
-    raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
+    raise UserError(f"unknown learning-rate schedule {schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig, lr: float | None = None):
@@ -120,7 +121,7 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig, lr: f
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
-    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose sgd or adam")
+    raise UserError(f"unknown optimizer {cfg.optimizer!r}; choose sgd or adam")
 
 
 def train_local(
@@ -311,7 +312,7 @@ def retrain_config(base: TrainConfig, schedule: str, epochs: int, lr: float = 0.
         if not last_layer_schedule:
             return cfg, epochs
     else:
-        raise ValueError(f"retrain_schedule={schedule!r}; choose code or run")
+        raise UserError(f"retrain_schedule={schedule!r}; choose code or run")
     if last:
         cfg = dataclasses.replace(cfg, lr=cfg.lr / 10, weight_decay=1e-4)
         epochs *= 3

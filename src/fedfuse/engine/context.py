@@ -17,6 +17,7 @@ from torch import nn
 
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.privacy import DPSettings
+from fedfuse.errors import UserError
 from fedfuse.rng import derive_seed
 from fedfuse.types import TensorDict
 
@@ -117,7 +118,7 @@ def client_initial_state(ctx: RunContext, cid: int, init: str, purpose: str = "f
     or the run's shared one (``"shared"``, seeded by the run seed).  The default purpose is the one FedMA, one-shot
     matching and Simple-FedMA have always used, so their runs are unchanged."""
     if init not in ("distinct", "shared"):
-        raise ValueError(f"init={init!r}; choose distinct or shared")
+        raise UserError(f"init={init!r}; choose distinct or shared")
     return seeded_state(ctx, derive_seed(ctx.seed, purpose, cid) if init == "distinct" else ctx.seed)
 
 

@@ -29,7 +29,7 @@ from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
 from fedfuse.engine.privacy import DP_SAMPLINGS, DPSettings, central_epsilon
 from fedfuse.engine.sampling import make_sampler
 from fedfuse.engine.validate import check_replies, is_state_like
-from fedfuse.errors import DivergenceError
+from fedfuse.errors import DivergenceError, UserError
 from fedfuse.rng import numpy_rng
 from fedfuse.types import SIM_PREFIX, Federation, Message
 
@@ -83,18 +83,17 @@ def build_algorithm(cfg: RunConfig, ctx: RunContext, algorithm: type) -> Algorit
     """An instance of the algorithm class ``algorithm`` with the options of ``cfg`` (the engine never imports
     ``fedfuse.algorithms``: the caller hands it the class, e.g. ``fedfuse.algorithms.get_algorithm(name)``).
 
-    An option or model the algorithm cannot work with is a :class:`ConfigError` naming both: the algorithm is
-    constructed and initialised once as a dry run (algorithms inspect the model's structure there)."""
+    The algorithm is constructed and initialised once as a dry run (algorithms inspect the model's structure
+    there).  An option or model it cannot work with is a user error it raises (:class:`~fedfuse.errors.UserError`),
+    reported as a :class:`ConfigError` naming the algorithm and the model; any other exception is a bug and
+    propagates as it is."""
     cls: Any = algorithm
     try:
         algo = cls(ctx, cls.Options(**cfg.algorithm_options))
         with torch.random.fork_rng(devices=[]):
             algo.init_state()
-    except ValueError as e:  # the algorithm's own check of its options and model
+    except UserError as e:
         raise ConfigError(f"algorithm {cfg.algorithm!r} (model {cfg.model!r}): {e}") from e
-    except (AttributeError, KeyError, NotImplementedError, TypeError, IndexError) as e:
-        raise ConfigError(f"algorithm {cfg.algorithm!r} cannot run with model {cfg.model!r} on {cfg.dataset!r}: "
-                          f"{type(e).__name__}: {e}") from e
     return algo
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from fedfuse.errors import UserError
 from fedfuse.rng import numpy_rng
 from fedfuse.types import Message, TensorDict
 
@@ -89,6 +90,6 @@ def peer_graph(num: int, topology: str, r: int = 0, seed: int = 0, degree: int =
             others = np.delete(np.arange(num), i)
             a[i, rng.choice(others, size=k, replace=False)] = True
     else:
-        raise ValueError(f"topology={topology!r}; choose one of {', '.join(TOPOLOGIES)}")
+        raise UserError(f"topology={topology!r}; choose one of {', '.join(TOPOLOGIES)}")
     np.fill_diagonal(a, False)
     return a

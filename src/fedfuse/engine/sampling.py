@@ -44,6 +44,7 @@ import torch
 
 from fedfuse.engine.context import RoundInfo
 from fedfuse.engine.contract import Algorithm
+from fedfuse.errors import UserError
 from fedfuse.types import Message, TensorDict
 
 SAMPLINGS = ("auto", "uniform", "size-weighted", "clustered", "clustered-size", "poisson")
@@ -279,11 +280,11 @@ def make_sampler(name: str, algo: Algorithm) -> Sampler:
     if name == "auto":
         name = algo.default_sampling
     if name not in SAMPLERS:
-        raise ValueError(f"sampling={name!r}; choose one of: {', '.join(SAMPLINGS)}")
+        raise UserError(f"sampling={name!r}; choose one of: {', '.join(SAMPLINGS)}")
     ctx = algo.ctx
     own = algo.selects_own_clients
     if name != "uniform" and own and ctx.clients_per_round < ctx.num_clients:
-        raise ValueError(
+        raise UserError(
             f"sampling={name!r}: algorithm {algo.name!r} chooses its own participants; use sampling=uniform "
             f"(or clients_per_round={ctx.num_clients}, when every client takes part)"
         )

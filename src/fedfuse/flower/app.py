@@ -34,6 +34,7 @@ from fedfuse.config import make_config, resolve_device
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
 from fedfuse.engine.loop import Experiment, assemble
+from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
 from fedfuse.types import Message as FedfuseMessage
@@ -240,7 +241,7 @@ def _main(grid: Grid, context: Context) -> None:
     """Deployment: run the fedfuse experiment named by the run config, with the nodes as its clients."""
     rc = dict(context.run_config)
     if "fedfuse-config" not in rc:
-        raise ValueError("the fedfuse ServerApp needs run config 'fedfuse-config' (a fedfuse YAML config file)")
+        raise UserError("the fedfuse ServerApp needs run config 'fedfuse-config' (a fedfuse YAML config file)")
     overrides: dict[str, Any] = {"executor": "sequential"}
     if rc.get("out"):
         overrides["out"] = str(rc["out"])

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from fedfuse.errors import UserError
 from fedfuse.types import TensorDict
 
 IntPolicy = Literal["max", "sum", "first"]
@@ -81,7 +82,7 @@ def _combine_int(tensors: list[torch.Tensor], policy: IntPolicy, base: torch.Ten
         return torch.stack(tensors).sum(0)
     if policy == "first":
         return (base if base is not None else tensors[0]).clone()
-    raise ValueError(f"unknown int_policy {policy!r}; choose max, sum or first")
+    raise UserError(f"unknown int_policy {policy!r}; choose max, sum or first")
 
 
 def delta(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]) -> TensorDict:
@@ -149,9 +150,9 @@ def robust_average(
     if rule == "mean":
         return weighted_average(states, None, base=base, int_policy=int_policy)
     if rule not in ("median", "trimmed-mean"):
-        raise ValueError(f"unknown fusion rule {rule!r}; choose mean, median or trimmed-mean")
+        raise UserError(f"unknown fusion rule {rule!r}; choose mean, median or trimmed-mean")
     if not 0 <= trim < 0.5:
-        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+        raise UserError(f"trim must be in [0, 0.5), got {trim}")
     if not states:
         if base is None:
             raise ValueError("robust_average needs at least one state or a base")

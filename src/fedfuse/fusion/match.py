@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
+from fedfuse.errors import UserError
 from fedfuse.fusion.permute import PermGroup, expand
 from fedfuse.options import opt
 from fedfuse.types import TensorDict
@@ -111,7 +112,7 @@ def hungarian(ref: np.ndarray | torch.Tensor, other: np.ndarray | torch.Tensor, 
     elif metric == "l1":
         cost = torch.cdist(a, b, p=1.0)
     else:
-        raise ValueError(f"unknown metric {metric!r}; choose l1 or l2")
+        raise UserError(f"unknown metric {metric!r}; choose l1 or l2")
     rows, cols = linear_sum_assignment(cost.numpy())
     perm = np.empty(len(rows), dtype=np.int64)
     perm[rows] = cols
@@ -223,7 +224,7 @@ def bbp_map(
     if J == 0:
         raise ValueError("bbp_map needs at least one client")
     if precision not in ("float32", "float64"):
-        raise ValueError(f"precision={precision!r}; choose float32 or float64")
+        raise UserError(f"precision={precision!r}; choose float32 or float64")
     rng = rng if rng is not None else np.random.default_rng(0)
     D = atoms[0].shape[1]
     sig, sig0 = np.asarray(sigma, dtype=np.float64), np.asarray(sigma0, dtype=np.float64)
@@ -638,7 +639,7 @@ def match_group(
                 np.add.at(tot, a, wj)
             glob = acc / np.maximum(tot, 1e-300)[:, None]
         else:
-            raise ValueError(f"unknown estimator {estimator!r}; choose posterior or mean")
+            raise UserError(f"unknown estimator {estimator!r}; choose posterior or mean")
     elif method == "hungarian":
         ref = atoms[0]
         for it in range(max(iters, 0) + 1):
@@ -649,7 +650,7 @@ def match_group(
         assign = [np.argsort(pm) for pm in perms]  # local unit perm[i] -> global i
         size = atoms[0].shape[0]
     else:
-        raise ValueError(f"unknown matching method {method!r}; choose bbp or hungarian")
+        raise UserError(f"unknown matching method {method!r}; choose bbp or hungarian")
     tensors = _write_atoms(glob, group, states[0])
     tensors.update(_stats(states, group, assign, size, w))
     return GroupMatch(tensors, [np.asarray(a, dtype=np.int64) for a in assign], int(size))
@@ -735,7 +736,7 @@ def _pair_cost(a: np.ndarray, b: np.ndarray, metric: str) -> np.ndarray:
         return (torch.cdist(ta, tb, p=2.0) ** 2).numpy()
     if metric == "l1":
         return torch.cdist(ta, tb, p=1.0).numpy()
-    raise ValueError(f"unknown metric {metric!r}; choose l1 or l2")
+    raise UserError(f"unknown metric {metric!r}; choose l1 or l2")
 
 
 def _within(a: np.ndarray, b: np.ndarray, metric: str) -> tuple[np.ndarray, float]:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from fedfuse.errors import UserError
 from fedfuse.types import TensorDict
 
 States = Sequence[Mapping[str, torch.Tensor]]
@@ -52,7 +53,7 @@ def merge_states(globals_: States, weights: Sequence[float] | torch.Tensor, int_
         elif int_policy == "first":
             out[k] = ref.clone()
         else:
-            raise ValueError(f"unknown int_policy {int_policy!r}; choose max or first")
+            raise UserError(f"unknown int_policy {int_policy!r}; choose max or first")
     return out
 
 
@@ -147,7 +148,7 @@ def update_globals(
             elif int_policy == "first":
                 new[k] = v.clone()
             else:
-                raise ValueError(f"unknown int_policy {int_policy!r}; choose max or first")
+                raise UserError(f"unknown int_policy {int_policy!r}; choose max or first")
         out.append(new)
     return out
 
@@ -217,22 +218,22 @@ def select_keys(model: torch.nn.Module, spec: str) -> list[str]:
         try:
             n = int(spec.split("-", 1)[1])
         except ValueError:
-            raise ValueError(f"merge_params={spec!r}: use last-K with an integer K") from None
+            raise UserError(f"merge_params={spec!r}: use last-K with an integer K") from None
         layers = [layer for layer in model.layers() if any(k in pset for k in layer.keys)]  # type: ignore[operator]
         if n < 1:
-            raise ValueError(f"merge_params={spec!r}: K must be >= 1")
+            raise UserError(f"merge_params={spec!r}: K must be >= 1")
         keys = [k for layer in layers[-n:] for k in layer.keys if k in pset]
     else:
-        raise ValueError(f"merge_params={spec!r}; choose head, last-K or all")
+        raise UserError(f"merge_params={spec!r}; choose head, last-K or all")
     if not keys:
-        raise ValueError(f"merge_params={spec!r} selects no parameters of {type(model).__name__}")
+        raise UserError(f"merge_params={spec!r} selects no parameters of {type(model).__name__}")
     return keys
 
 
 def fixed_weights(num_clients: int, d: int, k: int, rng: np.random.Generator) -> torch.Tensor:
     """Fixed(k/d) ablation logits: each client picks k of the d models (uniform weight), others −inf."""
     if not 1 <= k <= d:
-        raise ValueError(f"fixed_k must be in [1, d={d}], got {k}")
+        raise UserError(f"fixed_k must be in [1, d={d}], got {k}")
     a = torch.full((num_clients, d), float("-inf"), dtype=torch.float64)
     for i in range(num_clients):
         a[i, rng.choice(d, size=k, replace=False)] = 0.0

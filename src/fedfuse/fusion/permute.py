@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedfuse.errors import UnsupportedModel
 from fedfuse.structure import Member, PermGroup
 from fedfuse.types import TensorDict
 
@@ -120,9 +121,9 @@ def chain_spec(model: nn.Module) -> list[PermGroup]:
     """
     mods = list(model.named_modules())
     if any(isinstance(m, nn.RNNBase | nn.MultiheadAttention | nn.Embedding) for _, m in mods):
-        raise ValueError("chain_spec needs a feed-forward chain; use transformer_spec for transformers")
+        raise UnsupportedModel("chain_spec needs a feed-forward chain; use transformer_spec for transformers")
     if any("shortcut" in n or "downsample" in n for n, _ in mods):
-        raise ValueError("residual networks are not chains; chain_spec does not cover them")
+        raise UnsupportedModel("residual networks are not chains; chain_spec does not cover them")
     chain: list[tuple[str, nn.Module, list[tuple[str, nn.Module]]]] = []
     for name, m in mods:
         if isinstance(m, nn.Linear | nn.Conv2d | nn.Conv1d):
@@ -155,7 +156,8 @@ def perm_spec(model: nn.Module, **options) -> list[PermGroup]:
     if declare is not None:
         return list(declare(**options))
     if options:
-        raise ValueError(f"{type(model).__name__} declares no perm_groups(); options {sorted(options)} do not apply")
+        raise UnsupportedModel(f"{type(model).__name__} declares no perm_groups(); options {sorted(options)} do not "
+                               "apply")
     return chain_spec(model)
 
 
@@ -165,7 +167,7 @@ def transformer_spec(model: nn.Module, residual: bool | None = None) -> list[Per
     a model that declares none."""
     declare = getattr(model, "perm_groups", None)
     if declare is None:
-        raise ValueError(f"{type(model).__name__} declares no permutation groups (a perm_groups() method)")
+        raise UnsupportedModel(f"{type(model).__name__} declares no permutation groups (a perm_groups() method)")
     return list(declare(residual=residual))
 
 

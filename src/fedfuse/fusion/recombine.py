@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedfuse.errors import UserError
 from fedfuse.types import TensorDict
 
 Unit = tuple[str, ...]
@@ -36,7 +37,7 @@ def units_from_layers(layers: Sequence[Sequence[str]], granularity: str = "modul
         return [tuple(keys) for keys in layers if keys]
     if granularity == "key":
         return [(k,) for keys in layers for k in keys]
-    raise ValueError(f"granularity={granularity!r}; choose module or key")
+    raise UserError(f"granularity={granularity!r}; choose module or key")
 
 
 def segment_units(units: Sequence[Unit], segments: int) -> list[Unit]:
@@ -49,7 +50,7 @@ def segment_units(units: Sequence[Unit], segments: int) -> list[Unit]:
         return [tuple(u) for u in units]
     n = len(units)
     if segments > n:
-        raise ValueError(f"segments={segments} but the model has only {n} recombination units")
+        raise UserError(f"segments={segments} but the model has only {n} recombination units")
     out: list[list[str]] = [[] for _ in range(segments)]
     for i, u in enumerate(units):
         out[i * segments // n].extend(u)

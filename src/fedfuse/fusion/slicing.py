@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from fedfuse.errors import UnsupportedModel
 from fedfuse.structure import DimSpec, Selection, UnitGroups
 from fedfuse.types import TensorDict
 
@@ -92,12 +93,12 @@ def slice_spec(model: nn.Module) -> SliceSpec:
     """The unit groups ``model`` declares (its ``unit_groups()`` method; see :mod:`fedfuse.structure`)."""
     declare = getattr(model, "unit_groups", None)
     if declare is None:
-        raise TypeError(f"width slicing needs a model that declares its unit groups (a unit_groups() method, see "
-                        f"fedfuse.structure); {type(model).__name__} does not (fedfuse's MLP, CNN, ResNet and "
-                        "TransformerModel do)")
+        raise UnsupportedModel(f"width slicing needs a model that declares its unit groups (a unit_groups() method, "
+                               f"see fedfuse.structure); {type(model).__name__} does not (fedfuse's MLP, CNN, ResNet "
+                               "and TransformerModel do)")
     spec = declare()
     if not isinstance(spec, UnitGroups):
-        raise TypeError(f"{type(model).__name__}.unit_groups() must return a fedfuse.structure.UnitGroups")
+        raise UnsupportedModel(f"{type(model).__name__}.unit_groups() must return a fedfuse.structure.UnitGroups")
     return spec
 
 

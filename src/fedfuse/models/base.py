@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fedfuse.errors import UserError
+
 NORMS = ("bn", "bn-static", "none")
 
 
@@ -132,7 +134,7 @@ def layer_index(model: FedModel) -> dict[str, int]:
 def scaled(channels: int, width_mult: float) -> int:
     """Width ``channels`` scaled by ``width_mult``, rounded up (HeteroFL convention), at least 1."""
     if width_mult <= 0:
-        raise ValueError(f"width_mult must be > 0, got {width_mult}")
+        raise UserError(f"width_mult must be > 0, got {width_mult}")
     return max(1, math.ceil(channels * width_mult - 1e-9))
 
 
@@ -147,7 +149,7 @@ def image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
         side = math.isqrt(int(input_shape[0]))
         if side * side == input_shape[0]:
             return 1, side, side
-    raise ValueError(f"an image model needs input_shape (C, H, W) (or a square (F,)), got {input_shape}")
+    raise UserError(f"an image model needs input_shape (C, H, W) (or a square (F,)), got {input_shape}")
 
 
 def as_images(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
@@ -163,9 +165,9 @@ def norm2d(norm: str, channels: int) -> nn.Module:
         return nn.BatchNorm2d(channels, track_running_stats=False)
     if norm == "none":
         return nn.Identity()
-    raise ValueError(f"unknown norm {norm!r}; choose one of {NORMS}")
+    raise UserError(f"unknown norm {norm!r}; choose one of {NORMS}")
 
 
 def check_task(task: str, allowed: tuple[str, ...], model: str) -> None:
     if task not in allowed:
-        raise ValueError(f"model {model!r} supports task(s) {allowed}, got {task!r}")
+        raise UserError(f"model {model!r} supports task(s) {allowed}, got {task!r}")

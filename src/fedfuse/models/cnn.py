@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.errors import UserError
 from fedfuse.models.base import FedModel, as_images
 from fedfuse.structure import UnitGroupBuilder, UnitGroups, axis
 
@@ -35,7 +36,7 @@ def _two_conv_pool_out(image: tuple[int, int, int], name: str, padding: int | No
         padding = 0 if min(out_size(0)) >= 1 else 2
     oh, ow = out_size(padding)
     if min(oh, ow) < 1:
-        raise ValueError(f"input {image} is too small for {name} with padding={padding}")
+        raise UserError(f"input {image} is too small for {name} with padding={padding}")
     return padding, oh, ow
 
 
@@ -56,7 +57,7 @@ class CNN(FedModel):
     ) -> None:
         super().__init__("classification")
         if len(channels) != 2:
-            raise ValueError(f"cnn needs two conv widths, got {tuple(channels)}")
+            raise UserError(f"cnn needs two conv widths, got {tuple(channels)}")
         c, h, w = image
         self.image = image
         pad = kernel_size // 2
@@ -65,7 +66,7 @@ class CNN(FedModel):
         for _ in range(2):
             h, w = _conv_pool_size(h, kernel_size, pad), _conv_pool_size(w, kernel_size, pad)
         if min(h, w) < 1:
-            raise ValueError(f"input {image} is too small for cnn (needs H, W >= 4)")
+            raise UserError(f"input {image} is too small for cnn (needs H, W >= 4)")
         self.fc1 = nn.Linear(channels[1] * h * w, hidden)
         self.fc = nn.Linear(hidden, num_classes)
 
@@ -111,7 +112,7 @@ class CifarCNN(FedModel):
     ) -> None:
         super().__init__("classification")
         if len(channels) != 2 or len(hidden) != 2:
-            raise ValueError("cnn-cifar needs two conv widths and two hidden widths")
+            raise UserError("cnn-cifar needs two conv widths and two hidden widths")
         c = image[0]
         self.image = image
         padding, oh, ow = _two_conv_pool_out(image, "cnn-cifar", padding)
@@ -155,7 +156,7 @@ class FemnistCNN(FedModel):
     ) -> None:
         super().__init__("classification")
         if len(channels) != 2:
-            raise ValueError(f"cnn-femnist needs two conv widths, got {tuple(channels)}")
+            raise UserError(f"cnn-femnist needs two conv widths, got {tuple(channels)}")
         c = image[0]
         self.image = image
         padding, h, w = _two_conv_pool_out(image, "cnn-femnist", padding)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.errors import UserError
 from fedfuse.models.base import FedModel
 from fedfuse.structure import UnitGroupBuilder, UnitGroups, axis
 
@@ -20,7 +21,7 @@ class MLP(FedModel):
         super().__init__("classification")
         dims = [int(in_features), *(int(w) for w in widths)]
         if min(dims) < 1:
-            raise ValueError(f"MLP widths must be positive, got {tuple(widths)}")
+            raise UserError(f"MLP widths must be positive, got {tuple(widths)}")
         self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
         self.fc = nn.Linear(dims[-1], num_classes)
 

@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from fedfuse.errors import UnsupportedModel, UserError
 from fedfuse.models.base import FedModel, check_task, image_shape, scaled
 from fedfuse.models.cnn import CNN, CifarCNN, FemnistCNN
 from fedfuse.models.mlp import MLP
@@ -41,7 +42,7 @@ def _flat(input_shape: Shape) -> int:
 
 def _vocab(input_shape: Shape, num_classes: int, vocab_size: int) -> int:
     if len(input_shape) != 1:
-        raise ValueError(f"sequence models need input_shape (L,), got {input_shape}")
+        raise UserError(f"sequence models need input_shape (L,), got {input_shape}")
     return vocab_size or num_classes
 
 
@@ -143,7 +144,7 @@ def _vgg16_bn(
 ) -> FedModel:
     check_task(task, CLS, "vgg16-bn")
     if norm not in ("bn", "bn-static"):
-        raise ValueError(f"vgg16-bn norm must be 'bn' or 'bn-static', got {norm!r} (use vgg16 for no BN)")
+        raise UserError(f"vgg16-bn norm must be 'bn' or 'bn-static', got {norm!r} (use vgg16 for no BN)")
     image = image_shape(input_shape)
     return VGG(image, num_classes, VGG16_CFG, norm, width_mult, tuple(fc_hidden), dropout)
 
@@ -255,7 +256,7 @@ def _info(name: str) -> ModelInfo:
     if key not in MODELS:
         from fedfuse.names import unknown
 
-        raise ValueError(unknown("model", name, list(MODELS), listing="fedfuse list models"))
+        raise UserError(unknown("model", name, list(MODELS), listing="fedfuse list models"))
     return MODELS[key]
 
 
@@ -281,12 +282,12 @@ def build_model(
     valid = model_options(info.name)
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"unknown option(s) {unknown} for model {info.name!r}; "
             f"valid options: {', '.join(valid) or 'none'}"
         )
     if num_classes < 1:
-        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        raise UserError(f"num_classes must be >= 1, got {num_classes}")
     shape = tuple(int(s) for s in input_shape)
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     model = info.builder(shape, int(num_classes), task, **opts)
@@ -303,8 +304,8 @@ def width_options(name: str, sizes: Sequence[int]) -> dict:
     info = _info(name)
     opts = info.widths(sizes) if info.widths is not None else None
     if opts is None:
-        raise ValueError(f"model {name!r} has no per-layer width options; FedMA supports mlp, simple-mlp, "
-                         "cnn and cnn-cifar")
+        raise UnsupportedModel(f"model {name!r} has no per-layer width options; FedMA supports mlp, simple-mlp, "
+                               "cnn and cnn-cifar")
     return opts
 
 
@@ -328,5 +329,5 @@ def default_model(dataset: str) -> str:
         return "mlp"
     key = dataset.lower().replace("-", "").replace("_", "")
     if key not in DEFAULT_MODELS:
-        raise ValueError(f"no default model for dataset {dataset!r}; known: {', '.join(DEFAULT_MODELS)}")
+        raise UserError(f"no default model for dataset {dataset!r}; known: {', '.join(DEFAULT_MODELS)}")
     return DEFAULT_MODELS[key]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedfuse.errors import UserError
 from fedfuse.models.base import FedModel
 
 CELLS: dict[str, type[nn.RNNBase]] = {"lstm": nn.LSTM, "gru": nn.GRU}
@@ -30,9 +31,9 @@ class CharRNN(FedModel):
     ) -> None:
         super().__init__(task)
         if cell not in CELLS:
-            raise ValueError(f"unknown cell {cell!r}; choose one of {sorted(CELLS)}")
+            raise UserError(f"unknown cell {cell!r}; choose one of {sorted(CELLS)}")
         if num_layers < 1:
-            raise ValueError("num_layers must be >= 1")
+            raise UserError("num_layers must be >= 1")
         rnn_cls = CELLS[cell]
         self.embed = nn.Embedding(vocab_size, embed_dim)
         self.rnn = nn.ModuleList(

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.errors import UserError
 from fedfuse.models.base import FedModel
 from fedfuse.structure import Member, PermGroup, UnitGroupBuilder, UnitGroups, axis
 
@@ -145,9 +146,9 @@ class TransformerModel(FedModel):
     ) -> None:
         super().__init__(task)
         if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+            raise UserError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if tie_weights and vocab_size != num_outputs:
-            raise ValueError("tie_weights needs vocab_size == num_classes")
+            raise UserError("tie_weights needs vocab_size == num_classes")
         self.d_model = d_model
         self.n_heads = n_heads
         self.embed = nn.Embedding(vocab_size, d_model)
@@ -207,8 +208,8 @@ class TransformerModel(FedModel):
         if residual is None:
             residual = has_pe
         if residual and not has_pe:
-            raise ValueError("permuting the residual stream needs the positional table in the state "
-                             "(build the transformer with persistent_pe=True)")
+            raise UserError("permuting the residual stream needs the positional table in the state "
+                            "(build the transformer with persistent_pe=True)")
         d = int(self.d_model)
         n_heads = int(self.n_heads)
         groups: list[PermGroup] = []

@@ -75,6 +75,7 @@ from fedfuse.data.datasets.leaf import (
 from fedfuse.data.datasets.registry import _ALIASES, DATASETS, DatasetInfo
 from fedfuse.data.datasets.registry import _MNIST_FILES as _MNIST_FILES
 from fedfuse.data.datasets.text import _load_ptb, _load_tiny_shakespeare, _load_wikitext2
+from fedfuse.errors import UserError
 
 __all__ = [
     "CACHE_VERSION",
@@ -106,7 +107,7 @@ def _canonical_name(name: str) -> str:
     key = str(name).strip().lower().replace("_", "-")
     key = _ALIASES.get(key, key)
     if key not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; valid choices: {', '.join(DATASETS)}")
+        raise UserError(f"unknown dataset {name!r}; valid choices: {', '.join(DATASETS)}")
     return key
 
 
@@ -136,8 +137,8 @@ def load_dataset(name: str, data_dir: str | os.PathLike[str] | None = None, **op
     except (OSError, EOFError, zlib.error, tarfile.TarError, pickle.UnpicklingError, UnicodeDecodeError,
             KeyError, IndexError, TypeError) as e:  # unreadable or corrupt files the readers did not name
         where = f" under {root}" if root is not None else ""
-        raise ValueError(f"dataset {key!r}: its files{where} are unreadable or corrupt ({type(e).__name__}: {e}); "
-                         "replace them with the canonical files (see the dataset README)") from e
+        raise UserError(f"dataset {key!r}: its files{where} are unreadable or corrupt ({type(e).__name__}: {e}); "
+                        "replace them with the canonical files (see the dataset README)") from e
     _check_labels(ds)
     if ds.task == "classification":
         ds = _apply_limits(ds, opts.get("train_limit"), opts.get("test_limit"))
@@ -167,8 +168,8 @@ def _check_labels(ds: Dataset) -> None:
         if lo < 0 or hi >= ds.num_classes:
             bad = hi if hi >= ds.num_classes else lo
             what = "token id" if ds.task == "lm" else "label"
-            raise ValueError(f"dataset {ds.name!r}: {split} {what} {bad} is outside 0..{ds.num_classes - 1} "
-                             f"({files}); the files are corrupt or not the canonical ones")
+            raise UserError(f"dataset {ds.name!r}: {split} {what} {bad} is outside 0..{ds.num_classes - 1} "
+                            f"({files}); the files are corrupt or not the canonical ones")
 
 
 def check_dataset_options(name: str, options: dict[str, Any]) -> None:
@@ -182,7 +183,7 @@ def _check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         valid = ", ".join(sorted(defaults)) or "none"
-        raise ValueError(f"unknown option(s) {', '.join(unknown)} for dataset {name!r}; valid options: {valid}")
+        raise UserError(f"unknown option(s) {', '.join(unknown)} for dataset {name!r}; valid options: {valid}")
     opts = dict(defaults)
     opts.update({k: v for k, v in options.items() if v is not None or defaults[k] is None})
 
@@ -191,7 +192,7 @@ def _check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         if v is None and nullable:
             return
         if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < lo:
-            raise ValueError(f"option {key} of dataset {name!r} must be an integer >= {lo}, got {v!r}")
+            raise UserError(f"option {key} of dataset {name!r} must be an integer >= {lo}, got {v!r}")
         opts[key] = int(v)
 
     for key in ("train_limit", "test_limit"):
@@ -204,7 +205,7 @@ def _check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     for key, choices in (("label_mode", ("fine", "coarse")), ("level", ("char", "word")),
                          ("normalize", FEMNIST_NORMALIZATIONS)):
         if key in opts and opts[key] not in choices:
-            raise ValueError(f"option {key} of dataset {name!r} must be one of {choices}, got {opts[key]!r}")
+            raise UserError(f"option {key} of dataset {name!r} must be one of {choices}, got {opts[key]!r}")
     if info.check is not None:
         info.check(opts)
     return opts

@@ -14,6 +14,7 @@ import numpy as np
 
 from fedfuse.data.dataset import Dataset
 from fedfuse.data.datasets.common import _NORM, _cached, _candidates, _labels, _missing, _normalise, _source_info
+from fedfuse.errors import UserError
 
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -76,8 +77,8 @@ def _pickle_source(
                             if f is not None:
                                 members[parts[-1]] = f.read()
             except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-                raise ValueError(f"{tar_path}: corrupt or truncated archive ({e}); replace it with the canonical "
-                                 "file") from None
+                raise UserError(f"{tar_path}: corrupt or truncated archive ({e}); replace it with the canonical "
+                                "file") from None
             if all(f in members for f in required):
                 return members.get, [tar_path], searched
     return None
@@ -87,7 +88,7 @@ def _cifar_arrays(batch: dict[str, Any], label_key: str, where: str) -> tuple[np
     data = np.asarray(batch["data"], dtype=np.uint8)
     labels = np.asarray(batch[label_key], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3072 or data.shape[0] != labels.shape[0]:
-        raise ValueError(f"{where}: expected data (N, 3072) and N labels, got {data.shape} and {labels.shape}")
+        raise UserError(f"{where}: expected data (N, 3072) and N labels, got {data.shape} and {labels.shape}")
     return data.reshape(-1, 3, 32, 32), labels
 
 
@@ -162,7 +163,7 @@ def _decode_images(items: list[tuple[str, int, Callable[[], bytes]]]) -> dict[st
             with Image.open(io.BytesIO(read())) as img:
                 arr = np.asarray(img.convert("RGB"))
             if arr.shape != (32, 32, 3):
-                raise ValueError(f"cifar10: image {i} of {split} has shape {arr.shape}, expected 32x32x3")
+                raise UserError(f"cifar10: image {i} of {split} has shape {arr.shape}, expected 32x32x3")
             x[i] = arr.transpose(2, 0, 1)
         out[f"{split}_x"] = x
         out[f"{split}_y"] = np.array([label for label, _ in chosen], dtype=np.int64)
@@ -210,7 +211,7 @@ def _find_cifar_jpeg(root: Path | None) -> tuple[dict[str, Any], Path] | None:
                         blobs["/".join(m.name.split("/")[-3:])] = (*key, f.read())
             items = [(s, label, (lambda b=b: b)) for _, (s, label, b) in sorted(blobs.items())]
             if not items:
-                raise ValueError(f"cifar10: {tar_path} holds no {{train,test}}/<class>/*.jpg images")
+                raise UserError(f"cifar10: {tar_path} holds no {{train,test}}/<class>/*.jpg images")
             return _decode_images(items)
 
         arrays, cache_path = _cached("cifar10-jpeg-tar", [tar_path], build_tar)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from fedfuse.data.dataset import Dataset, DatasetNotFoundError
 from fedfuse.data.datasets.registry import _CHECKSUMS, _IMAGE_DATASETS, DATASETS
+from fedfuse.errors import UserError
 from fedfuse.rng import numpy_rng
 
 SEED = 0  # fixed seed of every deterministic choice made while loading (splits, subsets, rotation domains)
@@ -232,7 +233,7 @@ def rotate_images(x: torch.Tensor, degrees: float) -> torch.Tensor:
 
 def _rotate_domains(ds: Dataset, k: int) -> None:
     if ds.name not in _IMAGE_DATASETS:
-        raise ValueError(f"rotate_domains applies to image datasets only, not {ds.name!r}")
+        raise UserError(f"rotate_domains applies to image datasets only, not {ds.name!r}")
     angles = [d * 360.0 / k for d in range(k)]
     for split in ("train", "test"):
         x = getattr(ds, f"{split}_x")

@@ -14,6 +14,7 @@ import torch
 from fedfuse.data.dataset import Dataset
 from fedfuse.data.datasets.common import _NORM, SEED, _candidates, _labels, _missing, _normalise, _source_info
 from fedfuse.data.datasets.registry import _MNIST_FILES
+from fedfuse.errors import UserError
 
 # ------------------------------------------------------------------------------------------------ digits
 
@@ -60,19 +61,19 @@ def read_idx(path: Path) -> np.ndarray:
         try:
             raw = gzip.decompress(raw)
         except (EOFError, OSError, zlib.error) as e:
-            raise ValueError(f"{path}: corrupt or truncated gzip file ({e}); replace it with the canonical file"
-                             ) from None
+            raise UserError(f"{path}: corrupt or truncated gzip file ({e}); replace it with the canonical file"
+                            ) from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path} is not an IDX file (bad magic {raw[:4].hex()})")
+        raise UserError(f"{path} is not an IDX file (bad magic {raw[:4].hex()})")
     dtype = np.dtype(_IDX_DTYPES[raw[2]])
     ndim = raw[3]
     header = 4 + 4 * ndim
     if len(raw) < header:
-        raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes, {header} needed)")
+        raise UserError(f"{path}: truncated IDX header ({len(raw)} bytes, {header} needed)")
     dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
     expected = header + int(np.prod(dims)) * dtype.itemsize
     if len(raw) != expected:
-        raise ValueError(f"{path}: IDX header says {dims} ({expected} bytes) but the file holds {len(raw)} bytes")
+        raise UserError(f"{path}: IDX header says {dims} ({expected} bytes) but the file holds {len(raw)} bytes")
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
 
 
@@ -96,7 +97,7 @@ def _load_mnist_like(name: str, subdirs: Sequence[str], root: Path | None) -> Da
     tr_x, tr_y, te_x, te_y = (read_idx(p) for p in paths)
     for imgs, labels, split in ((tr_x, tr_y, "train"), (te_x, te_y, "test")):
         if imgs.ndim != 3 or labels.ndim != 1 or imgs.shape[0] != labels.shape[0] or imgs.shape[1:] != (28, 28):
-            raise ValueError(f"{name}: {split} images {imgs.shape} do not match labels {labels.shape}")
+            raise UserError(f"{name}: {split} images {imgs.shape} do not match labels {labels.shape}")
     mean, std = _NORM[name]
     return Dataset(
         name=name,

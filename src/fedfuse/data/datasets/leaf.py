@@ -12,6 +12,7 @@ import torch
 
 from fedfuse.data.dataset import Dataset
 from fedfuse.data.datasets.common import UNK, _cached, _candidates, _missing, _natural_key, _source_info
+from fedfuse.errors import UserError
 
 # LEAF's ALL_LETTERS (models/utils/language_utils.py); other characters map to the extra id len(LEAF_LETTERS).
 LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
@@ -39,12 +40,12 @@ def _read_leaf(paths: Sequence[Path]) -> list[tuple[str, list[Any], list[Any]]]:
     for p in paths:
         blob = _read_json(p)
         if not isinstance(blob, dict) or not isinstance(blob.get("user_data"), dict):
-            raise ValueError(f"{p}: not a LEAF file (expected a JSON object with 'user_data')")
+            raise UserError(f"{p}: not a LEAF file (expected a JSON object with 'user_data')")
         users = blob.get("users") or list(blob["user_data"])
         for u in users:
             data = blob["user_data"][u]
             if len(data["x"]) != len(data["y"]):
-                raise ValueError(f"{p}: user {u} has {len(data['x'])} inputs but {len(data['y'])} targets")
+                raise UserError(f"{p}: user {u} has {len(data['x'])} inputs but {len(data['y'])} targets")
             out.append((str(u), data["x"], data["y"]))
     return out
 
@@ -55,9 +56,9 @@ def _read_json(path: Path) -> Any:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _group_ids(records: Sequence[tuple[str, list[Any], list[Any]]], index: dict[str, int]) -> np.ndarray:
@@ -83,7 +84,7 @@ def femnist_normalize(x: torch.Tensor, mode: str = "authors") -> torch.Tensor:
         return (0.5 - x) / 0.5
     if mode == "none":
         return x
-    raise ValueError(f"unknown FEMNIST normalization {mode!r}; choose one of {FEMNIST_NORMALIZATIONS}")
+    raise UserError(f"unknown FEMNIST normalization {mode!r}; choose one of {FEMNIST_NORMALIZATIONS}")
 
 
 def _load_femnist(root: Path | None, opts: dict[str, Any]) -> Dataset:
@@ -130,7 +131,7 @@ def _char_ids(texts: Sequence[str], width: int) -> np.ndarray:
     table[[ord(c) for c in LEAF_LETTERS]] = np.arange(len(LEAF_LETTERS))
     codes = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32)
     if len(codes) != len(texts) * width:
-        raise ValueError(f"shakespeare: every string must have {width} characters")
+        raise UserError(f"shakespeare: every string must have {width} characters")
     ids = np.full(len(codes), len(LEAF_LETTERS), dtype=np.int64)
     ascii_ = codes < 256
     ids[ascii_] = table[codes[ascii_]]
