@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from fedfuse.algorithms.dispfl import MASK, masked_gradients
+from fedfuse.algorithms.heterofl import masked_cross_entropy
 from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
 from fedfuse.engine.auto import AutoExecutor
 from fedfuse.engine.batched import BatchedExecutor, batch_coupled, unbatchable_reason
@@ -17,7 +19,7 @@ from fedfuse.engine.client import TrainConfig, train_local
 from fedfuse.engine.executor import Job, SequentialExecutor, job_generator
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.loop import strip_timing
-from fedfuse.engine.program import ClientProgram, LossTerm, run_program
+from fedfuse.engine.program import Batch, ClientProgram, LossTerm, cross_entropy, run_program
 from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Message, Split
 
@@ -110,7 +112,7 @@ def test_ragged_masked_group_equals_sequential(optimizer, momentum, wd, clip):
     spec = TrainConfig(local_epochs=2, batch_size=5, lr=0.05 if optimizer == "sgd" else 0.01, momentum=momentum,
                      weight_decay=wd, optimizer=optimizer, grad_clip=clip)
     model = MLP()
-    prox = LossTerm("prox", lambda p, b, r, x, y, lg: sum((p[k] - r[k]).pow(2).sum() for k in p), uses_batch=False)
+    prox = LossTerm("prox", lambda b: sum((b.params[k] - b.refs[k]).pow(2).sum() for k in b.params))
     anchor = {k: v.detach() + 0.1 for k, v in model.named_parameters()}
     group = [(j, _program(model, spec, terms=(prox,), refs=anchor)) for j in _jobs(4)]
     ex = BatchedExecutor(clients, seed=2)
@@ -128,7 +130,7 @@ def test_two_pass_sam_group_equals_sequential(kind, model_cls, sizes):
     spec = TrainConfig(local_epochs=2, batch_size=5, lr=0.05, momentum=0.5,
                        grad_clip=1.0).with_two_pass(kind, 0.2, 0.01)
     model = model_cls()
-    prox = LossTerm("prox", lambda p, b, r, x, y, lg: sum((p[k] - r[k]).pow(2).sum() for k in p), uses_batch=False)
+    prox = LossTerm("prox", lambda b: sum((b.params[k] - b.refs[k]).pow(2).sum() for k in b.params))
     anchor = {k: v.detach() + 0.1 for k, v in model.named_parameters()}
     group = [(j, _program(model, spec, terms=(prox,), refs=anchor)) for j in _jobs(len(sizes))]
     ex = BatchedExecutor(clients, seed=5)
@@ -146,32 +148,55 @@ def test_logit_masks_are_per_client_and_batched_equals_sequential(model_cls, siz
     spec = TrainConfig(local_epochs=2, batch_size=5, lr=0.1, momentum=0.5)
     model = model_cls()
     masks = [torch.tensor([c % 2 == 0, True, c % 3 == 0, True, False]) for c in range(len(sizes))]
-    group = [(j, _program(model, spec, logit_mask=masks[j.cid])) for j in _jobs(len(sizes))]
+    group = [(j, _program(model, spec, loss=masked_cross_entropy, refs={"logit_mask": masks[j.cid]}))
+             for j in _jobs(len(sizes))]
     ex = BatchedExecutor(clients, seed=7)
     out = _compare(ex, group)
     first = group[0][1]  # the template's own values change as programs run: reuse the first program's init
-    unmasked, _ = ex._run_program(dataclasses.replace(first, logit_mask=None), group[0][0])
+    unmasked, _ = ex._run_program(dataclasses.replace(first, loss=cross_entropy, refs={}), group[0][0])
     assert any(not torch.allclose(out[0][0][k], unmasked[k]) for k in unmasked)
-    full, _ = ex._run_program(dataclasses.replace(first, logit_mask=torch.ones(5, dtype=torch.bool)), group[0][0])
+    full, _ = ex._run_program(dataclasses.replace(first, refs={"logit_mask": torch.ones(5, dtype=torch.bool)}),
+                              group[0][0])
     for k in unmasked:
         assert torch.equal(full[k], unmasked[k]), k
 
 
-def test_a_logit_mask_zeroes_the_masked_logits_only_in_training():
-    model = MLP()
-    prog = _program(model, TrainConfig(local_epochs=1, batch_size=4, lr=0.0),
-                    logit_mask=torch.tensor([1, 0, 1, 0, 0]).bool())
-    seen: list[torch.Tensor] = []
-    hook = model.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
-    try:
-        run_program(prog, _clients([4])[0], torch.Generator().manual_seed(0))
-    finally:
-        hook.remove()
-    # the recording hook ran before run_program's mask hook: check the loss-side view via program.masked
-    masked = prog.masked(seen[0])
-    assert torch.all(masked[:, [1, 3, 4]] == 0) and torch.equal(masked[:, [0, 2]], seen[0][:, [0, 2]])
-    model.eval()
-    assert len(model._forward_hooks) == 0  # run_program removed its hook: evaluation sees raw logits
+def test_masked_cross_entropy_zeroes_the_masked_logits_of_the_loss_only():
+    """The loss sees the masked logits (hand case); padded samples (mask 0) do not count."""
+    g = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(4, 5, generator=g), torch.tensor([0, 2, 2, 0])
+    keep = torch.tensor([1, 0, 1, 0, 0]).bool()
+    batch = Batch(torch.zeros(4, 1), y, logits, None, {}, {}, {"logit_mask": keep}, 0)
+    hand = logits.clone()
+    hand[:, [1, 3, 4]] = 0.0
+    torch.testing.assert_close(masked_cross_entropy(batch), torch.nn.functional.cross_entropy(hand, y))
+    padded = dataclasses.replace(batch, mask=torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    torch.testing.assert_close(masked_cross_entropy(padded), torch.nn.functional.cross_entropy(hand[:2], y[:2]))
+
+
+def test_a_loss_reads_the_models_features_as_a_declared_input():
+    """``features=True``: ``batch.features`` is the head's input of the same forward pass (no hook), and a term
+    reading it trains alike in the sequential and the batched executor."""
+    from fedfuse.engine.program import forward
+    from fedfuse.models import build_model
+
+    clients = _clients([10, 7, 10])
+    model = build_model("mlp", (1, 6, 6), 5, widths=[8])
+    x = clients[0].train.x
+    z, logits = forward(model, dict(model.state_dict()), x, features=True)
+    assert torch.equal(z, model.features(x)) and torch.equal(logits, model(x))
+
+    def feature_norm(b: Batch) -> torch.Tensor:
+        return b.mean(0.1 * b.features.pow(2).sum(-1))
+
+    spec = TrainConfig(local_epochs=2, batch_size=4, lr=0.1)
+    group = [(j, _program(model, spec, terms=(LossTerm("features", feature_norm),), features=True))
+             for j in _jobs(3)]
+    ex = BatchedExecutor(clients, seed=1)
+    out = _compare(ex, group)
+    assert ex.fallbacks == {}
+    plain, _ = ex._run_program(dataclasses.replace(group[0][1], terms=(), features=False), group[0][0])
+    assert any(not torch.allclose(out[0][0][k], plain[k]) for k in plain)  # the term acted
 
 
 def test_batchnorm_group_updates_running_stats_per_client():
@@ -356,7 +381,8 @@ def test_a_subclass_with_a_custom_fit_does_not_inherit_its_parents_program():
 
 @pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.5, 1e-3)])
 def test_gradient_masks_freeze_entries_per_client_and_batched_equals_sequential(momentum, wd):
-    """Dis-PFL's sparse step as data: each client's 0/1 masks multiply its gradients before the step; masked
+    """Dis-PFL's sparse step as a gradient transform: each client's 0/1 masks multiply its gradients before the
+    step; masked
     entries never move under plain SGD (with weight decay they only decay, as under ``torch.optim``)."""
     clients = _clients([14, 9, 14])
     spec = TrainConfig(local_epochs=2, batch_size=4, lr=0.1, momentum=momentum, weight_decay=wd, grad_clip=1.0)
@@ -366,7 +392,8 @@ def test_gradient_masks_freeze_entries_per_client_and_batched_equals_sequential(
              for _ in range(3)]
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     group = [(j, ClientProgram(model=model, init=init, spec=spec, finalize=_identity_finalize,
-                               grad_masks=masks[j.cid])) for j in _jobs(3)]
+                               refs={MASK + k: m for k, m in masks[j.cid].items()}, transform=masked_gradients))
+             for j in _jobs(3)]
     ex = BatchedExecutor(clients, seed=3)
     out = _compare(ex, group)
     if not wd:
@@ -383,11 +410,11 @@ def test_a_finalize_may_continue_the_clients_generator():
     draws: dict[str, list] = {"seq": [], "bat": []}
 
     def program(tag):
-        def finalize(state, stats, gen):
-            draws[tag].append(torch.randint(0, 10**6, (3,), generator=gen))
+        def finalize(state, stats):
+            draws[tag].append(torch.randint(0, 10**6, (3,), generator=stats.generator))
             return state, stats
         return ClientProgram(model=model, init={k: v.detach().clone() for k, v in model.state_dict().items()},
-                             spec=spec, finalize=finalize, finalize_rng=True)
+                             spec=spec, finalize=finalize)
 
     ex = BatchedExecutor(clients, seed=8)
     jobs = _jobs(2)

@@ -79,15 +79,16 @@ class LoraAlgorithm(Algorithm):
                         finalize: Callable[[TensorDict, TrainStats], tuple[Message, ClientState]], *,
                         epochs: int | None = None, lr: float | None = None) -> ClientProgram:
         """Train ``adapter`` on the shared frozen base as a declared program: the wrapped model is the template
-        with ``shared_base`` (its base weights are read, once for every client), the adapter tensors are the
-        per-client state and the trainable set; ``finalize(trained_adapter, stats)`` builds the reply."""
+        with the adapter as ``init`` (the base weights it leaves out are read from the template, once for every
+        client), the adapter tensors are the per-client state and the trainable set;
+        ``finalize(trained_adapter, stats)`` builds the reply."""
         am, spec = self.am, self.ctx.train
         if epochs is not None:
             spec = spec.replace(local_epochs=int(epochs))
         if lr is not None:
             spec = spec.replace(lr=float(lr))
         return ClientProgram(model=am.module, init=dict(adapter), finalize=finalize, trainable=frozenset(am.keys),
-                             spec=spec, shared_base=True)
+                             spec=spec)
 
     def train_adapter(self, adapter: TensorDict, data: ClientData, gen: torch.Generator, *,
                       epochs: int | None = None, lr: float | None = None) -> tuple[TensorDict, TrainStats]:

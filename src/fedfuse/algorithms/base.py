@@ -24,6 +24,13 @@ payload, the client's own persistent state, its data and a generator, never of s
                 ``server_parameters`` for the accounting
     at the end: ``finish(state, fed, out_dir)``
 
+The client step is best *declared*: ``client_program`` returns a :class:`~fedfuse.engine.program.ClientProgram`
+(model, initial state, the local settings ``ctx.train``, a ``loss(batch)`` plus ``terms`` — the batch may carry
+the model's features —, constant ``refs``, an optional gradient ``transform``, and ``finalize``), and every
+executor (sequential, batched, worker processes, Flower) trains it.  The default is the standard step: the
+payload model, cross-entropy plus :meth:`Algorithm.loss_terms`, the full trained state as the reply.  An
+algorithm that overrides ``fit`` instead has an opaque client step (executors call it as is).
+
 A round may have several *stages* (FedMA matches one layer per stage); ``RoundInfo.stage`` says which.
 Only ``diagnostics`` and ``finish`` see the partition's ground truth (``fed.groups()``); every other hook gets
 the blinded federation.

@@ -52,6 +52,13 @@ from fedfuse.options import opt
 from fedfuse.rng import torch_generator
 from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
 
+MASK = "grad_mask/"  # a participant's 0/1 mask of parameter k travels in its program's refs as MASK + k
+
+
+def masked_gradients(grads: TensorDict, params: TensorDict, refs: TensorDict) -> TensorDict:
+    """Sparse training: every gradient times the participant's 0/1 mask (only the mask's entries move)."""
+    return {k: g * refs[MASK + k].to(g.dtype) if MASK + k in refs else g for k, g in grads.items()}
+
 
 def erk_densities(shapes: dict[str, tuple[int, ...]], density: float, power: float = 1.0,
                   distribution: str = "ERK") -> dict[str, float]:
@@ -197,9 +204,9 @@ class DisPFL(DPSGD):
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """Participant n's round as a declared program: the sparse average of its own model and its neighbours'
         (values + bitmap masks) happens here; training is the run's local spec at the decayed learning rate
-        with its mask as ``grad_masks`` (only the mask's entries move); the finalize (which continues the
-        client's generator) screens gradients on one batch, prunes and regrows the mask, and sends the trained
-        sparse model with the mask it was trained with."""
+        with its mask as a gradient transform (:func:`masked_gradients`: only the mask's entries move); the
+        finalize (which continues the client's generator, ``stats.generator``) screens gradients on one batch,
+        prunes and regrows the mask, and sends the trained sparse model with the mask it was trained with."""
         n, r, total = data.cid, int(payload.meta["round"]), int(payload.meta["total"])
         if client_state is None:
             mask = self.initial_mask(n)
@@ -229,12 +236,12 @@ class DisPFL(DPSGD):
         device = next(model.parameters()).device
         lr = self.ctx.train.lr * float(self.opt.lr_decay) ** r
 
-        def finalize(new: TensorDict, stats: TrainStats, gen: torch.Generator) -> tuple[Message, ClientState]:
-            return self.publish(n, r, total, new, mask, stats, data, gen)
+        def finalize(new: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            assert stats.generator is not None
+            return self.publish(n, r, total, new, mask, stats, data, stats.generator)
 
-        return ClientProgram(model=model, init=x, spec=self.ctx.train.replace(lr=lr),
-                             finalize=finalize, grad_masks={k: m.to(device) for k, m in mask.items()},
-                             finalize_rng=True)
+        return ClientProgram(model=model, init=x, spec=self.ctx.train.replace(lr=lr), finalize=finalize,
+                             refs={MASK + k: m.to(device) for k, m in mask.items()}, transform=masked_gradients)
 
     def publish(self, n: int, r: int, total: int, new: TensorDict, mask: TensorDict, stats: TrainStats,
                 data: ClientData, gen: torch.Generator) -> tuple[Message, ClientState]:

@@ -47,9 +47,9 @@ from fedfuse.engine.context import init_states, model_params
 from fedfuse.engine.program import ClientProgram, run_program
 from fedfuse.errors import UserError
 from fedfuse.fusion.average import weighted_average
-from fedfuse.fusion.mixture import e_step, mixture_objective, pack, unpack
+from fedfuse.fusion.mixture import e_step, mixture_loss, pack, unpack
 from fedfuse.options import opt
-from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, not_built
+from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, Split, not_built
 
 
 class Learners(nn.Module):
@@ -133,8 +133,8 @@ class FedEM(Algorithm):
             fit.flops = float(M * n * fwd + fit.samples * train)
             return Message(pack(out), stats=fit), {"pi": pi}
 
-        return ClientProgram(model=model, init=init, spec=self.ctx.train, finalize=finalize,
-                             objective=mixture_objective, targets=targets)
+        return ClientProgram(model=model, init=init, spec=self.ctx.train, finalize=finalize, loss=mixture_loss,
+                             train=Split(data.train.x, targets.to(data.train.x.device)))
 
     def _learners(self, M: int) -> Learners:
         """The (cached) M-learner template; its own values are never read."""

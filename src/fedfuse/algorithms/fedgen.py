@@ -42,7 +42,7 @@ from torch.func import functional_call
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState, state_of
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.client import TrainStats
-from fedfuse.engine.program import ClientProgram, LossTerm
+from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
@@ -156,8 +156,10 @@ class FedGen(FedAvg):
         """FedAvg's step on Eq. 5's loss.  The generator G is frozen (eval mode) and its values travel as
         ``refs``; every random draw of the two generator terms (the noise ε for the batch's labels, the labels
         ŷ and noise of the teacher batch, in this order per step) is drawn up front from the client's own
-        stream (run seed, round, client) as ``step_refs``, so every executor uses the same draws.  The KL term
-        is per sample (its batch mean is ``batchmean``), the teacher term reads no batch."""
+        stream (run seed, round, client) as ``refs`` with one row per optimiser step (read with ``batch.step``), so
+        every executor uses the same draws.  Rows are zero-padded to the longest schedule of any client, so
+        clients' constants have equal shapes.  The KL term is per sample (its batch mean is ``batchmean``), the
+        teacher term reads no batch."""
         r = int(payload.meta.get("round", 0))
         weights = {k: v for k, v in payload.tensors.items() if not k.startswith(GEN)}
         model = self.ctx.model({})
@@ -166,21 +168,21 @@ class FedGen(FedAvg):
         steps = spec.schedule(n)
         terms: tuple[LossTerm, ...] = ()
         refs: TensorDict = {}
-        per_step: TensorDict = {}
         if r > 0 and steps and (self.opt.generative_alpha > 0 or self.opt.generative_beta > 0):
             alpha, beta = decayed(self.opt.generative_alpha, r), decayed(self.opt.generative_beta, r)
             ratio, noise, C = bg / self.ctx.train.batch_size, self.opt.noise_dim, self.ctx.num_classes
             sgen = torch_generator(self.ctx.seed, "fedgen-client", r, data.cid)
-            eps1 = torch.zeros(len(steps), max(steps), noise)
-            ys = torch.zeros(len(steps), bg, dtype=torch.long)
-            eps2 = torch.zeros(len(steps), bg, noise)
+            rows = max(len(steps), *(len(spec.schedule(int(s))) for s in self.ctx.client_sizes))
+            eps1 = torch.zeros(rows, max(steps), noise)
+            ys = torch.zeros(rows, bg, dtype=torch.long)
+            eps2 = torch.zeros(rows, bg, noise)
             for t, b in enumerate(steps):  # the order a step-by-step loop draws them
                 eps1[t, :b] = torch.rand((b, noise), generator=sgen)
                 ys[t] = torch.randint(0, C, (bg,), generator=sgen)
                 eps2[t] = torch.rand((bg, noise), generator=sgen)
             dev = data.train.x.device
-            per_step = {"eps1": eps1.to(dev), "ys": ys.to(dev), "eps2": eps2.to(dev)}
             refs = {k: v for k, v in payload.tensors.items() if k.startswith(GEN)}  # G's state, "gen/…"
+            refs.update({"eps1": eps1.to(dev), "ys": ys.to(dev), "eps2": eps2.to(dev)})
             g, head, hp = self._client_generator(), model.head, self.head_name + "."
 
             def generated(refs: TensorDict, y: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -190,22 +192,21 @@ class FedGen(FedAvg):
             def head_of(params: TensorDict, z: torch.Tensor) -> torch.Tensor:
                 return functional_call(head, {k[len(hp):]: v for k, v in params.items() if k.startswith(hp)}, (z,))
 
-            def latent(params: TensorDict, buffers: TensorDict, refs: TensorDict, x: torch.Tensor,
-                       y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            def latent(b: Batch) -> torch.Tensor:
                 with torch.no_grad():
-                    target = F.softmax(head_of(params, generated(refs, y, refs["eps1"][: y.shape[0]])), dim=1)
+                    eps = b.refs["eps1"][b.step][: b.y.shape[0]]
+                    target = F.softmax(head_of(b.params, generated(b.refs, b.y, eps)), dim=1)
                 # KL(target ‖ softmax(logits)) per sample (its batch mean is F.kl_div(..., "batchmean")), written
                 # with xlogy because kl_div has no vmap batching rule
-                return beta * (torch.xlogy(target, target) - target * F.log_softmax(logits, dim=1)).sum(1)
+                return b.mean(beta * (torch.xlogy(target, target) - target * F.log_softmax(b.logits, dim=1)).sum(1))
 
-            def teacher(params: TensorDict, buffers: TensorDict, refs: TensorDict, x: torch.Tensor,
-                        y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+            def teacher(b: Batch) -> torch.Tensor:
+                ys = b.refs["ys"][b.step]
                 with torch.no_grad():
-                    z = generated(refs, refs["ys"], refs["eps2"])
-                return ratio * alpha * F.cross_entropy(head_of(params, z), refs["ys"])
+                    z = generated(b.refs, ys, b.refs["eps2"][b.step])
+                return ratio * alpha * F.cross_entropy(head_of(b.params, z), ys)
 
-            terms = (LossTerm("fedgen-latent", latent, per_sample=True),
-                     LossTerm("fedgen-teacher", teacher, uses_batch=False))
+            terms = (LossTerm("fedgen-latent", latent), LossTerm("fedgen-teacher", teacher))
         hist = torch.bincount(data.train.y.long().cpu(), minlength=self.ctx.num_classes).numpy()
         with_terms = bool(terms)
 
@@ -216,8 +217,7 @@ class FedGen(FedAvg):
             seen = max(stats.samples // max(n, 1), 1) if stats.samples else 0
             return Message(state, {"label_counts": (1 + seen * hist).tolist()}, fit), client_state
 
-        return ClientProgram(model=model, init=weights, spec=spec, finalize=finalize, terms=terms, refs=refs,
-                             step_refs=per_step)
+        return ClientProgram(model=model, init=weights, spec=spec, finalize=finalize, terms=terms, refs=refs)
 
     def _client_generator(self) -> Generator:
         """The clients' frozen generator template (eval mode; values come from ``refs``)."""

@@ -65,7 +65,7 @@ import torch
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.context import init_states, model_params
-from fedfuse.engine.program import ClientProgram, LossTerm
+from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.errors import UserError
 from fedfuse.fusion.average import delta
 from fedfuse.fusion.merge import (
@@ -231,11 +231,10 @@ class FedMerge(Algorithm):
             return (), {}
         anchor = {k: v.detach().clone() for k, v in payload.tensors.items()}
 
-        def prox(params: TensorDict, buffers: TensorDict, refs: TensorDict, x: torch.Tensor, y: torch.Tensor,
-                 logits: torch.Tensor) -> torch.Tensor:
-            return mu * sum((p - refs[n]).pow(2).sum() for n, p in params.items())
+        def prox(b: Batch) -> torch.Tensor:
+            return mu * sum((p - b.refs[n]).pow(2).sum() for n, p in b.params.items())
 
-        return (LossTerm("fedmerge-prox", prox, uses_batch=False),), anchor
+        return (LossTerm("fedmerge-prox", prox),), anchor
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """The standard step on the merged model, replying with the update Δθ_i = θ_i' − θ_i (not the state)."""

@@ -58,9 +58,9 @@ from fedfuse.fusion.merge import (
     row_softmax,
     server_step,
 )
-from fedfuse.fusion.mixture import e_step, mixture_objective
+from fedfuse.fusion.mixture import e_step, mixture_loss
 from fedfuse.options import opt
-from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, TensorDict, no, not_built
+from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, Split, TensorDict, no, not_built
 
 
 def adapter_keys(keys: list[str], spec: str) -> list[str]:
@@ -258,9 +258,8 @@ class FedEMLoRA(LoraAlgorithm):
             return Message(pack(stack.adapters_of(state)), stats=fit), {"pi": pi}
 
         init = stack.state_of(adapters)
-        return ClientProgram(model=stack, init=init, spec=self.ctx.train, finalize=finalize,
-                             trainable=frozenset(init), objective=mixture_objective, targets=targets,
-                             shared_base=True)
+        return ClientProgram(model=stack, init=init, spec=self.ctx.train, finalize=finalize, trainable=frozenset(init),
+                             loss=mixture_loss, train=Split(data.train.x, targets.to(data.train.x.device)))
 
     def fit(self, payload: Message, client_state: ClientState, data: ClientData,
             gen: torch.Generator) -> tuple[Message, ClientState]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fedfuse.algorithms.fedavg import FedAvg
-from fedfuse.engine.program import LossTerm
+from fedfuse.engine.program import Batch, LossTerm
 from fedfuse.options import opt
 from fedfuse.types import Message, Privacy, ServerView, TensorDict, not_built, yes
 
@@ -58,7 +58,7 @@ class FedProx(FedAvg):
         keys = self.ctx.param_keys(payload.meta)
         anchor = {k: v.detach().clone() for k, v in payload.tensors.items() if k in keys}
 
-        def prox(params: TensorDict, buffers: TensorDict, refs: TensorDict, x, y, logits) -> torch.Tensor:
-            return proximal_penalty(params, refs, mu)
+        def prox(b: Batch) -> torch.Tensor:
+            return proximal_penalty(b.params, b.refs, mu)
 
-        return (LossTerm("proximal", prox, uses_batch=False),), anchor
+        return (LossTerm("proximal", prox),), anchor

@@ -39,7 +39,7 @@ from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import CYCLIC_MIN_RATIO, LR_SCHEDULES, TrainStats, scheduled_lr
-from fedfuse.engine.program import ClientProgram, run_program
+from fedfuse.engine.program import Batch, ClientProgram, cross_entropy, run_program
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -53,6 +53,12 @@ from fedfuse.fusion.slicing import (
 )
 from fedfuse.options import opt
 from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, TensorDict, not_built
+
+
+def masked_cross_entropy(b: Batch) -> torch.Tensor:
+    """HeteroFL's masked cross-entropy: the logits of classes the client does not hold (``refs["logit_mask"]``
+    False) are set to 0 before the loss (training only; evaluation is unmasked)."""
+    return b.cross_entropy(b.logits.masked_fill(~b.refs["logit_mask"], 0.0))
 
 
 def has_bn(model: nn.Module) -> bool:
@@ -224,8 +230,9 @@ class HeteroFL(Algorithm):
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram | None:
         """The training stage as a declared program: the sub-model of the client's width (a real smaller module,
-        with the Scaler's hooks when it is on), the masked cross-entropy as a logit mask over the client's
-        classes, the scheduled learning rate.  The BN statistics stage stays a custom ``fit`` (``None``)."""
+        with the Scaler's hooks when it is on), the masked cross-entropy over the client's classes
+        (:func:`masked_cross_entropy`), the scheduled learning rate.  The BN statistics stage stays a custom
+        ``fit`` (``None``)."""
         if payload.meta.get("stage") == "bn-stats":
             return None
         r, total = int(payload.meta["round"]), int(payload.meta["total"])
@@ -244,8 +251,9 @@ class HeteroFL(Algorithm):
             meta = {"sel": payload.meta["sel"], "classes": classes, "submodel_bytes": state_bytes(state), "lr": lr}
             return Message(state, meta, self.fit_stats(model, data, stats)), client_state
 
+        loss, refs = (cross_entropy, {}) if mask is None else (masked_cross_entropy, {"logit_mask": mask})
         return ClientProgram(model=model, init=dict(payload.tensors), spec=self.ctx.train.replace(lr=lr),
-                             finalize=finalize, logit_mask=mask)
+                             finalize=finalize, loss=loss, refs=refs)
 
     def train_template(self, sel: Selection, mu: float) -> nn.Module:
         """The sub-model architecture for ``sel`` (cached); with the Scaler on, its hooks are part of it."""

@@ -74,7 +74,7 @@ from fedfuse.engine.client import (
     scheduled_lr,
 )
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
-from fedfuse.engine.program import ClientProgram, LossTerm
+from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.errors import UserError
 from fedfuse.fusion.slicing import (
     Selection,
@@ -128,17 +128,6 @@ class _FeatureView(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.features(x)
-
-    @classmethod
-    def of(cls, model: nn.Module) -> _FeatureView:
-        """The cached view of a template (kept in eval mode: frozen models use no dropout)."""
-        if id(model) not in _VIEWS:
-            _VIEWS[id(model)] = cls(model).eval()
-        return _VIEWS[id(model)]
-
-
-_VIEWS: dict[int, _FeatureView] = {}  # template id → its view (templates are cached for the process)
-_CAPTURED: dict[int, dict[str, torch.Tensor]] = {}  # training template id → the features its head hook captured
 
 
 def _prefixed(refs: TensorDict, prefix: str) -> TensorDict:
@@ -486,14 +475,14 @@ class MSfusion(Algorithm):
         learning rate and, from the second round on, the contrastive term of Eq. 7-8 as a per-sample
         :class:`LossTerm`; the finalize publishes the peer envelopes (:meth:`publish`).
 
-        The term reads the trained model's penultimate features (captured by a forward hook on the template's
-        head) and computes the frozen w*_n's and previous sub-model's features functionally from ``refs``
-        (``agg/…``, ``prev/…``).  Their common units are gathered with positions padded to the feature width
-        and a validity mask, so participants of one width have equal shapes and train in one batched group;
-        the masked similarities equal those over the common units alone."""
+        The term reads the trained model's penultimate features (the program declares ``features=True``: they
+        are ``batch.features``) and computes the frozen w*_n's and previous sub-model's features functionally
+        from ``refs`` (``agg/…``, ``prev/…``).  Their common units are gathered with positions padded to the
+        feature width and a validity mask, so participants of one width have equal shapes and train in one
+        batched group; the masked similarities equal those over the common units alone."""
         r, total, n = int(payload.meta["round"]), int(payload.meta["total"]), data.cid
         w_star, sel, fallback, fallback_bytes = self.aggregate_local(n, r, total, client_state, payload)
-        model, captured = self.train_template(sel)
+        model = self.train_template(sel)
         lr = scheduled_lr(self.ctx.train.lr, r, total, self.opt.lr_schedule, self.opt.lr_min_ratio)
         pos_cur, pos_prev = (self.common_positions(sel, client_state["sel"]) if client_state is not None
                              else (torch.zeros(0, dtype=torch.long),) * 2)
@@ -511,7 +500,7 @@ class MSfusion(Algorithm):
                     **{f"prev/{k}": v for k, v in client_state["sub"].items()},
                     "pos_cur": _padded(pos_cur, width), "pos_prev": _padded(pos_prev, width),
                     "pos_mask": _padded(torch.ones(pos_cur.numel()), width)}
-            terms = (self.contrastive_term(captured, _FeatureView.of(agg), _FeatureView.of(prev)),)
+            terms = (self.contrastive_term(_FeatureView(agg).eval(), _FeatureView(prev).eval()),)
 
         def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
             fit = self.fit_stats(model, data, stats)
@@ -530,29 +519,24 @@ class MSfusion(Algorithm):
             return Message(tensors, meta, fit), new_state
 
         return ClientProgram(model=model, init=w_star, spec=self.ctx.train.replace(lr=lr),
-                             finalize=finalize, terms=terms, refs=refs)
+                             finalize=finalize, terms=terms, features=bool(terms), refs=refs)
 
-    def train_template(self, sel: Selection) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-        """The (cached) sub-model template for ``sel``'s widths and the dict its head hook fills with the
-        penultimate features of every forward pass (the contrastive term's ẑ)."""
-        model = build_submodel(self._full, self.spec, widths_of(sel), "train")
-        if id(model) not in _CAPTURED:
-            captured: dict[str, torch.Tensor] = {}
-            model.head.register_forward_hook(lambda m, i, o: captured.__setitem__("z", i[0]))
-            _CAPTURED[id(model)] = captured
-        return model, _CAPTURED[id(model)]
+    def train_template(self, sel: Selection) -> nn.Module:
+        """The (cached) sub-model template for ``sel``'s widths."""
+        return build_submodel(self._full, self.spec, widths_of(sel), "train")
 
     def feature_width(self, sel: Selection) -> int:
         g = self.spec.feature_group
         return int(self._full.head.in_features) if g is None else int(sel[g].numel())
 
-    def contrastive_term(self, captured: dict[str, torch.Tensor], agg: nn.Module, prev: nn.Module) -> LossTerm:
-        """λ·ℓ_con per sample (Eq. 7-8) over the common units (``refs["pos_*"]``)."""
+    def contrastive_term(self, agg: nn.Module, prev: nn.Module) -> LossTerm:
+        """λ·ℓ_con (Eq. 7-8), averaged over the batch's samples, over the common units (``refs["pos_*"]``);
+        ``agg``/``prev`` compute the frozen models' features functionally."""
         tau, lam, sim = float(self.opt.tau), float(self.opt.lam), self.opt.similarity
 
-        def con(params: TensorDict, buffers: TensorDict, refs: TensorDict, x: torch.Tensor, y: torch.Tensor,
-                logits: torch.Tensor) -> torch.Tensor:
-            z = captured.pop("z")  # this forward pass's ẑ (not kept beyond it)
+        def con(b: Batch) -> torch.Tensor:
+            z, x, refs = b.features, b.x, b.refs
+            assert z is not None  # the program declares features=True
             with torch.no_grad():
                 z_agg = functional_call(agg, _prefixed(refs, "agg/"), (x,), strict=False)
                 z_prev = functional_call(prev, _prefixed(refs, "prev/"), (x,), strict=False)
@@ -560,9 +544,9 @@ class MSfusion(Algorithm):
             cur, old = refs["pos_cur"], refs["pos_prev"]
             per = contrastive_loss(z[..., cur] * m, z_agg[..., cur] * m, z_prev[..., old] * m, tau, sim,
                                    reduction="none")
-            return lam * per.reshape(z.shape[0], -1).mean(1)
+            return b.mean(lam * per.reshape(z.shape[0], -1).mean(1))
 
-        return LossTerm("msfusion-contrastive", con, per_sample=True)
+        return LossTerm("msfusion-contrastive", con)
 
     def evaluate(
         self, payload: Message, client_state: ClientState, data: ClientData, gen: torch.Generator

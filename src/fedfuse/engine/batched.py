@@ -10,7 +10,7 @@ Fidelity to the sequential executor:
 - every client draws its batches from its own generator, in the same order, with the same permutations as
   ``train_local`` (:func:`fedfuse.engine.executor.job_generator`);
 - ragged clients: a model whose samples do not interact within a batch (no BatchNorm in training mode, no
-  batch-reading scalar loss term) is *masked*: batches are padded to the largest one, padded samples carry
+  term that couples the batch) is *masked*: batches are padded to the largest one, padded samples carry
   weight 0 in a per-client mean, and a client whose steps are over is frozen (its update is zeroed).
   Otherwise clients are *bucketed*: only clients with exactly the same batch-size schedule run together;
 - BatchNorm running statistics and ``num_batches_tracked`` are per-client buffers updated in place;
@@ -33,16 +33,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
 
-from fedfuse.engine.client import TrainStats, task_loss
+from fedfuse.engine.client import TrainStats
 from fedfuse.engine.contract import Algorithm, Job
 from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
-from fedfuse.engine.program import ClientProgram, run_program, term_values
+from fedfuse.engine.program import ClientProgram, run_program, step_loss
 from fedfuse.engine.sam import stacked_perturbation
 from fedfuse.types import ClientData
-
-_LOGIT_MASK = "\0logit_mask"  # the key of ClientProgram.logit_mask among a group's stacked references
 
 
 def unbatchable_reason(model: nn.Module) -> str | None:
@@ -58,25 +56,26 @@ def unbatchable_reason(model: nn.Module) -> str | None:
 
 
 def batch_coupled(program: ClientProgram) -> bool:
-    """Whether padding a batch would change the result: BatchNorm statistics or a batch-reading scalar term."""
+    """Whether padding a batch would change the result: BatchNorm statistics or a term reading the whole batch."""
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in program.model.modules()):
         return True
-    return any(t.uses_batch and not t.per_sample for t in program.terms)
+    return any(t.couples_batch for t in program.terms)
+
+
+def _code(fn: Any) -> Any:
+    """A function's code (closures of one definition share it), else the object itself."""
+    return getattr(fn, "__code__", fn)
 
 
 def _signature(program: ClientProgram) -> tuple:
     """Programs with equal signatures can share one vmapped computation."""
-    terms = tuple((t.name, t.per_sample, t.uses_batch, getattr(t.fn, "__code__", t.fn)) for t in program.terms)
-
     def shapes(d: dict[str, torch.Tensor]) -> tuple:
         return tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in d.items())
 
-    mask = None if program.logit_mask is None else tuple(program.logit_mask.shape)
-    objective = None if program.objective is None else getattr(program.objective, "__code__", program.objective)
-    targets = None if program.targets is None else (tuple(program.targets.shape[1:]), program.targets.dtype)
-    per_step = tuple((k, tuple(v.shape[1:]), v.dtype, str(v.device)) for k, v in program.step_refs.items())
-    return (id(program.model), program.spec, terms, program.trainable, shapes(program.init), shapes(program.refs),
-            mask, shapes(program.grad_masks or {}), objective, targets, per_step, program.shared_base)
+    terms = tuple((t.name, t.couples_batch, _code(t.fn)) for t in program.terms)
+    train = None if program.train is None else (tuple(program.train.y.shape[1:]), program.train.y.dtype)
+    return (id(program.model), program.spec, _code(program.loss), terms, program.features, _code(program.transform),
+            program.trainable, shapes(program.init), shapes(program.refs), train)
 
 
 class BatchedExecutor(SequentialExecutor):
@@ -175,6 +174,7 @@ class BatchedExecutor(SequentialExecutor):
         """Train every client of ``group`` together; returns each client's finalised reply."""
         progs = [p for _, p in group]
         p0 = progs[0]
+        p0.check()
         model, spec = p0.model, p0.spec
         datas = [prog.train_split(self.clients[job.cid]) for job, prog in group]
         scheds = [spec.schedule(len(d)) for d in datas]
@@ -186,55 +186,9 @@ class BatchedExecutor(SequentialExecutor):
         idx, mask, gens = self._batches(group, scheds, T)
         idx, mask = idx.to(device), mask.to(device)
         counts = mask.sum(-1)  # (C, T) real samples per step
-        sizes = scheds[0]
-
-        p0.check_shared_base()
-        param_names = [n for n, _ in model.named_parameters() if not p0.shared_base or n in p0.init]
-        buffer_names = [n for n, _ in model.named_buffers() if n in p0.init]
-        # a shared frozen base (LoRA): the template's own tensors, one copy for every client (not vmapped)
-        base = {n: t.detach() for n, t in (*model.named_parameters(), *model.named_buffers())
-                if p0.shared_base and n not in p0.init}
-        opt_names = p0.optimised_names()
-        P = {n: torch.stack([p.init[n] for p in progs]).detach().clone() for n in param_names}
-        Bf = {n: torch.stack([p.init[n] for p in progs]).detach().clone() for n in buffer_names}
-        R = {k: torch.stack([p.refs[k] for p in progs]).detach() for k in p0.refs}
-        G = {k: torch.stack([p.grad_masks[k] for p in progs]).to(device) for k in (p0.grad_masks or {})}
-        S = {k: torch.stack([_pad_steps(p.step_refs[k], T) for p in progs]).to(device) for k in p0.step_refs}
-        if p0.logit_mask is not None:  # one mask per client, batched with the references
-            R[_LOGIT_MASK] = torch.stack([p.logit_mask for p in progs]).to(device)
-        for n in opt_names:
-            P[n].requires_grad_(True)
-        terms, objective = p0.terms, p0.objective
-        tied = len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.named_parameters()))
-
-        def loss_fn(params, buffers, refs, x, y, m):
-            logits = functional_call(model, {**base, **params, **buffers}, (x,), strict=False, tie_weights=tied)
-            if _LOGIT_MASK in refs:
-                refs = dict(refs)
-                logits = logits.masked_fill(~refs.pop(_LOGIT_MASK), 0.0)
-            if objective is not None:
-                per = objective(logits, y)
-                task = per.mean() if m is None else (per * m).sum() / m.sum().clamp_min(1)
-            elif m is None:
-                task = task_loss(logits, y)
-            else:
-                per = task_loss(logits, y, reduction="none").reshape(y.shape[0], -1).mean(1)  # per sample
-                task = (per * m).sum() / m.sum().clamp_min(1)
-            extra = term_values(terms, params, buffers, refs, x, y, logits, m)
-            return (task if extra is None else task + extra), task
-
-        dims = (0, 0, 0, 0, 0, None if exact else 0)
-        batched = vmap(loss_fn, in_dims=dims, randomness="error")
-        # Without BatchNorm (no buffer written during the forward pass) the gradients are taken inside the
-        # vmapped function (``vmap(grad)``): one fused per-client backward instead of autograd through the
-        # batching rules, ~20 % less CPU per step on the MLP.  Which parameters get a gradient is learnt on
-        # the first step (a parameter without one stays untouched, as in ``torch.optim``).
-        writes_buffers = any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules())
-        fused = None
-
-        def split_loss(opt_params, fixed, buffers, refs, x, y, m):
-            return loss_fn({**fixed, **opt_params}, buffers, refs, x, y, m)
-        opt = _StackedOptimizer(spec, [P[n] for n in opt_names])
+        stacked = _Stacked(progs)
+        step = _GroupStep(p0, stacked.base, exact)
+        opt = _StackedOptimizer(spec, [stacked.P[n] for n in step.opt_names])
         acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
         loss_acc = torch.zeros(C, dtype=acc_dtype, device=device)
         steps_of = torch.tensor([len(s) for s in scheds], device=device)
@@ -242,74 +196,20 @@ class BatchedExecutor(SequentialExecutor):
         model.train()
         try:
             for t in range(T):
-                if exact:
-                    sel = idx[:, t, : sizes[t]]
-                    m = None
-                else:
-                    sel, m = idx[:, t], mask[:, t]
-                x, y = x_all[sel], y_all[sel]
-                Rt = {**R, **{k: v[:, t] for k, v in S.items()}} if S else R  # this step's constants
-                if fused is None:
-                    total, task = batched(P, Bf, Rt, x, y, m)
-                    grads = torch.autograd.grad(total.sum(), [P[n] for n in opt_names], allow_unused=True)
-                    if not writes_buffers and opt_names:
-                        used = [n for n, g in zip(opt_names, grads, strict=True) if g is not None]
-                        fused = (used, vmap(grad_and_value(split_loss, has_aux=True), in_dims=(0, *dims),
-                                            randomness="error"))
-                else:
-                    used, fn = fused
-                    with torch.no_grad():
-                        fixed = {n: v for n, v in P.items() if n not in used}
-                    g, (_, task) = fn({n: P[n] for n in used}, fixed, Bf, Rt, x, y, m)
-                    grads = tuple(g.get(n) for n in opt_names)
-                if spec.two_pass:  # SAM/ASAM: the step uses the gradient at w + ε (fedfuse.engine.sam)
-                    grads = self._second_pass(spec, opt_names, P, Bf, Rt, x, y, m, grads, batched, fused)
-                if G:  # per-client gradient masks, after SAM's second pass and before clipping (as sequential)
-                    grads = tuple(g if g is None or n not in G else g * G[n].to(g.dtype)
-                                  for n, g in zip(opt_names, grads, strict=True))
-                active = None if exact else (t < steps_of)
-                opt.step(list(grads), active)
+                sel, m = (idx[:, t, : scheds[0][t]], None) if exact else (idx[:, t], mask[:, t])
+                grads, task = step.grads(stacked, x_all[sel], y_all[sel], m, t)
+                opt.step(grads, None if exact else (t < steps_of))
                 loss_acc += task.detach().to(acc_dtype) * counts[:, t].to(acc_dtype)
         finally:
             model.train(was_training)
-
-        keys = [k for k in model.state_dict() if not p0.shared_base or k in p0.init]
+        keys = [k for k in model.state_dict() if k in p0.init]
         losses = loss_acc.tolist()
         out: dict[int, Any] = {}
         for i, (job, prog) in enumerate(group):
-            state = {}
-            for k in keys:
-                src = P[k] if k in P else Bf[k]
-                state[k] = src[i].detach().clone()
-            n_samples = int(sum(scheds[i]))
-            stats = TrainStats(steps=len(scheds[i]), samples=n_samples, loss_sum=losses[i])
-            out[job.cid] = prog.finish(state, stats, gens[i])
-        return out
-
-    @staticmethod
-    def _second_pass(spec: Any, opt_names: list[str], P: dict[str, torch.Tensor], Bf: dict[str, torch.Tensor],
-                     R: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, m: torch.Tensor | None,
-                     grads: Sequence[torch.Tensor | None], batched: Any, fused: Any) -> tuple:
-        """Gradients at w + ε for every client (ε per client, as :func:`fedfuse.engine.sam.sam_step`); BN
-        buffers written by the perturbed pass are restored, so statistics come from the first pass."""
-        eps = stacked_perturbation(opt_names, P, dict(zip(opt_names, grads, strict=True)), spec.sam_rho,
-                                   spec.two_pass == "asam", spec.sam_eta)
-        if fused is not None:
-            used, fn = fused
-            with torch.no_grad():
-                moved = {n: P[n] + eps[n] if n in eps else P[n] for n in used}
-                fixed = {n: v for n, v in P.items() if n not in used}
-            g, _ = fn(moved, fixed, Bf, R, x, y, m)
-            return tuple(g.get(n) for n in opt_names)
-        saved = {n: b.clone() for n, b in Bf.items()}
-        moved = dict(P)
-        for n in opt_names:
-            moved[n] = (P[n].detach() + eps[n] if n in eps else P[n].detach()).requires_grad_(True)
-        total, _ = batched(moved, Bf, R, x, y, m)
-        out = torch.autograd.grad(total.sum(), [moved[n] for n in opt_names], allow_unused=True)
-        with torch.no_grad():
-            for n, b in Bf.items():
-                b.copy_(saved[n])
+            state = {k: (stacked.P[k] if k in stacked.P else stacked.B[k])[i].detach().clone() for k in keys}
+            stats = TrainStats(steps=len(scheds[i]), samples=int(sum(scheds[i])), loss_sum=losses[i],
+                               generator=gens[i])
+            out[job.cid] = prog.finalize(state, stats)
         return out
 
     def _batches(self, group: list[tuple[Job, ClientProgram]], scheds: list[list[int]],
@@ -344,11 +244,102 @@ class BatchedExecutor(SequentialExecutor):
         return idx, mask, gens
 
 
-def _pad_steps(t: torch.Tensor, steps: int) -> torch.Tensor:
-    """``t`` (its steps, ...) zero-padded to ``steps`` rows (the padded steps of a shorter client are inactive)."""
-    if t.shape[0] >= steps:
-        return t[:steps]
-    return torch.cat([t, t.new_zeros((steps - t.shape[0], *t.shape[1:]))])
+class _Stacked:
+    """A group's per-client tensors stacked along a leading client axis: parameters ``P`` (the optimised ones
+    require grad), buffers ``B``, constants ``R``; ``base``: the template's entries outside ``init`` (one frozen
+    copy shared by every client)."""
+
+    def __init__(self, progs: list[ClientProgram]) -> None:
+        p0 = progs[0]
+        model = p0.model
+        self.P = {n: torch.stack([p.init[n] for p in progs]).detach().clone()
+                  for n, _ in model.named_parameters() if n in p0.init}
+        self.B = {n: torch.stack([p.init[n] for p in progs]).detach().clone()
+                  for n, _ in model.named_buffers() if n in p0.init}
+        self.R = {k: torch.stack([p.refs[k] for p in progs]).detach() for k in p0.refs}
+        self.base = {n: t.detach() for n, t in (*model.named_parameters(), *model.named_buffers())
+                     if n not in p0.init}
+        for n in p0.optimised_names():
+            self.P[n].requires_grad_(True)
+
+
+class _GroupStep:
+    """The gradients of one optimiser step for every client of a group: :func:`step_loss` vmapped over the
+    clients, a SAM second pass and the program's gradient transform (vmapped too)."""
+
+    def __init__(self, program: ClientProgram, base: dict[str, torch.Tensor], exact: bool) -> None:
+        self.program, self.base, self.spec = program, base, program.spec
+        self.opt_names = program.optimised_names()
+        self.dims = (0, 0, 0, 0, 0, None if exact else 0, None)  # params, buffers, refs, x, y, mask, step
+        self.batched = vmap(self.loss, in_dims=self.dims, randomness="error")
+        # Without BatchNorm (no buffer written during the forward pass) the gradients are taken inside the
+        # vmapped function (``vmap(grad)``): one fused per-client backward instead of autograd through the
+        # batching rules, ~20 % less CPU per step on the MLP.  Which parameters get a gradient is learnt on
+        # the first step (a parameter without one stays untouched, as in ``torch.optim``).
+        self.writes_buffers = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in program.model.modules())
+        self.fused: tuple[list[str], Any] | None = None
+        transform = program.transform
+        self.transform = None if transform is None else vmap(transform, randomness="error")
+
+    def loss(self, params: dict, buffers: dict, refs: dict, x: torch.Tensor, y: torch.Tensor,
+             m: torch.Tensor | None, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return step_loss(self.program, params, buffers, refs, x, y, m, t, frozen=self.base)
+
+    def split_loss(self, opt_params: dict, fixed: dict, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loss({**fixed, **opt_params}, *rest)
+
+    def first_pass(self, P: dict, B: dict, R: dict, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor | None,
+                   t: int) -> tuple[tuple, torch.Tensor]:
+        if self.fused is None:
+            total, task = self.batched(P, B, R, x, y, m, t)
+            grads = torch.autograd.grad(total.sum(), [P[n] for n in self.opt_names], allow_unused=True)
+            if not self.writes_buffers and self.opt_names:
+                used = [n for n, g in zip(self.opt_names, grads, strict=True) if g is not None]
+                self.fused = (used, vmap(grad_and_value(self.split_loss, has_aux=True), in_dims=(0, *self.dims),
+                                         randomness="error"))
+            return grads, task
+        used, fn = self.fused
+        with torch.no_grad():
+            fixed = {n: v for n, v in P.items() if n not in used}
+        g, (_, task) = fn({n: P[n] for n in used}, fixed, B, R, x, y, m, t)
+        return tuple(g.get(n) for n in self.opt_names), task
+
+    def grads(self, s: _Stacked, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor | None,
+              t: int) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+        grads, task = self.first_pass(s.P, s.B, s.R, x, y, m, t)
+        if self.spec.two_pass:  # SAM/ASAM: the step uses the gradient at w + ε (fedfuse.engine.sam)
+            grads = self.second_pass(s, x, y, m, t, grads)
+        if self.transform is not None:  # per client, after SAM's second pass and before clipping
+            present = {n: g for n, g in zip(self.opt_names, grads, strict=True) if g is not None}
+            with torch.no_grad():
+                new = self.transform(present, {n: s.P[n].detach() for n in present}, s.R)
+            grads = tuple(new.get(n, g) if g is not None else None for n, g in zip(self.opt_names, grads, strict=True))
+        return list(grads), task
+
+    def second_pass(self, s: _Stacked, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor | None, t: int,
+                    grads: tuple) -> tuple:
+        """Gradients at w + ε for every client (ε per client, as :func:`fedfuse.engine.sam.sam_step`); BN
+        buffers written by the perturbed pass are restored, so statistics come from the first pass."""
+        spec, names, P = self.spec, self.opt_names, s.P
+        eps = stacked_perturbation(names, P, dict(zip(names, grads, strict=True)), spec.sam_rho,
+                                   spec.two_pass == "asam", spec.sam_eta)
+        if self.fused is not None:
+            used, fn = self.fused
+            with torch.no_grad():
+                moved = {n: P[n] + eps[n] if n in eps else P[n] for n in used}
+                fixed = {n: v for n, v in P.items() if n not in used}
+            g, _ = fn(moved, fixed, s.B, s.R, x, y, m, t)
+            return tuple(g.get(n) for n in names)
+        saved = {n: b.clone() for n, b in s.B.items()}
+        moved = dict(P)
+        for n in names:
+            moved[n] = (P[n].detach() + eps[n] if n in eps else P[n].detach()).requires_grad_(True)
+        total, _ = self.batched(moved, s.B, s.R, x, y, m, t)
+        out = torch.autograd.grad(total.sum(), [moved[n] for n in names], allow_unused=True)
+        with torch.no_grad():
+            for n, b in s.B.items():
+                b.copy_(saved[n])
+        return out
 
 
 class _StackedOptimizer:

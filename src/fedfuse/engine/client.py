@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,11 +21,9 @@ from torch import nn
 from fedfuse.errors import UserError
 from fedfuse.types import ClientData, Split
 
-ExtraLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``loss(model, x, y) -> (minimised, reported)``: a batch loss that replaces the cross-entropy.
+BatchLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 GradHook = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
-#: ``task(logits, y) -> scalar``: a batch loss that replaces the cross-entropy (FedEM's responsibility-weighted
-#: loss of M learners).
-TaskLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -67,9 +65,13 @@ class TrainConfig:
 
 @dataclass
 class TrainStats:
+    """What one local training did; ``generator`` is the client's generator where training left it (a
+    program's finalize may continue drawing from it)."""
+
     steps: int = 0
     samples: int = 0
     loss_sum: float = 0.0
+    generator: torch.Generator | None = field(default=None, repr=False, compare=False)
 
     @property
     def mean_loss(self) -> float:
@@ -130,25 +132,24 @@ def train_local(
     cfg: TrainConfig,
     generator: torch.Generator,
     *,
-    extra_loss: ExtraLoss | None = None,
+    loss: BatchLoss | None = None,
     params: Iterable[torch.nn.Parameter] | None = None,
     epochs: int | None = None,
     lr: float | None = None,
     before_step: GradHook | None = None,
-    task: TaskLoss | None = None,
 ) -> TrainStats:
-    """Mini-batch training of ``model`` on ``data`` in place.
+    """Mini-batch training of ``model`` on ``data`` in place (the sequential loop of every client step).
 
     Batches are drawn by a permutation from ``generator`` each epoch (so the order is reproducible and
-    independent of any global RNG).  ``extra_loss(model, x, y, logits)`` adds a term (FedProx, contrastive
-    losses...).  ``params`` restricts the optimised parameters (FedMA freezes lower layers).
-    ``before_step(model, x, y)`` runs after the backward pass and before clipping and the optimiser step; it
-    may replace the gradients (SAM's second pass).  ``task(logits, y)`` replaces the cross-entropy as the batch
-    loss (and as the reported training loss).
+    independent of any global RNG).  ``loss(model, x, y) -> (minimised, reported)`` replaces the cross-entropy
+    (a declared program's :func:`fedfuse.engine.program.step_loss`).  ``params`` restricts the optimised
+    parameters (FedMA freezes lower layers).  ``before_step(model, x, y)`` runs after the backward pass and
+    before clipping and the optimiser step; it may replace the gradients (SAM's second pass, a gradient
+    transform).  ``stats.generator`` is ``generator`` where training left it.
     """
     model.train()
     n = len(data)
-    stats = TrainStats()
+    stats = TrainStats(generator=generator)
     if n == 0:
         return stats
     opt = make_optimizer(model.parameters() if params is None else params, cfg, lr)
@@ -160,9 +161,10 @@ def train_local(
         for start in range(0, n, bs):
             idx = perm[start : start + bs]
             x, y = data.x[idx], data.y[idx]
-            logits = model(x)
-            loss = task_loss(logits, y) if task is None else task(logits, y)
-            total = loss if extra_loss is None else loss + extra_loss(model, x, y, logits)
+            if loss is None:
+                total = reported = task_loss(model(x), y)
+            else:
+                total, reported = loss(model, x, y)
             opt.zero_grad(set_to_none=True)
             total.backward()
             if before_step is not None:
@@ -172,7 +174,7 @@ def train_local(
             opt.step()
             stats.steps += 1
             stats.samples += int(idx.numel())
-            stats.loss_sum += float(loss.detach()) * int(idx.numel())
+            stats.loss_sum += float(reported.detach()) * int(idx.numel())
             if cfg.max_steps and stats.steps >= cfg.max_steps:
                 return stats
     return stats

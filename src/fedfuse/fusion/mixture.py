@@ -9,6 +9,7 @@ trained as one module.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,4 +56,10 @@ def mixture_objective(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return (q * tok.sum(2)).sum(1) / counted
 
 
-__all__ = ["e_step", "mixture_objective", "pack", "unpack"]
+def mixture_loss(batch: Any) -> torch.Tensor:
+    """The M-step loss of a client program (``ClientProgram(loss=mixture_loss)``): :func:`mixture_objective` of a
+    :class:`fedfuse.engine.program.Batch`'s logits and targets, averaged over its real samples."""
+    return batch.mean(mixture_objective(batch.logits, batch.y))
+
+
+__all__ = ["e_step", "mixture_loss", "mixture_objective", "pack", "unpack"]
