@@ -109,3 +109,25 @@ def make_server_app(kind: str, rounds: int, stamps: list[float]) -> ServerApp:
                        evaluate_fn=stamp)
 
     return server
+
+
+# ------------------------------------------------------------------------------------------- deployment
+server_app = ServerApp()
+
+
+@server_app.main()
+def deployed(grid: Grid, context: Context) -> None:
+    """The same FedAvg as :func:`make_server_app`, deployed (``flwr run``): every connected node trains every
+    round (run config ``nodes``, ``model``, ``rounds``); ``stamps`` (a file) gets ``ROUND WALLTIME`` at the end
+    of every round, round 0 being the start."""
+    rc = context.run_config
+    kind, rounds, nodes, stamps = str(rc["model"]), int(rc["rounds"]), int(rc["nodes"]), str(rc["stamps"])
+    torch.manual_seed(0)
+    strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_available_nodes=nodes, min_train_nodes=nodes)
+
+    def stamp(server_round: int, arrays: ArrayRecord) -> None:
+        with open(stamps, "a") as fh:
+            fh.write(f"{server_round} {time.time()}\n")
+
+    strategy.start(grid=grid, initial_arrays=ArrayRecord(Net(kind).state_dict()), num_rounds=rounds,
+                   train_config=ConfigRecord({"lr": LR, "local-epochs": EPOCHS, "model": kind}), evaluate_fn=stamp)

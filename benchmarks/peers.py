@@ -27,7 +27,8 @@ model, Ray and actor start); total = launch → return; end-to-end for N rounds 
         [--e2e-rounds 100] [--variants fedfuse-sequential,fedfuse-batched,flower-plain,fedfuse-flower]
         [--actors 1] [--threads 1] [--quick]
 
-``--quick`` (< 2 minutes): MLP only, 4 rounds, 1 repeat.
+``--quick`` (< 2 minutes): MLP only, 4 rounds, 1 repeat.  ``--deploy [--nodes 2] [--node-poll 0.1]``: a deployed
+round instead, fedfuse vs plain Flower on a loopback federation (benchmarks/peers_deploy.py).
 """
 
 from __future__ import annotations
@@ -208,7 +209,21 @@ def main() -> None:
     p.add_argument("--actors", type=int, default=1, help="Ray actors (CPUs) of the Flower simulations")
     p.add_argument("--threads", type=int, default=1, help="torch threads of every process")
     p.add_argument("--quick", action="store_true", help="< 2 minutes: MLP, 4 rounds, 1 repeat")
+    p.add_argument("--deploy", action="store_true",
+                   help="measure a deployed round instead (SuperLink + --nodes SuperNodes on loopback, TLS; "
+                        "benchmarks/peers_deploy.py)")
+    p.add_argument("--nodes", type=int, default=2, help="--deploy: SuperNodes (= clients, all train every round)")
+    p.add_argument("--node-poll", type=float, default=None,
+                   help="--deploy: also run *-warm-poll variants, SuperNodes polling every S s instead of 3 s")
+    p.add_argument("--deploy-variants", default="fedfuse-warm,plain-warm,fedfuse-warm-poll,plain-warm-poll,"
+                                                "fedfuse-cold,plain-cold")
     args = p.parse_args()
+    if args.deploy:
+        import peers_deploy
+
+        torch.set_num_threads(args.threads)
+        peers_deploy.main(args)
+        return
     if args.quick:
         args.models, args.rounds, args.repeats = "mlp", 4, 1
     if args.rounds < 3:

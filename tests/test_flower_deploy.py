@@ -2,8 +2,9 @@
 
 The deployment tests run fedfuse's own ServerApp/ClientApp (:mod:`fedfuse.flower.app`) for a 3-round FedAvg on
 the bundled digits through real Flower processes, and compare the run's ``metrics.jsonl`` with the in-process
-engine's.  They are slow: flwr 1.41 starts a fresh ``flwr-clientapp`` process for every message, so each client
-job pays a Python + torch start-up and a rebuild of the federation (10-30 s per round on 2 busy cores).
+engine's.  Each SuperNode holds only its own client's data (a bundle of ``fedfuse export-partitions --nodes``)
+and runs its messages in a warm ClientApp worker (``--isolation process`` + :mod:`fedfuse.flower.worker`); a round
+still waits for Flower's 3 s SuperNode poll.
 """
 
 from __future__ import annotations
@@ -119,9 +120,24 @@ def test_certificates_verify_loopback_server(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def _federation(tmp_path_factory: pytest.TempPathFactory):
-    """One TLS SuperLink + two authenticated SuperNodes for the module (start-up ~15 s on 2 busy cores)."""
-    with LocalFederation(tmp_path_factory.mktemp("fed"), nodes=2, auth=True, env=_env()) as fed:
+def _bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """CONFIG's two clients exported one per node (``fedfuse export-partitions --nodes 2``)."""
+    from fedfuse.config import make_config
+    from fedfuse.engine.loop import build_federation
+    from fedfuse.flower.node_data import write_node_bundles
+
+    root = tmp_path_factory.mktemp("bundles")
+    (root / "config.yaml").write_text(CONFIG)
+    return write_node_bundles(build_federation(make_config(str(root / "config.yaml"))), root / "nodes", 2)
+
+
+@pytest.fixture(scope="module")
+def _federation(tmp_path_factory: pytest.TempPathFactory, _bundles: list[Path]):
+    """One TLS SuperLink + two authenticated SuperNodes for the module, each holding only its own client's data
+    and served by a warm ClientApp worker that records every file it opens (start-up ~15 s on 2 busy cores)."""
+    root = tmp_path_factory.mktemp("fed")
+    with LocalFederation(root, nodes=2, auth=True, env=_env(), warm=True, audit_open=True,
+                         node_config=[f"data='{b}'" for b in _bundles]) as fed:
         yield fed
 
 
@@ -179,6 +195,12 @@ def test_fedfuse_app_three_rounds_over_tls_equals_in_process(federation: LocalFe
     assert got[-1]["global_accuracy"] > 0.5 and got[-1]["personal_accuracy"] is not None
     assert [strip_timing(r) for r in got] == [strip_timing(r) for r in _in_process(tmp_path)]
     assert "SuperNode authentication is disabled" not in (federation.logs / "superlink.log").read_text()
+    # each node's warm worker ran every message in one process and read only its own client's bundle
+    for i, b in enumerate(federation.node_data):
+        opened = [Path(p).resolve() for p in federation.opened(i)]
+        other = federation.node_data[1 - i]
+        assert any(p.is_relative_to(b) for p in opened) and not any(p.is_relative_to(other) for p in opened)
+        assert "node data" in (federation.logs / f"worker-{i}.log").read_text()
 
 
 @pytest.mark.slow
@@ -230,7 +252,9 @@ def test_flower_app_command_writes_app_and_prints_commands(tmp_path: Path, capsy
     conn = tomllib.loads((tmp_path / "app" / ".flwr" / "config.toml").read_text())["superlink"]
     assert conn["default"] == "fedfuse" and conn["fedfuse"]["address"] == "10.0.0.5:9093"
     assert Path(conn["fedfuse"]["root-certificates"]).read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
-    for command in ("flower-superlink", "flower-supernode", "flwr supernode register", "flwr run"):
+    for command in ("flower-superlink", "flower-supernode", "flwr supernode register", "flwr run",
+                    "--isolation process", "python -m fedfuse.flower.worker --runtime-api-address 127.0.0.1:9094",
+                    "--node-config \"data="):
         assert command in printed
     assert "10.0.0.5:9093" in printed and "--disable-runtime-dependency-installation" in printed
 

@@ -250,6 +250,10 @@ def _main(grid: Grid, context: Context) -> None:
     executor = FlowerExecutor(grid, cfg, cfg.seed, round_timeout=timeout, min_nodes=int(rc.get("min-nodes", 1)))
     exp = Experiment(cfg, get_algorithm(cfg.algorithm), executor=executor)
     summary = exp.run(resume=bool(rc.get("resume", False)))
+    if cfg.out:  # when each call's messages were pushed and their last reply arrived (benchmarks/peers.py --deploy)
+        from pathlib import Path
+
+        (Path(cfg.out) / "flower_calls.json").write_text(json.dumps(executor.calls))
     log.info("fedfuse run finished: %s", json.dumps(summary.get("final", {}), default=str)[:500])
 
 

@@ -301,7 +301,8 @@ class LocalFederation:
 
     def __init__(self, dir: str | Path, nodes: int = 2, *, auth: bool = True, env: Mapping[str, str] | None = None,
                  connection: str = DEFAULT_CONNECTION, node_config: Sequence[str] | None = None,
-                 startup_timeout: float = 60.0, warm: bool = False, worker_poll: float | None = None) -> None:
+                 startup_timeout: float = 60.0, warm: bool = False, worker_poll: float | None = None,
+                 node_poll: float | None = None, audit_open: bool = False) -> None:
         self.dir = Path(dir).resolve()
         self.num_nodes = nodes
         self.auth = auth
@@ -311,6 +312,8 @@ class LocalFederation:
         self.startup_timeout = startup_timeout
         self.warm = warm
         self.worker_poll = worker_poll
+        self.node_poll = node_poll  # SuperNode idle poll (fedfuse.flower.supernode); None: Flower's 3 s
+        self.audit_open = audit_open  # warm workers record every file they open (logs/worker-I.opened)
         self.workers: list[_Proc | None] = [None] * nodes  # warm ClientApp workers (``warm=True``)
         self.logs = self.dir / "logs"
         self.home = self.dir / "cli-home"  # FLWR_HOME of the flwr CLI (holds the SuperLink connection)
@@ -378,7 +381,9 @@ class LocalFederation:
 
     def _start_node(self, i: int) -> _Proc:
         assert self.certs is not None
-        cmd = [_tool("flower-supernode"), "--superlink", self.address, "--root-certificates", str(self.certs.ca_cert),
+        launcher = [_tool("flower-supernode")] if self.node_poll is None else [
+            sys.executable, "-m", "fedfuse.flower.supernode", "--idle-poll", str(self.node_poll)]
+        cmd = [*launcher, "--superlink", self.address, "--root-certificates", str(self.certs.ca_cert),
                "--host", "127.0.0.1", "--port", str(free_port())]
         if self.auth:
             cmd += ["--auth-supernode-private-key", str(self.certs.node_keys[i][0])]
@@ -393,8 +398,23 @@ class LocalFederation:
                       "--parent-pid", str(proc.popen.pid)]
             if self.worker_poll is not None:
                 worker += ["--poll", str(self.worker_poll)]
-            self.workers[i] = self._spawn(f"worker-{i}", worker, self.dir / f"supernode-{i}-home")
+            extra = {"FEDFUSE_AUDIT_OPEN": str(self.logs / f"worker-{i}.opened")} if self.audit_open else {}
+            self.workers[i] = self._spawn(f"worker-{i}", worker, self.dir / f"supernode-{i}-home", extra)
         return proc
+
+    @property
+    def node_data(self) -> list[Path]:
+        """The ``data`` directory of each SuperNode's node config (node-local data), resolved."""
+        out = []
+        for conf in self.node_config:
+            found = re.search(r"""data=(?:'([^']*)'|"([^"]*)")""", conf or "")
+            out.append(Path(found.group(1) or found.group(2)).resolve() if found else Path())
+        return out
+
+    def opened(self, i: int) -> list[str]:
+        """Paths worker ``i`` opened so far (``audit_open=True``)."""
+        path = self.logs / f"worker-{i}.opened"
+        return path.read_text().splitlines() if path.exists() else []
 
     def _wait_node(self, i: int) -> int:
         """Wait until SuperNode ``i`` is connected: it logs ``SuperNode ID: N`` once the SuperLink accepted it
@@ -413,10 +433,10 @@ class LocalFederation:
                 raise FederationError(f"{proc.name} not connected after {self.startup_timeout}s:\n{_tail(proc.log)}")
             time.sleep(0.2)
 
-    def _spawn(self, name: str, cmd: list[str], home: Path) -> _Proc:
+    def _spawn(self, name: str, cmd: list[str], home: Path, extra: Mapping[str, str] | None = None) -> _Proc:
         home.mkdir(parents=True, exist_ok=True)
         log = self.logs / f"{name}.log"
-        env = dict(self._env, FLWR_HOME=str(home))
+        env = dict(self._env, FLWR_HOME=str(home), **(extra or {}))
         with log.open("ab") as fh:
             offset = fh.tell()
             popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -588,9 +608,11 @@ def _signal_tree(pids: Sequence[int], sig: signal.Signals) -> None:
 
 
 def deployment_commands(app: str | Path, certs: Certificates, superlink: str, connection: str = DEFAULT_CONNECTION,
-                        node: int = 0) -> dict[str, list[str]]:
+                        node: int = 0, node_data: str = "/path/to/node-0") -> dict[str, list[str]]:
     """The commands that start a two-machine federation: the SuperLink and ``flwr`` on machine A (where ``app``
-    and ``certs`` are), one SuperNode on machine B (which needs ``ca.crt`` and its node key copied over)."""
+    and ``certs`` are), one SuperNode on machine B (which needs ``ca.crt``, its node key and its own data —
+    ``node_data``, e.g. a bundle of ``fedfuse export-partitions --nodes`` — copied over) with its warm ClientApp
+    worker (``--isolation process``: the worker runs every message in one long-lived process)."""
     app = Path(app).resolve()
     port = superlink.rsplit(":", 1)[1]
     home = f"FLWR_HOME={app / '.flwr'}"
@@ -602,7 +624,9 @@ def deployment_commands(app: str | Path, certs: Certificates, superlink: str, co
     if auth:
         a.append(f"{home} flwr supernode register {certs.node_keys[node][1]} {connection}")
     b = [f"flower-supernode --superlink {superlink} --root-certificates ca.crt"
-         + (f" --auth-supernode-private-key {certs.node_keys[node][0].name}" if auth else "")]
+         + (f" --auth-supernode-private-key {certs.node_keys[node][0].name}" if auth else "")
+         + f" --isolation process --port 9094 --node-config \"data='{node_data}'\"",
+         "python -m fedfuse.flower.worker --runtime-api-address 127.0.0.1:9094"]
     return {"A": a, "B": b, "run": [f"{home} flwr run {app} {connection} --stream"]}
 
 
@@ -656,8 +680,12 @@ def cmd_flower_app(args: Any) -> int:
     print(f"Machine A (the SuperLink, reachable at {args.superlink}):")
     print("\n".join(f"  {c}" for c in cmds["A"]))
     copy = "ca.crt" + (f" and {certs.node_keys[0][0].name}" if certs.node_keys else "")
-    print(f"\nMachine B (a SuperNode; copy {copy} from {certs.dir.resolve()} first):")
+    print(f"\nMachine B (a SuperNode; copy {copy} from {certs.dir.resolve()} first, and its own data: e.g. node-0/ "
+          "of `fedfuse export-partitions --nodes N --out DIR`, or a table/image folder with --node-config "
+          "\"data='...' client-id=K\"):")
     print("\n".join(f"  {c}" for c in cmds["B"]))
+    print("  (the second command is the warm ClientApp worker: it runs every message of the node in one process; "
+          "without it, drop --isolation process and Flower starts a ClientApp process per message)")
     print("\nMachine A, once the SuperNodes are up (streams the ServerApp's log):")
     print("\n".join(f"  {c}" for c in cmds["run"]))
     if len(certs.node_keys) > 1:

@@ -63,6 +63,7 @@ class FlowerExecutor:
         self._started = False
         self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
         self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
+        self.calls: list[dict[str, Any]] = []  # per grid call: message type, push and last-reply wall times
         self.served: dict[int, list[int] | None] = {}  # node -> the clients it holds (None: any, see discover)
 
     def bind(self, ctx: Any) -> None:
@@ -125,14 +126,14 @@ class FlowerExecutor:
         self.discover(ids)
         if any(self.served.get(n, None) is None for n in ids if n in self.served) or not self.served:
             return None
-        return set(self.holders(ids))
+        return set(self.holders(self.route(ids, strict=True)))
 
-    def route(self, ids: list[int]) -> list[int]:
+    def route(self, ids: list[int], strict: bool = False) -> list[int]:
         """The nodes to send to: those that answered lately.  A node that left a message unanswered (it died,
         or missed the deadline) is skipped for the next ``RETRY_AFTER`` calls — a dead SuperNode stays listed by
         the SuperLink until its heartbeat expires — and then tried again."""
         live = [n for n in ids if self._silent.get(n, 0) <= 0]
-        return live or ids
+        return live if live or strict else ids
 
     def message(self, method: str, job: Job, node: int, payload: tuple[Any, Any], train: str) -> Any:
         """The Flower message of ``job``: its payload records (encoded once per distinct payload, see
@@ -157,7 +158,7 @@ class FlowerExecutor:
             return {}
         ids = self.nodes()
         self.discover(ids)
-        holders = self.holders(ids)
+        holders = self.holders(self.route(ids, strict=True))  # a silent node's clients are absent for a while
         anyone = self.route([n for n in ids if self.served.get(n, None) is None])
         self._silent = {n: k - 1 for n, k in self._silent.items() if k > 1}
         train = json.dumps(asdict(self._ctx.train) if self._ctx is not None else {}, default=str)
@@ -202,6 +203,7 @@ class FlowerExecutor:
         push, pull = getattr(self.grid, "push_messages", None), getattr(self.grid, "pull_messages", None)
         if push is None or pull is None:
             return list(self.grid.send_and_receive(messages, timeout=self.round_timeout))
+        start = time.time()
         waiting = set(push(messages))
         end = None if self.round_timeout is None else time.monotonic() + self.round_timeout
         out: list[Any] = []
@@ -212,6 +214,8 @@ class FlowerExecutor:
             if not waiting or (end is not None and time.monotonic() >= end):
                 break
             time.sleep(self.poll)
+        self.calls.append({"type": str(messages[0].metadata.message_type) if messages else "", "push": start,
+                           "done": time.time(), "messages": len(messages)})
         return out
 
     def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
@@ -282,6 +286,7 @@ class LocalGrid:
             node = msg.metadata.dst_node_id
             if node in self.fail and self.fail[node](self.calls):
                 continue
+            msg.metadata.__dict__["_message_id"] = msg.object_id  # as a grid's push sets it (replies refer to it)
             received = self._wire(msg)
             reply = self.client_app(received, self.contexts[node])
             if self.keep_replies:

@@ -23,6 +23,7 @@ It serves any Flower app (the ClientApp is whatever the submitted bundle names),
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -96,9 +97,14 @@ class WarmWorker:
         heartbeat.start()
         message = context = reply = None
         status, details = SubStatus.FAILED, "ClientApp task failed"
+        t0 = time.perf_counter()
+        t1 = t2 = t0
         try:
             message, context, run, fab = pull_task_input(client)
-            reply = self.client_app(fab, run)(message=message, context=context)
+            app = self.client_app(fab, run)
+            t1 = time.perf_counter()
+            reply = app(message=message, context=context)
+            t2 = time.perf_counter()
             status, details = SubStatus.COMPLETED, ""
         except Exception as ex:
             log.error("ClientApp raised an exception: %s", ex, exc_info=ex)
@@ -116,6 +122,12 @@ class WarmWorker:
             heartbeat.stop()
             client.close()
             self.tasks += 1
+            t3 = time.perf_counter()
+            stats = os.environ.get("FEDFUSE_WORKER_STATS")
+            if stats:  # where a task's time went: pulling its input, the ClientApp, pushing the reply and status
+                with open(stats, "a") as fh:
+                    fh.write(json.dumps({"time": time.time(), "type": message.metadata.message_type if message
+                                         else None, "pull": t1 - t0, "app": t2 - t1, "push": t3 - t2}) + "\n")
 
     def serve(self, max_tasks: int | None = None, idle_exit: float | None = None) -> int:
         """Claim and run tasks until ``max_tasks`` ran or nothing came for ``idle_exit`` seconds; returns the
@@ -143,6 +155,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the SuperNode) exits")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    audit = os.environ.get("FEDFUSE_AUDIT_OPEN")
+    if audit:  # record every file this process opens (tests check a node reads only its own data)
+        sink = open(audit, "a", buffering=1)  # noqa: SIM115  (open for the life of the process)
+
+        def hook(event: str, args: tuple[Any, ...]) -> None:
+            if event == "open" and args and isinstance(args[0], str | bytes | os.PathLike):
+                sink.write(os.fsdecode(args[0]) + "\n")
+
+        sys.addaudithook(hook)
     if args.parent_pid is not None:
         from flwr.supercore.app_utils import start_parent_process_monitor
 

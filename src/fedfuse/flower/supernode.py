@@ -1,0 +1,49 @@
+"""``flower-supernode`` with a shorter idle poll (flwr 1.40-1.41).
+
+A flwr 1.41 SuperNode asks the SuperLink for a message, and when there is none it sleeps **3 s** before asking
+again (``time.sleep(3)`` in ``flwr.supernode.start_client_internal``; not configurable); while a ClientApp runs it
+checks for the reply every 0.5 s.  A round's messages therefore wait 1.5 s on average (up to 3 s) before a node
+even sees them — Flower's floor for a deployed round.  This launcher runs Flower's own ``flower-supernode`` with
+those two sleeps capped at ``--idle-poll`` seconds (it replaces the ``time`` module that one Flower module
+sees with one whose ``sleep`` is capped; nothing else changes).  A shorter poll costs the SuperLink more
+requests: one per node every ``--idle-poll`` seconds while idle.
+
+    python -m fedfuse.flower.supernode --idle-poll 0.1 --superlink HOST:PORT ...   # flower-supernode's flags
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+class CappedTime:
+    """The ``time`` module with ``sleep`` capped at ``cap`` seconds."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(min(seconds, self.cap))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--idle-poll", type=float, default=3.0)
+    args, rest = p.parse_known_args(argv)
+    import flwr.supernode.start_client_internal as loop
+    from flwr.supernode.cli import flower_supernode
+
+    loop.time = CappedTime(args.idle_poll)  # type: ignore[assignment]
+    sys.argv = ["flower-supernode", *rest]
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()
