@@ -12,7 +12,8 @@ Class attributes (declarations the engine reads):
     ``default_sampling`` — the client sampler ``sampling: auto`` uses;
     ``echo_meta`` — payload meta keys copied into the reply's meta before fusion (what the server sent);
     ``reply_kind`` — ``"state"`` / ``"delta"`` / ``"other"`` / ``None``: what a reply is, for the update checks;
-    ``node_private`` — client-state entries that never leave a Flower node.
+    ``node_private`` — client-state entries that never leave a Flower node;
+    ``privacy`` — what the server must see and which of central DP, local DP and SecAgg apply (config checks).
 
 Hooks in round order (server side may read and return server state; client side is pure: a function of the
 payload, the client's own persistent state, its data and a generator, never of server state):

@@ -90,6 +90,50 @@ def _signature(v: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(v.shape), v.dtype
 
 
+Signature = tuple[tuple[int, ...], torch.dtype]
+
+
+def _modal(replies: Mapping[int, Message]) -> dict[str, tuple[Signature, int, int]]:
+    """Per key: the most common (shape, dtype) among the round's replies, its count and the key's total count."""
+    by_key: dict[str, Counter] = {}
+    for r in replies.values():
+        for k, v in r.tensors.items():
+            by_key.setdefault(k, Counter())[_signature(v)] += 1
+    return {k: (*cnt.most_common(1)[0], sum(cnt.values())) for k, cnt in by_key.items()}
+
+
+def _shape_problem(reply: Message, payload: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
+                   state_like: bool, modal: Mapping[str, tuple[Signature, int, int]]) -> str | None:
+    """Why one reply's tensors have the wrong keys, shapes or dtypes: against the shapes the algorithm declares
+    for it, else what was sent, else the round's strict majority (peer messages are not voted on)."""
+    for k, v in reply.tensors.items():
+        if k in expected:
+            if tuple(v.shape) != tuple(expected[k]):
+                return f"{k} has shape {tuple(v.shape)}, its selection gives {tuple(expected[k])}"
+        elif k in payload:
+            want = _signature(payload[k])
+            if _signature(v) != want:
+                return f"{k} has shape {tuple(v.shape)} {v.dtype}, sent {want[0]} {want[1]}"
+        elif state_like:
+            return f"unexpected key {k} (not in what was sent)"
+        elif not k.startswith(PEER_PREFIX):  # a peer message's shape depends on its sender: no vote
+            sig, n, total = modal[k]
+            if _signature(v) != sig and n * 2 > total and n >= 2:
+                return f"{k} has shape {tuple(v.shape)} {v.dtype}, the round's other replies {sig[0]} {sig[1]}"
+    return None
+
+
+def _norm_outliers(sent: Mapping[int, Message], replies: Mapping[int, Message], state_like: bool,
+                   norm_bound: float) -> dict[int, str]:
+    """Replies whose update norm exceeds ``norm_bound`` × the round's median (with >= 3 replies)."""
+    norms = {c: update_norm(sent.get(c, Message()), r, state_like) for c, r in replies.items()}
+    med = float(np.median(list(norms.values()))) if len(norms) >= 3 else 0.0
+    if med <= 0:
+        return {}
+    return {c: f"update norm {v:.3g} exceeds {norm_bound:g} x the round's median {med:.3g}"
+            for c, v in norms.items() if v > norm_bound * med}
+
+
 def check_replies(
     algo: Algorithm,
     sent: Mapping[int, Message],
@@ -107,48 +151,14 @@ def check_replies(
         why = check_meta(r, known) or check_values(r)
         if why:
             bad[c] = why
-    # shapes and dtypes: against what was sent, else against the round's majority
-    modal: dict[str, tuple[tuple[tuple[int, ...], torch.dtype], int, int]] = {}
-    by_key: dict[str, Counter] = {}
-    for r in replies.values():
-        for k, v in r.tensors.items():
-            by_key.setdefault(k, Counter())[_signature(v)] += 1
-    for k, cnt in by_key.items():
-        sig, n = cnt.most_common(1)[0]
-        modal[k] = (sig, n, sum(cnt.values()))
+    modal = _modal(replies)
     for c, r in replies.items():
-        if c in bad:
-            continue
         payload = sent.get(c, Message()).tensors if same_space else {}
-        expected = algo.reply_shapes(c, r)
-        for k, v in r.tensors.items():
-            if k in expected:
-                if tuple(v.shape) != tuple(expected[k]):
-                    bad[c] = f"{k} has shape {tuple(v.shape)}, its selection gives {tuple(expected[k])}"
-                    break
-            elif k in payload:
-                want = _signature(payload[k])
-                if _signature(v) != want:
-                    bad[c] = f"{k} has shape {tuple(v.shape)} {v.dtype}, sent {want[0]} {want[1]}"
-                    break
-            elif state_like:
-                bad[c] = f"unexpected key {k} (not in what was sent)"
-                break
-            elif not k.startswith(PEER_PREFIX):  # a peer message's shape depends on its sender: no vote
-                sig, n, total = modal[k]
-                if _signature(v) != sig and n * 2 > total and n >= 2:
-                    bad[c] = f"{k} has shape {tuple(v.shape)} {v.dtype}, the round's other replies {sig[0]} {sig[1]}"
-                    break
-    # norms relative to the round's median
+        why = None if c in bad else _shape_problem(r, payload, algo.reply_shapes(c, r), state_like, modal)
+        if why:
+            bad[c] = why
     if norm_bound > 0:
-        ok = [c for c in replies if c not in bad]
-        norms = {c: update_norm(sent.get(c, Message()), replies[c], state_like) for c in ok}
-        if len(norms) >= 3:
-            med = float(np.median(list(norms.values())))
-            if med > 0:
-                for c, v in norms.items():
-                    if v > norm_bound * med:
-                        bad[c] = f"update norm {v:.3g} exceeds {norm_bound:g} x the round's median {med:.3g}"
+        bad.update(_norm_outliers(sent, {c: r for c, r in replies.items() if c not in bad}, state_like, norm_bound))
     return dict(sorted(bad.items()))
 
 
