@@ -58,11 +58,18 @@ ALLOWED_VARIANTS: dict[tuple[str, str], str] = {
     ("clusamp", "fedavg"): "FedAvg",
     ("dispfl", "dpsgd"): "DPSGD",
     ("fedavg_ft", "fedavg"): "FedAvg",
+    ("fedadagrad", "fedavg"): "FedAvg",
+    ("fedadam", "fedavg"): "FedAvg",
+    ("fedavgm", "fedavg"): "FedAvg",
+    ("feddyn", "fedavg"): "FedAvg",
     ("fedexp", "fedavg"): "FedAvg",
     ("fedgen", "fedavg"): "FedAvg",
+    ("fednova", "fedavg"): "FedAvg",
     ("fedprox", "fedavg"): "FedAvg",
     ("fedrolex", "heterofl"): "HeteroFL",
     ("fedsam", "fedavg"): "FedAvg",
+    ("fedyogi", "fedavg"): "FedAvg",
+    ("scaffold", "fedavg"): "FedAvg",
 }
 # Modules of fedfuse.algorithms that are not algorithms: every algorithm may import them.  (The package itself is
 # the registry of every algorithm: importing it counts as importing another algorithm.)

@@ -43,12 +43,10 @@ class CluSamp(FedAvg):
     default_sampling = "clustered"
 
     @dataclass
-    class Options:
+    class Options(FedAvg.Options):
         weighting: str = opt("sampling", "aggregation weights: sampling = (times drawn)/m (paper and code); "
                              "samples = n_i over the drawn clients; uniform", choices=("sampling", "samples",
                                                                                         "uniform"))
-        int_policy: str = opt("max", "num_batches_tracked of the average", choices=("max", "sum", "first"))
-        server_lr: float = opt(1.0, "server learning rate on the averaged update (1 = plain average)", gt=0.0)
 
     def client_weights(self, results: dict[int, Message]) -> list[float]:
         if self.opt.weighting == "sampling":

@@ -14,7 +14,9 @@ FedExP authors' ``main.py`` and the FedMR authors' benchmark ``Training_FedExP.p
 * FedExP's own code: ``ε = 1e-3`` for CIFAR-10/100 and CINIC-10, ``0.1`` for EMNIST, decayed every round by
   ``0.998²`` (``eps_decay=0.996004``; ``ε_t = ε · eps_decay^(t+1)`` with t the 0-based round).
 
-``weighting="uniform"`` gives the paper's 1/M form with equal weights.  Norms are over the trainable
+FedExP's step size is its own server rule, so it takes only the averaging options (``weighting``,
+``int_policy``): FedAvg's ``server_lr``, robust fusion and clipping are not offered (an unknown option is
+refused).  ``weighting="uniform"`` gives the paper's 1/M form with equal weights.  Norms are over the trainable
 parameters and the extrapolation is applied to them only.  BatchNorm running statistics are statistics, not
 optimisation iterates: they take the p-weighted average (η = 1), and ``num_batches_tracked`` the max (the
 author codes extrapolate every state entry; the CNNs they use have no BN).
@@ -73,7 +75,7 @@ class FedExP(FedAvg):
     )
 
     @dataclass
-    class Options(FedAvg.Options):
+    class Options(FedAvg.AverageOptions):
         weighting: str = opt("samples", "client weights p_i: 'samples' (n_i, both author codes) or 'uniform' "
                              "(the paper's 1/M)", choices=("samples", "uniform"))
         eps: float = opt(0.1, "per-client ε: K·ε is added to ||mean update||^2 (0.1 = FedMR's benchmark code; "

@@ -17,7 +17,8 @@ authors' code (``zhuangdizhu/FedGen``: ``serverpFedGen.py``, ``userpFedGen.py``,
   head and L_div = exp(−mean_{ij} ‖ε_i − ε_j‖²_mean · |z_i − z_j|_mean) the code's diversity loss;
   ensemble_beta > 0 adds the code's adversarial student term (−β·KL(σ(Σ_k α h_k(z)) ‖ σ(h_global(z))))).
 * **Server aggregation**: FedAvg, sample-weighted (``aggregate_parameters``); BN statistics averaged with the
-  same weights, ``num_batches_tracked`` = max (the code averages parameters only).
+  same weights, ``num_batches_tracked`` = max (the code averages parameters only).  It is FedAvg's server rule,
+  so FedAvg's options (``server_lr``, robust ``fusion``, ``clip_norm``) act on FedGen's global model too.
 * **Client** (Eq. 5, ``UserpFedGen.train``), from the second round on: loss = CE(f(x), y)
   + (B_gen/B)·α_t·CE(h(G(ŷ)), ŷ) + β_t·KL(σ(h(G(y))) ‖ f(x)), with ŷ ~ Uniform(all labels), G in eval mode
   and not trained, σ(h(G(y))) detached, α_t = max(1e-4, generative_alpha·0.98^t), β_t likewise
@@ -43,7 +44,6 @@ from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState, state_o
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
-from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
 from fedfuse.rng import torch_generator
 from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
@@ -239,9 +239,8 @@ class FedGen(FedAvg):
         if not results:
             return state
         gstate, opt_state, diag = self.train_generator(state, info, results)
-        avg = weighted_average([r.tensors for r in results.values()], self.client_weights(results),
-                               base=state["global"], int_policy=self.opt.int_policy)  # type: ignore[arg-type]
-        return {**state, "global": avg, "generator": gstate, "gen_opt": opt_state, "diag": diag}
+        fused = super().aggregate_fit(state, info, results)  # FedAvg's server rule: every FedAvg option acts
+        return {**fused, "generator": gstate, "gen_opt": opt_state, "diag": diag}
 
     def _head_params(self, tensors: TensorDict) -> TensorDict:
         prefix = self.head_name + "."

@@ -1,0 +1,41 @@
+"""FedAvgM (Hsu, Qi & Brown 2019, "Measuring the effects of non-identical data distribution"): FedAvg with server
+momentum.  With the averaged update ``Δ_t = x̄_t − x_t`` (the negative pseudo-gradient):
+
+    m_t = β · m_{t−1} + Δ_t   (m_1 = Δ_1),      x_{t+1} = x_t + η · m_t
+
+as Flower's ``FedAvgM`` (``server_learning_rate`` η = ``server_lr``, ``server_momentum`` β).  Flower's default
+β = 0 is plain FedAvg; the default here is β = 0.9, the value Hsu et al. and Reddi et al. use.  Fusion, clipping
+and the treatment of BatchNorm buffers are FedAvg's (:class:`fedfuse.fusion.server.ServerRule`): running
+statistics take the average, ``num_batches_tracked`` follows ``int_policy``; only parameters get momentum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.fusion.server import ServerOptimizer, ServerSGD
+from fedfuse.options import opt
+from fedfuse.types import Privacy, ServerView, not_built, yes
+
+
+class FedAvgM(FedAvg):
+    name = "fedavgm"
+    description = "FedAvgM: FedAvg with server momentum m = beta m + delta, x += server_lr m (Hsu et al. 2019)"
+
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL, "momentum steps on the mean update: FedAvg's sums suffice",
+                central_dp=yes("DP-FedAvg's noised mean, then the momentum step (post-processing)"),
+                local_dp=not_built("the client step is plain SGD on the task loss: DP-SGD (Opacus) fits it; "
+                                   "not wired yet"),
+                secagg=not_built("the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would "
+                                 "hide each term")),
+    )
+
+    @dataclass
+    class Options(FedAvg.FusionOptions):
+        server_lr: float = opt(1.0, "server learning rate η (Flower: server_learning_rate)", gt=0.0)
+        server_momentum: float = opt(0.9, "server momentum β (Flower's default 0 is plain FedAvg)", ge=0.0, lt=1.0)
+
+    def server_optimizer(self) -> ServerOptimizer | None:
+        return ServerSGD(lr=float(self.opt.server_lr), momentum=float(self.opt.server_momentum))

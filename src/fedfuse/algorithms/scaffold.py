@@ -1,0 +1,97 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020, "Stochastic Controlled Averaging for Federated Learning").
+
+The server holds the model x and a control variate c; client i keeps its own c_i (client state, 0 at first).  The
+payload is x plus c (tensors ``c/<name>``, so the download is twice FedAvg's).  Client i runs K local steps of
+
+    y ← y − η_l (g_i(y) − c_i + c)
+
+(the correction is the gradient of a declared linear loss term, so every executor runs it), then
+updates its control variate with the paper's **option II** and replies with y and Δc_i (tensors ``dc/<name>``):
+
+    c_i⁺ = c_i − c + (x − y) / (K η_l),      Δc_i = c_i⁺ − c_i.
+
+The server (η_g = ``server_lr``) sets x ← x + η_g · mean_i (y_i − x) through FedAvg's server rule, uniform
+weights by default as in the paper, and c ← c + (1/N) Σ_i Δc_i over the N clients.  Control variates cover the
+trainable parameters only; BatchNorm statistics are averaged like FedAvg's.  K is the client's step count and
+η_l the run's ``lr``; option II assumes plain SGD (with momentum or Adam it is the usual approximation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
+from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.engine.client import TrainStats
+from fedfuse.engine.program import Batch, ClientProgram, LossTerm
+from fedfuse.options import opt
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, not_built
+
+CV, DC = "c/", "dc/"  # server control variate in the payload; control-variate update in the reply
+
+
+def option_two(ci: TensorDict, c: TensorDict, x: TensorDict, y: TensorDict, steps: int, lr: float) -> TensorDict:
+    """c_i⁺ = c_i − c + (x − y)/(K η_l); c_i unchanged when the client took no step."""
+    if steps <= 0 or lr <= 0:
+        return {k: v.clone() for k, v in ci.items()}
+    return {k: ci[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in ci}
+
+
+def correction(b: Batch) -> torch.Tensor:
+    """⟨y, c − c_i⟩ over the parameters (``refs`` holds c − c_i): its gradient is the drift correction."""
+    return sum(((p * b.refs[CV + k]).sum() for k, p in b.params.items() if CV + k in b.refs), torch.zeros(()))
+
+
+class Scaffold(FedAvg):
+    name = "scaffold"
+    description = "SCAFFOLD: control variates c, c_i correct client drift (option II), uniform server average"
+    privacy = (
+        Privacy(ServerView.NOTHING_INDIVIDUAL, "the model's and c's updates are means: sums of y_i and Δc_i suffice",
+                central_dp=not_built("Δc_i is a second per-client release: it would need its own clipping and noise"),
+                local_dp=not_built("the corrected step is SGD plus a linear term: DP-SGD would clip the task "
+                                   "gradients only"),
+                secagg=not_built("the server reads only the sums of y_i and Δc_i: pairwise masks fit; not wired")),
+    )
+    accepts_late = False  # a late Δc_i was computed against an older c
+
+    @dataclass
+    class Options(FedAvg.FusionOptions):
+        weighting: str = opt("uniform", "weights of the model average: uniform (the paper) or samples (n_i)",
+                             choices=("samples", "uniform"))
+        server_lr: float = opt(1.0, "global step size η_g on the averaged update (the paper's default 1)", gt=0.0)
+
+    def init_state(self) -> ServerState:
+        state = super().init_state()
+        keys = self.ctx.param_keys()
+        return {**state, "c": {k: torch.zeros_like(v) for k, v in state["global"].items() if k in keys}}
+
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        msg = Message({**state["global"], **{CV + k: v for k, v in state["c"].items()}})
+        return {cid: msg for cid in clients}
+
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        x = {k: v for k, v in payload.tensors.items() if not k.startswith(CV)}
+        c = {k[len(CV):]: v for k, v in payload.tensors.items() if k.startswith(CV)}
+        ci = client_state["c"] if client_state else {k: torch.zeros_like(v) for k, v in c.items()}
+        model, spec = self.ctx.model(payload.meta), self.ctx.train
+
+        def finalize(y: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
+            new = option_two(ci, c, x, y, stats.steps, spec.lr)
+            reply = {**y, **{DC + k: new[k] - ci[k] for k in ci}}
+            return Message(reply, stats=self.fit_stats(model, data, stats)), {"c": new}
+
+        return ClientProgram(model=model, init=x, spec=spec, finalize=finalize,
+                             terms=(LossTerm("scaffold-correction", correction),),
+                             refs={CV + k: c[k] - ci[k] for k in c})
+
+    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        if not results:
+            return state
+        models = {cid: Message({k: v for k, v in r.tensors.items() if not k.startswith(DC)}, r.meta, r.stats)
+                  for cid, r in results.items()}
+        out = super().aggregate_fit(state, info, models)
+        n = self.ctx.num_clients
+        c = {k: v + sum(r.tensors[DC + k] for r in results.values()) / n for k, v in state["c"].items()}
+        return {**out, "c": c}
