@@ -170,7 +170,7 @@ def test_compare_seeds_table_and_extension_runs_only_new_seeds(tmp_path, capsys)
     text = capsys.readouterr()
     assert "2 runs: 0 cached" not in text.err and "4 runs: 0 cached, 4 to run" in text.err
     row = next(line for line in text.out.splitlines() if line.startswith("| fedprox |"))
-    assert " ± " in row and ("(n.s.)" in row or "*" in row)
+    assert " ± " in row and "(no test)" in row and "*" not in row  # two seeds: no significance claim
     assert main([*argv, "--seeds", "3"]) == 0  # with plots: the report is written too
     err = capsys.readouterr().err
     assert "6 runs: 4 cached, 2 to run" in err
@@ -280,3 +280,39 @@ def test_reproduce_writes_a_report_and_reuses_runs(tmp_path, capsys, monkeypatch
     assert main(["reproduce", "tiny", "--out", str(out), "--reuse", "--no-report"]) == 0
     assert (out / "fedavg" / "summary.json").stat().st_mtime_ns == mtime and calls == [False, False, True, True]
     assert common.REUSE is False
+
+
+def test_show_is_complete_for_datasets_partitions_and_models():
+    """Every option of every dataset, partition and model has a type and a help line; no help text cites an
+    internal file number; defaults print as a person writes them."""
+    import re
+
+    from fedfuse.api import show
+    from fedfuse.data.datasets import DATASETS
+    from fedfuse.data.partition import PARTITIONS
+    from fedfuse.models import MODELS
+
+    for names, kind in ((DATASETS, "dataset"), (PARTITIONS, "partition"), (MODELS, "model")):
+        for name in names:
+            (comp,) = show(name, kind)
+            for o in comp.options:
+                assert o.help and o.type != "any", (kind, name, o.name)
+    from fedfuse.algorithms import ALGORITHMS
+
+    for name in ALGORITHMS:
+        text = show(name, "algorithm")[0].format()
+        assert not re.search(r"\b00\d (§|Table|Eq)", text), name
+        assert not re.search(r"\d\.\d{9,}", text), name  # 0.8333, not 0.8333333333333334
+
+
+def test_list_shows_options_of_datasets(capsys):
+    assert main(["list", "datasets"]) == 0
+    out = capsys.readouterr().out
+    assert "options: train_limit, test_limit, rotate_domains, label_mode" in out
+
+
+def test_run_table_says_what_final_is(tmp_path, capsys):
+    assert main(["run", *FAST, "--rounds", "3", "--out", str(tmp_path / "r"), "--set", "plots=false"]) == 0
+    out = capsys.readouterr().out
+    assert "final = the mean of the last 5 evaluations; this run evaluated 3 times" in out
+    assert "round 3" in out.splitlines()[0]

@@ -84,8 +84,13 @@ def test_paired_rows_against_fedavg():
     (row,) = R.paired_vs_baseline("s", per)
     assert row["method"] == "FedMR" and row["seeds"] == [0, 1] and row["n"] == 2
     assert row["diff"] == pytest.approx(3.0)
-    # t = mean(d) / (sd(d)/sqrt(2)) = 0.03 / (0.01414/1.414) = 3 with 1 dof: p = 2·(1 − F(3)) = 0.2048
-    assert row["p"] == pytest.approx(0.2048, abs=1e-3) and row["mark"] == "(n.s.)"
+    # two pairs: a t-test with one degree of freedom makes no claim (fedfuse.stats.MIN_PAIRS = 3)
+    assert row["p"] is None and row["mark"] == "(no test)"
+    three = {"FedAvg": {**per["FedAvg"], 2: hist(0.70)}, "FedMR": {**per["FedMR"], 2: hist(0.70)}}
+    (row,) = R.paired_vs_baseline("s", three)  # a third pair: diffs +2, +4, 0 points
+    assert row["n"] == 3 and row["diff"] == pytest.approx(2.0)
+    # t = mean(d) / (sd(d)/sqrt(3)) = 0.02 / (0.02/1.732) = 1.732 with 2 dof: p = 0.2254
+    assert row["p"] == pytest.approx(0.2254, abs=1e-3) and row["mark"] == "(n.s.)"
     assert R.paired_vs_baseline("s", {"FedMR": per["FedMR"]}) == []
 
 

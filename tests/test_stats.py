@@ -44,10 +44,26 @@ def test_paired_test():
     t = paired_test([0.8, 0.82, 0.81], [0.7, 0.71, 0.72])
     assert t.n == 3 and t.diff == pytest.approx(0.1) and t.significant()
     same = paired_test([0.5, 0.6], [0.5, 0.6])
-    assert math.isnan(same.p_value) and not same.significant() and same.mark() == "(n.s.)"
+    assert math.isnan(same.p_value) and not same.significant() and same.mark() == "(no test)"
+    two = paired_test([0.5, 0.6], [0.5006, 0.6005])  # n = 2: one degree of freedom, p ~ 1e-2 — no claim
+    assert math.isnan(two.p_value) and two.mark() == "(no test)"
+    flat = paired_test([0.6, 0.7, 0.8], [0.5, 0.6, 0.7])  # the same difference on every seed: degenerate t
+    assert flat.n == 3 and flat.diff == pytest.approx(0.1) and not flat.tested and flat.mark() == "(no test)"
+    assert paired_test([0.8, 0.82, 0.81], [0.7, 0.71, 0.72]).mark() == "*"
     assert not paired_test([0.9], [0.1]).significant()  # one pair: no claim
     noisy = paired_test([0.5, 0.9, 0.4], [0.6, 0.5, 0.55])
-    assert not noisy.significant()
+    assert not noisy.significant() and noisy.mark() == "(n.s.)"
+
+
+def test_final_note_says_what_final_is():
+    from fedfuse.stats import final_note
+
+    assert final_note(5, [20, 20]) == "final = the mean of the last 5 evaluations"
+    assert final_note(1, [3]) == "final = the last evaluation"
+    assert final_note(5, [3, 3]) == ("final = the mean of the last 5 evaluations; these runs evaluated 3 times, "
+                                     "so final = the mean of all 3 evaluations")
+    assert final_note(5, [1], "this run").endswith("this run evaluated 1 time, so final = its only evaluation")
+    assert "(2, 4 evaluations here)" in final_note(5, [2, 4, 9])
 
 
 def test_parse_seeds():

@@ -123,16 +123,17 @@ def test_table_statistics_by_hand():
     assert frame.loc["a", "p_value"] is None or math.isnan(frame.loc["a", "p_value"])
     md = t.to_markdown()
     assert "| b | 3 |" in md and "(n.s.) not significant" in md
+    assert "final = the mean of the last 2 evaluations of global_accuracy" in md
     assert "<table" in t._repr_html_() and "55.50 ± 2.00" in t._repr_html_()
 
 
 def test_table_marks_non_significant_and_single_seed():
     res = _fake([("a", 0, 0.5), ("a", 1, 0.6), ("b", 0, 0.52), ("b", 1, 0.57)])
     t = ResultTable(res, target=0.9)
-    assert "(n.s.)" in t.display_rows()[1]["vs a"]
+    assert "(no test)" in t.display_rows()[1]["vs a"]  # two seeds: no significance claim
     assert t.display_rows()[0]["rounds to 90%"] == "never"
     one = ResultTable(_fake([("a", 0, 0.5), ("b", 0, 0.7)]))
-    assert "(n.s.)" in one.display_rows()[1]["vs a"]  # n = 1: no claim
+    assert "(no test)" in one.display_rows()[1]["vs a"]  # n = 1: no claim
     assert one.display_rows()[0]["final global acc (%)"] == "52.50"  # no ± for one seed (mean of all 4 rounds)
     with pytest.raises(ConfigError, match="baseline 'zz' is not a label"):
         ResultTable(res, baseline="zz")

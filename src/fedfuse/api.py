@@ -214,8 +214,14 @@ def _show_default(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float) and math.isfinite(v):
-        return repr(v)
+        return human_number(v)
     return json.dumps(v) if isinstance(v, list | dict | tuple) else str(v)
+
+
+def human_number(v: float) -> str:
+    """A float as a person writes it: ``0.1``, ``1e-05``, ``0.8333`` (not ``0.8333333333333334``)."""
+    text = repr(v)
+    return text if len(text) <= 8 else f"{v:.4g}"
 
 
 def _show_help(o: OptionInfo) -> str:
@@ -228,12 +234,18 @@ def _show_help(o: OptionInfo) -> str:
     return f"{text} [{'; '.join(extra)}]".strip() if extra else text
 
 
-def _from_defaults(defaults: Mapping[str, Any]) -> list[OptionInfo]:
-    """Options declared only by their defaults (no help line yet): the type is the default's."""
+def _from_defaults(defaults: Mapping[str, Any], helps: Mapping[str, tuple[str, str]] | None = None
+                   ) -> list[OptionInfo]:
+    """Options declared by their defaults plus a help table (name → (type, help line)); without an entry the
+    type is the default's."""
     def tname(v: Any) -> str:
+        if isinstance(v, tuple | list):
+            return "list"
         return "any" if v is None else type(v).__name__
 
-    return [OptionInfo(k, tname(v), v, "", None, "") for k, v in defaults.items()]
+    helps = helps or {}
+    return [OptionInfo(k, helps.get(k, (tname(v), ""))[0], v, helps.get(k, ("", ""))[1], None, "")
+            for k, v in defaults.items()]
 
 
 def show(name: str, kind: str | None = None) -> list[Component]:
@@ -245,8 +257,11 @@ def show(name: str, kind: str | None = None) -> list[Component]:
     """
     from fedfuse.algorithms import ALGORITHMS
     from fedfuse.data.datasets import DATASETS, dataset_options
+    from fedfuse.data.datasets import OPTION_HELP as DATASET_HELP
+    from fedfuse.data.partition import OPTION_HELP as PARTITION_HELP
     from fedfuse.data.partition import PARTITIONS, partition_options
     from fedfuse.models import MODELS, model_options
+    from fedfuse.models.registry import OPTION_HELP as MODEL_HELP
     from fedfuse.names import canonical, unknown
 
     every = sorted({*ALGORITHMS, *MODELS, *DATASETS, *PARTITIONS, "config"})
@@ -264,13 +279,13 @@ def show(name: str, kind: str | None = None) -> list[Component]:
                                tuple(getattr(cls, "privacy", ()))))
     if kind in (None, "model") and name in MODELS:
         found.append(Component("model", name, MODELS[name].description, "model_options",
-                               _from_defaults(model_options(name))))
+                               _from_defaults(model_options(name), MODEL_HELP)))
     if kind in (None, "dataset") and name in DATASETS:
         found.append(Component("dataset", name, DATASETS[name].description, "dataset_options",
-                               _from_defaults(dataset_options(name))))
+                               _from_defaults(dataset_options(name), DATASET_HELP)))
     if kind in (None, "partition") and name in PARTITIONS:
         found.append(Component("partition", name, PARTITIONS[name], "partition_options",
-                               _from_defaults(partition_options(name))))
+                               _from_defaults(partition_options(name), PARTITION_HELP)))
     if not found:
         raise KeyError(unknown(kind or "name", name, every,
                                listing="fedfuse list; 'fedfuse show config' for the run's own keys"))

@@ -120,10 +120,20 @@ def _fmt(v: Any, pct: bool = False) -> str:
         return "—"
     if isinstance(v, float):
         return f"{100 * v:.2f}" if pct else (f"{v:.4g}")
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
     return str(v)
 
 
-def results_table(summary: dict[str, Any]) -> str:
+#: rows of the ``fedfuse run`` table whose "final" is the mean of the last evaluations (the others are totals)
+EVALUATED = ("global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "loss", "val_loss", "perplexity")
+
+
+def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None = None, last: int = 5) -> str:
+    """The table ``fedfuse run`` prints: final (the same statistic as compare, the API and reports: the mean of
+    the last ``last`` evaluations), the last evaluation, and the evaluation with the best validation loss."""
+    from fedfuse.stats import evaluations, final_mean, final_note
+
     rows = [
         ("global accuracy (%)", "global_accuracy", True),
         ("personalised accuracy, mean over clients (%)", "personal_accuracy", True),
@@ -131,7 +141,6 @@ def results_table(summary: dict[str, Any]) -> str:
         ("test loss", "loss", False),
         ("validation loss", "val_loss", False),
         ("perplexity", "perplexity", False),
-        ("round", "round", False),
         ("MB down (total)", "bytes_down", False),
         ("MB up (total)", "bytes_up", False),
         ("client GFLOPs (total)", "client_flops", False),
@@ -141,17 +150,30 @@ def results_table(summary: dict[str, Any]) -> str:
         ("replies lost to dropout (total)", "total_dropped", False),
         ("replies after the deadline (total)", "total_late", False),
     ]
-    lines = [f"{'metric':<48} {'final':>12} {'best (val)':>12}", "-" * 74]
+    history = history or []
+    at = summary["final"].get("round")
+    last_head = f"round {at}" if at is not None else "last"
+    best_at = summary["best"].get("round")
+    best_head = f"best val (r{best_at})" if best_at is not None else "best (val)"
+    lines = [f"{'metric':<46} {'final':>10} {last_head:>12} {best_head:>16}", "-" * 87]
+    counts: list[int] = []
     for label, key, pct in rows:
         f, b = summary["final"].get(key), summary["best"].get(key)
         if (f is None and b is None) or (key.startswith(("total_", "clients_without")) and not f):
             continue
+        m = final_mean(history, key, last) if key in EVALUATED else None
+        if key in EVALUATED and m is not None:
+            counts.append(len(evaluations(history, key)))
         if key.startswith("bytes"):
             f, b = (None if x is None else x / 1e6 for x in (f, b))
         if key == "client_flops":
             f, b = (None if x is None else x / 1e9 for x in (f, b))
-        lines.append(f"{label:<48} {_fmt(f, pct):>12} {_fmt(b, pct):>12}")
-    lines.append(f"wall time: {summary['wall_seconds']:.1f} s over {summary['rounds_completed']} rounds")
+        shown = _fmt(m, pct) if key in EVALUATED else ""
+        lines.append(f"{label:<46} {shown:>10} {_fmt(f, pct):>12} {_fmt(b, pct):>16}")
+    n = summary["rounds_completed"]
+    lines.append(f"wall time: {summary['wall_seconds']:.1f} s over {n} round{'s' if n != 1 else ''}")
+    if counts:
+        lines.append(f"{final_note(last, counts[:1], 'this run')} (as in compare, reports and Result.final())")
     return "\n".join(lines)
 
 
@@ -175,7 +197,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             cfg.out = _default_out(cfg, cfg.algorithm)
         prepare_run_dir(cfg.out, overwrite=args.overwrite)
         res = execute(cfg, progress=not args.no_progress, log=_logs(args))
-    print(results_table(res.summary))
+    print(results_table(res.summary, res.history))
     print(f"outputs in {res.out}")
     return 0
 
@@ -297,9 +319,9 @@ def cmd_export_partitions(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from fedfuse.algorithms import ALGORITHMS
-    from fedfuse.data.datasets import DATASETS
-    from fedfuse.data.partition import PARTITIONS
-    from fedfuse.models import MODELS
+    from fedfuse.data.datasets import DATASETS, dataset_options
+    from fedfuse.data.partition import PARTITIONS, partition_options
+    from fedfuse.models import MODELS, model_options
 
     sections = {
         "algorithms": {k: v.description for k, v in sorted(ALGORITHMS.items())},
@@ -307,6 +329,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         "partitions": dict(sorted(PARTITIONS.items())),
         "models": {k: v.description for k, v in sorted(MODELS.items())},
     }
+    options = {"datasets": dataset_options, "partitions": partition_options, "models": model_options}
     for title, items in sections.items():
         if args.what and args.what != title:
             continue
@@ -314,7 +337,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         width = max(len(k) for k in items)
         for k, d in items.items():
             print(f"  {k:<{width}}  {d}")
+            if title in options:  # their options in one short line (fedfuse show NAME: types, defaults, help)
+                names = list(options[title](k))
+                print(f"  {'':<{width}}    options: {', '.join(names) if names else '(none)'}")
         print()
+    print("fedfuse show NAME prints a name's options with types, defaults and one help line each.")
     return 0
 
 

@@ -62,6 +62,22 @@ def final_mean(history: Sequence[dict[str, Any]], key: str = "global_accuracy", 
     return sum(v for _, v in ev) / len(ev) if ev else None
 
 
+def final_note(last: int, counts: Sequence[int], subject: str = "these runs") -> str:
+    """What "final" is, in words, for runs with ``counts`` evaluations each: the mean of the last ``last``
+    evaluations, saying so when some runs have fewer (they average all they have)."""
+    last = max(1, last)
+    what = "the last evaluation" if last == 1 else f"the mean of the last {last} evaluations"
+    short = sorted({c for c in counts if c < last})
+    if not short:
+        return f"final = {what}"
+    if len(set(counts)) == 1:
+        c = short[0]
+        had = "its only evaluation" if c == 1 else f"the mean of all {c} evaluations"
+        return f"final = {what}; {subject} evaluated {c} time{'s' if c != 1 else ''}, so final = {had}"
+    return (f"final = {what}, or of all evaluations for runs with fewer ({', '.join(map(str, short))} "
+            "evaluations here)")
+
+
 def lower_is_better(key: str) -> bool:
     """Losses and perplexities improve downwards; accuracies (and anything else) upwards."""
     return "loss" in key or "perplexity" in key
@@ -111,31 +127,48 @@ class PairedTest:
     test: str
 
     def significant(self, alpha: float = 0.05) -> bool:
-        return self.n >= 2 and not math.isnan(self.p_value) and self.p_value < alpha
+        return self.tested and self.p_value < alpha
+
+    @property
+    def tested(self) -> bool:
+        """False when no test was made: fewer than :data:`MIN_PAIRS` pairs, or every pair differs by the same
+        amount (zero variance of the differences: the t statistic is 0/0 or infinite)."""
+        return self.n >= MIN_PAIRS and not math.isnan(self.p_value)
 
     def mark(self, alpha: float = 0.05) -> str:
-        """``"*"`` when significant at ``alpha``, ``"(n.s.)"`` otherwise."""
+        """``"*"`` when significant at ``alpha``, ``"(n.s.)"`` when tested and not, ``"(no test)"`` when no test
+        could be made (see :attr:`tested`)."""
+        if not self.tested:
+            return "(no test)"
         return "*" if self.significant(alpha) else "(n.s.)"
+
+
+#: fewest paired seeds a table tests (with 2 the paired t-test has one degree of freedom: any two nearly equal
+#: differences give a tiny p-value)
+MIN_PAIRS = 3
+
+#: the footnote's words for the marks of :meth:`PairedTest.mark`
+MARKS_NOTE = (f"(no test) fewer than {MIN_PAIRS} shared seeds or the same difference on every seed, so no test "
+              "was made")
 
 
 def paired_test(method: Sequence[float], baseline: Sequence[float], test: str = "t") -> PairedTest:
     """Two-sided paired test over seeds: ``t`` (paired t-test) or ``wilcoxon`` (signed-rank).
 
-    Pairs where either side is missing are dropped.  With fewer than two pairs, or identical pairs, the
-    p-value is NaN (not significant): no claim can be made.
+    Pairs where either side is missing are dropped.  With fewer than :data:`MIN_PAIRS` pairs, or when every
+    pair differs by the same amount (a degenerate test), the p-value is NaN: no claim is made.
     """
     pairs = [(float(a), float(b)) for a, b in zip(method, baseline, strict=False)
              if a is not None and b is not None and not (math.isnan(float(a)) or math.isnan(float(b)))]
     n = len(pairs)
     diffs = [a - b for a, b in pairs]
     mean_diff = sum(diffs) / n if n else float("nan")
-    if n < 2 or (all(d == diffs[0] for d in diffs) and diffs[0] == 0.0):
+    spread = max(diffs) - min(diffs) if diffs else 0.0
+    if n < MIN_PAIRS or spread <= 1e-12 + 1e-9 * max(abs(d) for d in diffs):  # equal up to rounding
         return PairedTest(mean_diff, float("nan"), n, test)
     from scipy import stats as sps
 
     if test == "t":
-        if all(d == diffs[0] for d in diffs):  # zero variance, non-zero mean: t is infinite
-            return PairedTest(mean_diff, 0.0, n, test)
         p = float(sps.ttest_rel([a for a, _ in pairs], [b for _, b in pairs]).pvalue)
     elif test == "wilcoxon":
         p = float(sps.wilcoxon(diffs).pvalue)

@@ -27,9 +27,12 @@ from typing import TYPE_CHECKING, Any
 from fedfuse.config import ConfigError, ConfigLike, RunConfig, apply, config_hash, make_config, parse_value, validate
 from fedfuse.result import Result, is_run_dir, load
 from fedfuse.stats import (
+    MARKS_NOTE,
     MeanStd,
     best_value,
     cost_to_target,
+    evaluations,
+    final_note,
     lower_is_better,
     mean_std,
     paired_test,
@@ -520,11 +523,12 @@ class ResultTable:
         from fedfuse.tables import markdown
 
         better = "lower is better, " if self.lower else ""
-        note = (f"\n\nfinal = mean of the last {self.last} evaluations of {self.metric} ({better}best = the "
+        counts = [len(evaluations(r.history, self.metric)) for rs in self.results.values() for r in rs]
+        note = (f"\n\n{final_note(self.last, counts)} of {self.metric} ({better}best = the "
                 f"{'lowest' if self.lower else 'highest'} evaluation); mean ± std over seeds "
                 f"(n = seeds); target = {self._target_text()}; "
                 f"paired {'t-test' if self.test == 't' else 'Wilcoxon signed-rank test'} over shared seeds "
-                f"against {self.baseline}: * p < {self.alpha}, (n.s.) not significant.")
+                f"against {self.baseline}: * p < {self.alpha}, (n.s.) not significant, {MARKS_NOTE}.")
         return markdown(self.display_rows()) + note
 
     def frame(self) -> pd.DataFrame:

@@ -10,14 +10,14 @@ Round:
 3. client i trains θ_i with the run's local SGD and returns Δθ_i = θ_i^after − θ_i^sent for every entry
    (``prox_mu`` > 0 adds the code's ``prox_mu·‖θ − θ_sent‖²``; the papers do not mention it, default 0);
 4. with s_i = n_i/n (n = Σ over the sampled clients, ``size_norm="all"``: over all clients):
-   * logits (App. D, delta form of 001 Eq. 9): g_ij = s_i · w_ij · ⟨Δθ_i, Θ_j − θ_i⟩, the inner product over
+   * logits (App. D, long paper Eq. 9, delta form): g_ij = s_i · w_ij · ⟨Δθ_i, Θ_j − θ_i⟩, the inner product over
      ``merge_params`` (default ``head``: the classification head, as 001 and the code; ``last-K``; ``all``),
-     parameters only.  ``merge_update="fixed"`` (default, 000 §4.1): a ← a + step · G / max|G| — the closed
+     parameters only.  ``merge_update="fixed"`` (default, paper §4.1): a ← a + step · G / max|G| — the closed
      form of the code's small-step search, which stops once a logit has moved by the step (the code overshoots
      by at most one of its increments); ``"gradient"``: a ← a + step · G; ``"none"``: frozen weights.
    * global models: ``theta_update="column_normalised"`` (default; the code's ``update_Theta``):
      Θ_j ← Θ_j + theta_lr · Σ_i ŵ_ij Δθ_i with ŵ_ij = w_ij n_i / Σ_k w_kj n_k, so each Θ_j takes a
-     FedAvg-sized step along the deltas of the clients that use it; ``"paper"`` (001 Eq. 8/10):
+     FedAvg-sized step along the deltas of the clients that use it; ``"paper"`` (extended FedMerge paper, Eq. 8/10):
      Θ_j ← Θ_j + theta_lr · Σ_i s_i w_ij Δθ_i, about 1/d of a FedAvg step while the weights are near uniform
      (``theta_lr = d`` restores the step size).
    Both use the weights the models were merged with (a simultaneous gradient step on Eq. 3);
@@ -42,7 +42,7 @@ Defaults chosen by measurement (``docs/fedmerge.md``; MNIST label-cluster, 20 cl
   97.5 / 99.0 / 95.0 % and is an option.  ``init="shared"`` with ``logit_init_std=0`` is refused: all d models
   would stay identical forever (FedAvg).
 
-``fixed_k`` > 0 is the Fixed(k/d) ablation (000 Table 4): each client's weights are uniform over k randomly
+``fixed_k`` > 0 is the Fixed(k/d) ablation (FedMerge paper, Table 4): each client's weights are uniform over k randomly
 chosen global models and frozen.
 
 Diagnostics: ``ari`` (k-means on the weight rows, K = number of true groups, vs ``fed.groups()``, the ground
@@ -116,8 +116,8 @@ class FedMerge(Algorithm):
                                     "weights (papers); -1 = auto (0 with init=independent, 0.1 with init=shared)",
                                     ge=-1.0)
         merge_params: str = opt("head", "parameters in the logit inner product: head (papers, code), last-K, all")
-        merge_update: str = opt("fixed", "logit step: fixed (largest logit change = merge_step, 000 §4.1 / code) | "
-                                "gradient (a += merge_step·G) | none (weights frozen)",
+        merge_update: str = opt("fixed", "logit step: fixed (largest logit change = merge_step, FedMerge paper "
+                                "§4.1, code) | gradient (a += merge_step·G) | none (weights frozen)",
                                 choices=("fixed", "gradient", "none"))
         merge_step: float = opt(0.0, "logit step size; 0 = auto: merge_travel spread over the rounds a client is "
                                 "expected to be sampled (the code's 0.01 per round fits its 500 rounds)", ge=0.0)
@@ -133,7 +133,8 @@ class FedMerge(Algorithm):
                              "none)", ge=0.0)
         size_norm: str = opt("sampled", "n in n_i/n: the sampled clients' total or all clients' total",
                              choices=("sampled", "all"))
-        fixed_k: int = opt(0, ">0: Fixed(k/d) ablation (000 Table 4): frozen uniform weights over k random models",
+        fixed_k: int = opt(0, ">0: Fixed(k/d) ablation (FedMerge paper, Table 4): frozen uniform weights over k "
+                              "random models",
                            ge=0)
         int_policy: str = opt("max", "num_batches_tracked when merging/updating: max or first",
                               choices=("max", "first"))

@@ -8,7 +8,7 @@ Notation as :mod:`fedfuse.algorithms.fedmerge` with Θ_j the j-th global *adapte
    does: the client's ΔW is then (Σ_j w_ij B_j)(Σ_j w_ij A_j), not Σ_j w_ij B_j A_j — see docs/lora.md);
 2. it trains θ_i with the run's local optimiser (base frozen) and returns Δθ_i (adapter tensors only);
 3. logits (App. D, delta form of Eq. 9): g_ij = s_i w_ij ⟨Δθ_i, Θ_j − θ_i⟩ over ``merge_params`` adapter
-   tensors, a ← a + merge_step · G / max|G| (``merge_update="fixed"``, 000 §4.1) or a + merge_step · G;
+   tensors, a ← a + merge_step · G / max|G| (``merge_update="fixed"``, FedMerge paper §4.1) or a + merge_step · G;
 4. adapters: the author code's column-normalised weights Θ_j ← Θ_j + theta_lr Σ_i ŵ_ij Δθ_i with
    ŵ_ij = w_ij n_i / Σ_k w_kj n_k (``theta_update="column_normalised"``, the default here) or the papers'
    Eq. 8/10, Θ_j ← Θ_j + theta_lr Σ_i s_i w_ij Δθ_i (``"paper"``).  With uniform weights the paper form moves
@@ -106,7 +106,7 @@ class FedMergeLoRA(LoraAlgorithm):
         merge_params: str = opt("all", "adapter tensors in the merging-logit inner product: all, lora_A, "
                                 "lora_B or last-K (the last K adapted modules)")
         merge_step: float = opt(0.01, "logit step (paper: 0.01 per round over 50 rounds)", ge=0.0)
-        merge_update: str = opt("fixed", "fixed: largest logit change = merge_step (paper 000 §4.1, code's "
+        merge_update: str = opt("fixed", "fixed: largest logit change = merge_step (FedMerge paper §4.1, code's "
                                 "search); gradient: a += merge_step · G", choices=("fixed", "gradient"))
         theta_lr: float = opt(1.0, "step on the global adapters (Eq. 8)", gt=0.0)
         theta_update: str = opt("column_normalised", "column_normalised (author code, default: measured better "

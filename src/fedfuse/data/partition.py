@@ -45,6 +45,32 @@ _OPTIONS: dict[str, dict[str, object]] = {
     "contiguous": {},
 }
 
+#: type and one help line of every partition option (``fedfuse show PARTITION``), by option name
+OPTION_HELP: dict[str, tuple[str, str]] = {
+    "alpha": ("float", "Dirichlet concentration: smaller gives each client fewer classes (0.1 very skewed, 100 ~ IID)"),
+    "min_size": ("int", "resample until every client holds at least this many training samples"),
+    "balance": ("bool", "stop giving samples to a client that already holds an equal share (the usual FL code)"),
+    "max_attempts": ("int", "resampling attempts before min_size is given up as impossible"),
+    "classes_per_client": ("int", "classes each client receives (2 = the pathological non-IID split)"),
+    "clusters": ("int", "number of label clusters, one per client group"),
+    "group_sizes": ("list[int] | none", "clients in each group, e.g. [2,3,4,5,6]; none = equal groups"),
+    "overlapping": ("bool", "clusters draw their classes from a shared pool (may overlap) instead of disjoint sets"),
+    "classes_per_cluster": ("int | none", "classes per cluster with overlapping (none = 30 % of the classes)"),
+    "cluster_alpha": ("float", "Dirichlet concentration of a cluster's samples over its clients (within=dirichlet)"),
+    "within": ("str | none", "how a group's clients share its cluster's samples: equal or dirichlet (none = "
+                             "equal when disjoint, dirichlet when overlapping)"),
+    "max_clients": ("int | none", "keep at most this many natural clients (writers, roles); none = all"),
+    "shuffle": ("bool", "shuffle the samples before partitioning (Flower Datasets partitioner option)"),
+    "min_partition_size": ("int", "resample until every partition holds at least this many samples"),
+    "self_balancing": ("bool", "stop assigning samples to a partition above the average size"),
+    "num_shards_per_partition": ("int", "shards each partition receives"),
+    "shard_size": ("int | none", "samples per shard; none = as many as fit"),
+    "keep_incomplete_shard": ("bool", "also hand out the last, smaller shard"),
+    "num_classes_per_partition": ("int", "classes each partition receives"),
+    "class_assignment_mode": ("str", "how classes are assigned: random, deterministic or first-deterministic"),
+    "partition_sizes": ("list[int] | none", "samples in each partition; none = equal"),
+}
+
 _LM_PARTITIONS = ("iid", "contiguous")
 
 #: (kind, lower bound, whether the bound is inclusive) of every numeric partition option; None may mean "auto"

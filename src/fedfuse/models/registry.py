@@ -260,6 +260,31 @@ def _info(name: str) -> ModelInfo:
     return MODELS[key]
 
 
+#: type and one help line of every model option (``fedfuse show MODEL``), by option name
+OPTION_HELP: dict[str, tuple[str, str]] = {
+    "widths": ("list[int]", "hidden layer widths, input to output"),
+    "channels": ("list[int]", "output channels of the convolution layers"),
+    "hidden": ("int | list[int]", "width of the fully connected hidden layer(s)"),
+    "kernel_size": ("int", "convolution kernel size"),
+    "padding": ("int | none", "convolution padding; none = 0 when the input is large enough, else 2 ('same')"),
+    "width_mult": ("float", "multiplies every layer's width (0.25 = a quarter-width network)"),
+    "norm": ("str", "normalisation layers: bn, bn-static (no running statistics) or none"),
+    "fc_hidden": ("list[int]", "hidden widths of the classifier head; [] = one linear layer"),
+    "dropout": ("float", "dropout probability"),
+    "d_model": ("int", "embedding and hidden size"),
+    "n_heads": ("int", "attention heads per layer"),
+    "n_layers": ("int", "transformer layers"),
+    "d_ff": ("int", "feed-forward hidden size"),
+    "tie_weights": ("bool", "share the input embedding and output projection"),
+    "norm_first": ("bool", "layer norm before attention/feed-forward (pre-LN) instead of after"),
+    "vocab_size": ("int", "vocabulary size; 0 = the dataset's"),
+    "max_len": ("int", "longest sequence the positional encoding covers"),
+    "persistent_pe": ("bool", "store the positional encoding in the state dict"),
+    "embed_dim": ("int", "token embedding size"),
+    "num_layers": ("int", "recurrent layers"),
+}
+
+
 def model_options(name: str) -> dict[str, object]:
     """Option name -> default for model ``name`` (from its builder's keyword-only parameters)."""
     params = inspect.signature(_info(name).builder).parameters.values()

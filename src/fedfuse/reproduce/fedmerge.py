@@ -38,7 +38,7 @@ PARTITIONS: dict[str, dict[str, Any]] = {
     "personal": {"partition": "dirichlet", "partition_options": {"alpha": 0.1}},
 }
 
-PAPER = {  # CIFAR-100, ResNet-9, 50 clients, 500 rounds (000 Tables 2-4); d = 5 unless noted
+PAPER = {  # CIFAR-100, ResNet-9, 50 clients, 500 rounds (FedMerge paper, Tables 2-4); d = 5 unless noted
     ("cluster", "local"): "23.13", ("cluster", "fedavg"): "29.20", ("cluster", "fedavg-ft"): "46.53",
     ("cluster", "pfedmoe"): "49.03", ("cluster", "ifca"): "42.64", ("cluster", "fedem"): "48.47",
     ("cluster", "fedmerge d=5"): "51.69", ("cluster", "fedmerge d=10"): "51.38",

@@ -1,4 +1,4 @@
-"""MSfusion (seed paper 004) vs HeteroFL and FedRolex over several seeds: MNIST (the defaults check), real CIFAR-10
+"""MSfusion (the MSfusion paper) vs HeteroFL and FedRolex over several seeds: MNIST (the defaults check), real CIFAR-10
 images (μ sweep, IID, ablations, ring vs fully connected topology) and a transformer LM on Penn Treebank.
 
 Settings follow App. A.2 where they fit the budget: 10 participants, all active every round, plain SGD with a

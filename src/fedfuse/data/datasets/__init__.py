@@ -111,6 +111,18 @@ def _canonical_name(name: str) -> str:
     return key
 
 
+#: type and one help line of every dataset option (``fedfuse show DATASET``), by option name
+OPTION_HELP: dict[str, tuple[str, str]] = {
+    "train_limit": ("int | none", "use a stratified subset of this many training samples; none = all"),
+    "test_limit": ("int | none", "use a stratified subset of this many test samples; none = all"),
+    "rotate_domains": ("int", "> 0: each client group sees the images rotated by its own angle (partition domain)"),
+    "label_mode": ("str", "fine (100 classes) or coarse (20 superclasses)"),
+    "normalize": ("str", "authors (the LEAF authors' pixel normalisation) or none (LEAF's stored values)"),
+    "seq_len": ("int", "tokens per training window"),
+    "level": ("str", "char or word tokens"),
+}
+
+
 def dataset_options(name: str) -> dict[str, object]:
     """The options ``load_dataset(name, ...)`` accepts, with their defaults."""
     return dict(_info(_canonical_name(name)).options)
