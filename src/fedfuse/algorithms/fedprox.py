@@ -17,16 +17,8 @@ from fedfuse.options import opt
 from fedfuse.types import Message, Privacy, ServerView, TensorDict, not_built, yes
 
 
-def proximal_term(model: torch.nn.Module, anchor: dict[str, torch.Tensor], mu: float) -> torch.Tensor:
-    """(μ/2) Σ ‖p − anchor_p‖² over the model's parameters."""
-    total = torch.zeros((), device=next(model.parameters()).device)
-    for name, p in model.named_parameters():
-        total = total + (p - anchor[name]).pow(2).sum()
-    return 0.5 * mu * total
-
-
 def proximal_penalty(params: TensorDict, anchor: TensorDict, mu: float) -> torch.Tensor:
-    """(μ/2) Σ ‖p − anchor_p‖² on functional parameters (same summation order as :func:`proximal_term`)."""
+    """(μ/2) Σ ‖p − anchor_p‖² over the trained parameters ``params`` (in their order)."""
     first = next(iter(params.values()))
     total = torch.zeros((), device=first.device)
     for name, p in params.items():

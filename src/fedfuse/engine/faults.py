@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fedfuse.rng import numpy_rng
-from fedfuse.types import SIM_PREFIX, FitStats, Message, TensorDict
+from fedfuse.types import SIM_PREFIX, FitStats, Message
 
 OK, DROPOUT, LATE = "ok", "dropout", "late"
 SCALE = 1000.0  # the "scale" corruption multiplies a client's update by this
@@ -116,10 +116,6 @@ def update_norm(sent: Message, reply: Message, state_like: bool) -> float:
         d = v.double() - base[k].double() if k in base else v.double()
         total += float((d * d).sum())
     return math.sqrt(total)
-
-
-def float_items(tensors: TensorDict) -> list[tuple[str, torch.Tensor]]:
-    return [(k, v) for k, v in tensors.items() if v.is_floating_point() or v.is_complex()]
 
 
 __all__ = ["DROPOUT", "LATE", "OK", "SCALE", "SIM_PREFIX", "FaultPlan", "reference_tensors", "update_norm"]

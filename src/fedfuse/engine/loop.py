@@ -27,11 +27,12 @@ from fedfuse.engine.contract import Algorithm, Executor, Job
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
 from fedfuse.engine.privacy import DP_SAMPLINGS, DPSettings, central_epsilon
+from fedfuse.engine.round import Collected, RoundLedger
 from fedfuse.engine.sampling import make_sampler
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError, UserError
 from fedfuse.rng import numpy_rng
-from fedfuse.types import SIM_PREFIX, Federation, Message
+from fedfuse.types import Federation, Message
 
 TIMING_KEYS = ("seconds", "wall_seconds")
 MAX_ROLLBACKS = 8  # on_divergence=rollback halves the lr at most this many times in one round
@@ -329,147 +330,142 @@ class Experiment:
         return msg
 
     def _round(self, r: int) -> dict[str, Any]:
-        algo, seed, cfg = self.algo, self.cfg.seed, self.cfg
+        """One round: select, then every stage collect → screen → account → fuse; then the record (and the
+        evaluation, on evaluation rounds)."""
         info = RoundInfo(index=r, total=self.cfg.rounds)
-        clients = self.sampler.select(algo, info, numpy_rng(seed, "select", r))
-        present = self.executor.present()  # Flower: only clients whose node is connected can take part
-        if present is not None:
-            chosen = among_present(clients, present, self.ctx.num_clients, numpy_rng(seed, "select-present", r))
-            if chosen != clients:
-                self.sampler.counts = {c: self.sampler.counts.get(c, 1) for c in chosen}
-            clients = chosen
-        sampling_weight = self.sampler.weights()
+        clients = self._select(info)
+        weights = self.sampler.weights()  # of this round's selection (sample-weighted fusion reads them)
         fates = self.faults.fates(r, clients)
-        dropped = [c for c in clients if fates[c] == DROPOUT]
-        late: list[int] = []
-        new_late: dict[int, tuple[Message, Message]] = {}
-        delivered_late: list[int] = []
-        quarantined: dict[str, str] = {}
-        active = list(clients)  # who takes part in the next stage: everyone sampled, then whoever replied
-        down = up = peer = 0
-        flops = 0.0
-        comm_params: dict[int, int] = {}  # client -> parameters sent to it over all stages of the round
-        trained_params: list[int] = []
-        train_loss = 0.0
-        train_n = 0
-        honest_bad = honest_replies = 0
-        skipped = False
+        ledger = RoundLedger(clients, dropped=[c for c in clients if fates[c] == DROPOUT], active=list(clients))
         start_state = self.state
-        for stage in range(algo.num_stages(self.state, info)):
+        new_late: dict[int, tuple[Message, Message]] = {}
+        for stage in range(self.algo.num_stages(self.state, info)):
             info = RoundInfo(index=r, total=self.cfg.rounds, stage=stage)
-            payloads = algo.configure_fit(self.state, info, active)
-            # a dropped-out client received its payload but never replies (and does no work)
-            jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", r, stage))
-                    for c in payloads if fates.get(c) != DROPOUT]
-            outs = self.executor.fit(algo, jobs)  # the executor runs declared programs or calls fit
-            for job in jobs:  # a job without a reply (a Flower node died, a reply timed out) is a dropout
-                if job.cid not in outs and job.cid not in dropped:
-                    dropped.append(job.cid)
-            results: dict[int, Message] = {}
-            state_like = is_state_like(algo, payloads, outs_results(outs))
-            for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
-                self.client_states[c] = cstate
-                if fates.get(c) == LATE:  # worked, but the reply missed the deadline
-                    late.append(c)
-                    if cfg.late_replies == "next-round" and stage == 0:
-                        stale = self.faults.corrupt(c, payloads[c], res, state_like)
-                        if stale is not None:
-                            new_late[c] = (stale, payloads[c])
-                    continue
-                res = self.faults.corrupt(c, payloads[c], res, state_like)
-                if res is None:
-                    continue
-                results[c] = res
-                for key in algo.echo_meta:  # server-side bookkeeping of what was sent
-                    if key in payloads[c].meta:
-                        res.meta.setdefault(key, payloads[c].meta[key])
-                if c in sampling_weight:
-                    res.meta["sampling_weight"] = sampling_weight[c]
-            sent = payloads
-            if stage == 0 and self.late_box:  # replies that missed an earlier deadline arrive now
-                sent = dict(payloads)
-                for c, (reply, was_sent) in sorted(self.late_box.items()):
-                    if c not in results:  # a fresh reply supersedes a stale one
-                        results[c] = Message(reply.tensors, {**reply.meta, "late": True}, reply.stats)
-                        sent[c] = was_sent
-                        delivered_late.append(c)
-                self.late_box = {}
-            down += sum(p.nbytes for p in payloads.values())
-            up += sum(res.nbytes for res in results.values())
-            for c, p in payloads.items():  # simulation bookkeeping (sim/...) is not communication
-                comm_params[c] = comm_params.get(c, 0) + sum(t.numel() for k, t in p.tensors.items()
-                                                             if not k.startswith(SIM_PREFIX))
-            honest_replies += sum(1 for c in results if not self.faults.corrupts(c))
-            if cfg.check_updates and results:
-                bad = check_replies(algo, sent, results, self.ctx.client_sizes, cfg.norm_bound)
-                for c, reason in bad.items():
-                    quarantined[str(c)] = f"stage {stage}: {reason}" if stage else reason
-                    log.warning("round %d: quarantined the update of client %d: %s", r + 1, c, reason)
-                    if not self.faults.corrupts(c) and "non-finite" in reason:
-                        honest_bad += 1
-                    del results[c]
-            if stage == 0:  # the training stage: what gradient-based sampling policies learn from
-                self.sampler.observe(payloads, results)
-            for res in results.values():
-                st = res.stats
-                if st is None:  # a reply that reports no local work (e.g. a relayed peer envelope)
-                    continue
-                flops += st.flops
-                if st.trained_params is not None:  # stages without training (e.g. BN statistics) do not count
-                    trained_params.append(st.trained_params)
-                train_loss += st.train_loss * st.samples
-                train_n += st.samples
-            active = sorted(results)
-            if len(results) < max(cfg.quorum, 1):  # too few replies: the round leaves the server as it was
-                self.state = start_state
-                skipped = True
+            got = self._collect(info, fates, weights, ledger, new_late)
+            results = self._screen(info, got, ledger)
+            self._account(info, got.payloads, results, ledger)
+            if not self._fuse(info, results, ledger, start_state):
                 break
-            results, moved = algo.exchange(info, results)
-            peer += moved
-            self.state = algo.aggregate_fit(self.state, info, results)
         self.late_box = new_late
-        t = self.totals
-        t.bytes_down += down
-        t.bytes_up += up
-        t.bytes_peer += peer
-        t.client_flops += flops
-        t.dropped += len(dropped)
-        t.late += len(late)
-        t.quarantined += len(quarantined)
-        t.skipped_rounds += int(skipped)
-        rec: dict[str, Any] = {
-            "round": r + 1,
-            "clients": clients,
-            "replied": len(active),
-            "dropped": dropped,
-            "late": sorted(set(late)),
-            "delivered_late": delivered_late,
-            "quarantined": quarantined,
-            "round_skipped": skipped,
-            "train_loss": train_loss / train_n if train_n else None,
-            "bytes_down": down,
-            "bytes_up": up,
-            "bytes_peer": peer,
-            "client_flops": flops,
-            "total_bytes_down": t.bytes_down,
-            "total_bytes_up": t.bytes_up,
-            "total_bytes_peer": t.bytes_peer,
-            "total_client_flops": t.client_flops,
-            "server_parameters": algo.server_parameters(self.state),
-            "communicated_parameters_per_client": float(np.mean(list(comm_params.values()))) if comm_params else 0.0,
-            "optimised_parameters_per_client": float(np.mean(trained_params)) if trained_params else 0.0,
-            "total_dropped": t.dropped,
-            "total_late": t.late,
-            "total_quarantined": t.quarantined,
-        }
+        ledger.add_to(self.totals)
+        rec = ledger.record(r, self.totals, self.algo.server_parameters(self.state))
         rec.update(self._privacy_record(r))
-        why = self._diverged(honest_bad, honest_replies, train_loss / train_n if train_n else None)
+        why = self._diverged(ledger.honest_bad, ledger.honest_replies, ledger.train_loss)
         if why:
             rec["_diverged"] = why
             return rec
         if (r + 1) % self.cfg.eval_every == 0 or r + 1 == self.cfg.rounds:
             rec.update(self.evaluate(r))
         return rec
+
+    def _select(self, info: RoundInfo) -> list[int]:
+        """The round's participants: the sampler's choice, among the clients that are present (Flower)."""
+        r, seed = info.index, self.cfg.seed
+        clients = self.sampler.select(self.algo, info, numpy_rng(seed, "select", r))
+        present = self.executor.present()  # Flower: only clients whose node is connected can take part
+        if present is not None:
+            chosen = among_present(clients, present, self.ctx.num_clients, numpy_rng(seed, "select-present", r))
+            if chosen != clients:
+                self.sampler.counts = {c: self.sampler.counts.get(c, 1) for c in chosen}
+            clients = chosen
+        return clients
+
+    def _collect(self, info: RoundInfo, fates: dict[int, str], sampling_weight: dict[int, float],
+                 ledger: RoundLedger, new_late: dict[int, tuple[Message, Message]]) -> Collected:
+        """Send the stage's payloads to the active clients, run them, and gather what arrives in time (see
+        :meth:`_arrivals`) plus, in the first stage, the late replies of an earlier round.  Records dropouts and
+        the traffic."""
+        payloads = self.algo.configure_fit(self.state, info, ledger.active)
+        # a dropped-out client received its payload but never replies (and does no work)
+        jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", info.index, info.stage))
+                for c in payloads if fates.get(c) != DROPOUT]
+        outs = self.executor.fit(self.algo, jobs)  # the executor runs declared programs or calls fit
+        for job in jobs:  # a job without a reply (a Flower node died, a reply timed out) is a dropout
+            if job.cid not in outs and job.cid not in ledger.dropped:
+                ledger.dropped.append(job.cid)
+        results = self._arrivals(info, payloads, outs, fates, sampling_weight, ledger, new_late)
+        sent = self._deliver_late(payloads, results, ledger) if info.stage == 0 and self.late_box else payloads
+        got = Collected(payloads, results, sent)
+        ledger.add_traffic(got)
+        return got
+
+    def _arrivals(self, info: RoundInfo, payloads: dict[int, Message], outs: dict[int, Any],
+                  fates: dict[int, str], sampling_weight: dict[int, float], ledger: RoundLedger,
+                  new_late: dict[int, tuple[Message, Message]]) -> dict[int, Message]:
+        """The replies that arrive in time, in client-id order, after the fault plan: a late client's reply is
+        kept for the next round (``late_replies=next-round``, first stage) or lost; the server-side echo of what
+        was sent and the sampling weight are attached.  Every client's new state is kept."""
+        results: dict[int, Message] = {}
+        state_like = is_state_like(self.algo, payloads, outs_results(outs))
+        for c, (res, cstate) in sorted(outs.items()):  # canonical order: fusion is order-independent
+            self.client_states[c] = cstate
+            if fates.get(c) == LATE:  # worked, but the reply missed the deadline
+                ledger.late.append(c)
+                if self.cfg.late_replies == "next-round" and info.stage == 0:
+                    stale = self.faults.corrupt(c, payloads[c], res, state_like)
+                    if stale is not None:
+                        new_late[c] = (stale, payloads[c])
+                continue
+            res = self.faults.corrupt(c, payloads[c], res, state_like)
+            if res is None:
+                continue
+            results[c] = res
+            for key in self.algo.echo_meta:  # server-side bookkeeping of what was sent
+                if key in payloads[c].meta:
+                    res.meta.setdefault(key, payloads[c].meta[key])
+            if c in sampling_weight:
+                res.meta["sampling_weight"] = sampling_weight[c]
+        return results
+
+    def _deliver_late(self, payloads: dict[int, Message], results: dict[int, Message],
+                      ledger: RoundLedger) -> dict[int, Message]:
+        """Add the replies that missed an earlier deadline to ``results`` (a fresh reply supersedes a stale one);
+        returns, per reply, the payload it answers."""
+        sent = dict(payloads)
+        for c, (reply, was_sent) in sorted(self.late_box.items()):
+            if c not in results:
+                results[c] = Message(reply.tensors, {**reply.meta, "late": True}, reply.stats)
+                sent[c] = was_sent
+                ledger.delivered_late.append(c)
+        self.late_box = {}
+        return sent
+
+    def _screen(self, info: RoundInfo, got: Collected, ledger: RoundLedger) -> dict[int, Message]:
+        """The replies the update checks accept (``check_updates``); the others are quarantined, with the reason."""
+        results = got.results
+        ledger.honest_replies += sum(1 for c in results if not self.faults.corrupts(c))
+        if not (self.cfg.check_updates and results):
+            return results
+        bad = check_replies(self.algo, got.sent, results, self.ctx.client_sizes, self.cfg.norm_bound)
+        for c, reason in bad.items():
+            ledger.quarantined[str(c)] = f"stage {info.stage}: {reason}" if info.stage else reason
+            log.warning("round %d: quarantined the update of client %d: %s", info.index + 1, c, reason)
+            if not self.faults.corrupts(c) and "non-finite" in reason:
+                ledger.honest_bad += 1
+            del results[c]
+        return results
+
+    def _account(self, info: RoundInfo, payloads: dict[int, Message], results: dict[int, Message],
+                 ledger: RoundLedger) -> None:
+        """The accepted replies' local work; the training stage also teaches the sampler (gradient-based
+        sampling policies learn from it)."""
+        if info.stage == 0:
+            self.sampler.observe(payloads, results)
+        ledger.add_work(results)
+        ledger.active = sorted(results)
+
+    def _fuse(self, info: RoundInfo, results: dict[int, Message], ledger: RoundLedger,
+              start_state: ServerState) -> bool:
+        """The algorithm's exchange and server update; with fewer replies than the quorum the round leaves the
+        server as it was before its first stage (returns False: no further stage)."""
+        if len(results) < max(self.cfg.quorum, 1):
+            self.state = start_state
+            ledger.skipped = True
+            return False
+        results, moved = self.algo.exchange(info, results)
+        ledger.peer += moved
+        self.state = self.algo.aggregate_fit(self.state, info, results)
+        return True
 
     def _privacy_record(self, r: int) -> dict[str, Any]:
         """Central DP: ε at δ after rounds 1..r+1 from the accountant (every round counts, skipped or not) and the
