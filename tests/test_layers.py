@@ -50,6 +50,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
      ("fedfuse.outputs", "fedfuse.runner")),
     ("tools", "sweeps and the run store's tables, reports", ("fedfuse.sweep", "fedfuse.report")),
     ("reproductions", "paper presets", ("fedfuse.reproduce", "fedfuse.reproduce.*")),
+    ("results", "result records, the docs' tables rendered from them, verification by re-run", ("fedfuse.records",)),
     ("entry points", "the Python API, the command line, the package root",
      ("fedfuse.api", "fedfuse.cli", "fedfuse.adapters.cli", "fedfuse.__main__", "fedfuse")),
 ]

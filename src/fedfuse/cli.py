@@ -4,6 +4,8 @@ reproduce, list, flower-app."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -364,6 +366,95 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return rc
 
 
+def _cell_arg(text: str) -> dict[str, str]:
+    """``method=msfusion,mu=0.125`` → {"method": "msfusion", "mu": "0.125"}."""
+    out = {}
+    for part in (x for x in text.split(",") if x.strip()):
+        k, sep, v = part.partition("=")
+        if not sep:
+            raise SystemExit(f"fedfuse results: --cell wants key=value pairs, got {part!r}")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _typed(v: str) -> Any:
+    try:
+        return json.loads(v)
+    except ValueError:
+        return v
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    from fedfuse import records
+
+    root = Path(args.root) if args.root else records.repo_root()
+    if args.action == "render":
+        changed = records.render(root, check=args.check)
+        for p in changed:
+            print(f"{'differs' if args.check else 'rendered'}: {p}")
+        if args.check and changed:
+            print("fedfuse results render --check: tables differ from their records; run `fedfuse results "
+                  "render`", file=sys.stderr)
+            return 1
+        return 0
+    if args.action == "record":
+        cell = {k: _typed(v) for k, v in _cell_arg(args.cell).items()}
+        fed = json.loads(args.federation) if args.federation else None
+        for d in args.run_dirs:
+            rec = records.make_record(d, args.table, cell, args.commit, fed)
+            print(records.write_record(root, rec))
+        return 0
+    if args.action == "list":
+        for p in sorted((root / "results" / "tables").glob("*.json")):
+            recs = records.load_records(root, p.stem)
+            stale = sum(1 for r in recs if records.stale_reason(r))
+            print(f"{p.stem}: {len(recs)} records, {stale} stale")
+        return 0
+    # verify
+    pick = args.random if args.random is not None else None
+    path, rec = records.choose(root, args.table, _cell_arg(args.cell or ""), args.seed, pick)
+    print(f"verifying {path} (table {rec['table']}, cell {rec['cell']}, seed {rec['seed']}, recorded on commit "
+          f"{rec['commit'][:12]}{'; ' + records.stale_reason(rec) if records.stale_reason(rec) else ''})",
+          flush=True)
+    ok, rows = records.verify(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
+    wanted = [r for r in rows if r[0] in records.TABLE_METRICS or r[0].startswith("global_accuracy_")]
+    for name, a, b, d in (rows if args.all_metrics else wanted):
+        print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  difference {d:+.3g}")
+    print("reproduced" if ok else f"NOT reproduced (tolerance {args.tol})")
+    return 0 if ok else 1
+
+
+def _add_results(sub) -> None:
+    rs = sub.add_parser("results", help="result records: render the docs' tables from them, verify a cell",
+                        description="Every results table in README/docs between '<!-- results: ID -->' and "
+                                    "'<!-- /results -->' is generated from the records in results/records/ID/ "
+                                    "(one JSON per run and seed) by the spec results/tables/ID.json.")
+    rs.add_argument("--root", default=None, help="repository root (default: the one holding results/)")
+    acts = rs.add_subparsers(dest="action", required=True, metavar="ACTION")
+    r = acts.add_parser("render", help="regenerate every results table from its records")
+    r.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table differs")
+    rec = acts.add_parser("record", help="add the records of finished run directories to a table")
+    rec.add_argument("--table", required=True, help="table id (results/tables/ID.json)")
+    rec.add_argument("--cell", required=True, help="the row's keys, e.g. method=msfusion,mu=0.125")
+    rec.add_argument("--commit", default=None, help="the fedfuse commit the runs ran on (default: HEAD)")
+    rec.add_argument("--federation", default=None,
+                     help='JSON of a federation the config does not rebuild, e.g. {"kind": "truncated", '
+                          '"seqs": 100, "test": 400}')
+    rec.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (one per seed)")
+    li = acts.add_parser("list", help="tables with their record and stale counts")
+    li.set_defaults()
+    v = acts.add_parser("verify", help="re-run one record at its recorded config and report the difference")
+    v.add_argument("--table", default=None, help="only records of this table")
+    v.add_argument("--cell", default=None, help="only records whose cell has these values, e.g. method=msfusion")
+    v.add_argument("--seed", type=int, default=None, help="only this seed")
+    v.add_argument("--random", type=int, default=None, metavar="PICK",
+                   help="pick a random matching record (PICK seeds the choice)")
+    v.add_argument("--data-dir", default=None, help="where the datasets are (default: $FEDFUSE_DATA)")
+    v.add_argument("--tol", type=float, default=1e-9, help="largest accepted difference of a table metric")
+    v.add_argument("--all-metrics", action="store_true", help="print every recorded metric, not only the table's")
+    rs.set_defaults(func=cmd_results)
+
+
 def _add_reproduce(sub) -> None:
     from fedfuse.reproduce import available
     from fedfuse.reproduce.common import add_seed_argument
@@ -454,6 +545,7 @@ def make_parser() -> argparse.ArgumentParser:
                          "its clients' train/validation/test tensors only")
     ex.set_defaults(func=cmd_export_partitions)
     _add_reproduce(sub)
+    _add_results(sub)
     from fedfuse.adapters.cli import add_pretrain_parser
 
     add_pretrain_parser(sub)

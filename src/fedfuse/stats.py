@@ -209,3 +209,20 @@ def with_bytes(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             h["bytes"] = sum(h.get(k) or 0 for k in ("bytes_down", "bytes_up", "bytes_peer"))
         out.append(h)
     return out
+
+
+def stability(history: Sequence[dict[str, Any]], metric: str = "global_accuracy",
+              window: int = 10) -> tuple[float | None, float | None]:
+    """(mean of ``metric`` over the last ``window`` rounds, best mean over any ``window`` consecutive rounds)
+    from the evaluated rounds of a history; a run shorter than ``window`` has one window, all of it."""
+    ev = [(int(h["round"]), float(h[metric])) for h in history if h.get(metric) is not None]
+    if not ev:
+        return None, None
+    first, last_round = ev[0][0], ev[-1][0]
+    last = [a for r, a in ev if r > last_round - window]
+    means = []
+    for start in range(first, max(first, last_round - window + 1) + 1):
+        w = [a for r, a in ev if start <= r < start + window]
+        if w:
+            means.append(sum(w) / len(w))
+    return sum(last) / len(last), max(means)

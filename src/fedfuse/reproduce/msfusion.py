@@ -31,7 +31,7 @@ from typing import Any
 from fedfuse.config import RunConfig, apply, validate
 from fedfuse.reproduce.common import federation_for, run_one
 from fedfuse.runner import experiment
-from fedfuse.stats import mean_std, paired_test, parse_seeds
+from fedfuse.stats import mean_std, paired_test, parse_seeds, stability
 from fedfuse.tables import markdown
 from fedfuse.types import ClientData, Federation, Split
 
@@ -99,19 +99,6 @@ def mnist_base(data_dir: str | None, quick: bool = False, classes: int = MNIST_C
             "clients": 10, "clients_per_round": 10, "rounds": int(rounds),
             "checkpoint_every": 10_000, "eval_every": int(eval_every), "device": "cpu", "dataset_options": limits}
 
-
-def stability(history: list[dict[str, Any]], window: int = 10) -> tuple[float | None, float | None]:
-    """(mean global accuracy over the last ``window`` rounds, best mean over any ``window`` consecutive rounds),
-    from the evaluated rounds of a run's history (None without evaluations)."""
-    ev = [(int(h["round"]), float(h["global_accuracy"])) for h in history if h.get("global_accuracy") is not None]
-    if not ev:
-        return None, None
-    last_round = ev[-1][0]
-    last = [a for r, a in ev if r > last_round - window]
-    best = max(sum(w) / len(w) for w in ([a for r, a in ev if start <= r < start + window]
-                                          for start in range(ev[0][0], max(ev[0][0], last_round - window + 1) + 1))
-               if w)
-    return sum(last) / len(last), best
 
 
 def cifar_base(s: dict[str, Any], data_dir: str | None, partition: str) -> dict[str, Any]:

@@ -1,0 +1,335 @@
+"""Result records: every published number traceable to the runs that produced it.
+
+A **record** is one run of one table cell (one seed): a small JSON file under ``results/records/<table>/`` with
+the resolved config, its hash (:func:`fedfuse.config.config_hash`), the fedfuse commit it ran on, the *behaviour
+versions* of the code it ran on (:data:`BEHAVIOUR`), the final metrics, the per-round global accuracy and the
+stability statistics (last-10 mean, best 10-round mean).  A **table spec** (``results/tables/<table>.json``)
+says which records form which rows and columns.  The Markdown tables in ``README.md`` and ``docs/`` that are
+delimited by ``<!-- results: <table> -->`` … ``<!-- /results -->`` are generated from the records by
+``fedfuse results render`` (``--check``: report, do not write; ``tests/test_results.py`` runs it).
+
+**Stale records.**  A commit that changes what an algorithm (or the engine, ``"*"``) computes bumps its entry
+in :data:`BEHAVIOUR` and says so in its message.  A record made on older code (a lower version for its
+algorithm or for ``"*"``) is *stale*: its rows render with a visible ⚠ mark until re-run and re-recorded.
+
+``fedfuse results verify`` re-runs a chosen (or random) record at its recorded config with today's code and
+reports the difference of every metric the record holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedfuse.stats import mean_std, paired_test, stability
+
+#: Behaviour versions: bumped by every commit that changes what an algorithm ("*": the engine, data, models)
+#: computes.  The history: msfusion 2 = the assembled full model from the current round's sub-models only
+#: (Algorithm 1; before: every element kept its last combined value).
+BEHAVIOUR: dict[str, int] = {"*": 1, "msfusion": 2, "heterofl": 1, "fedrolex": 1}
+
+SCHEMA = 1
+MARK = re.compile(r"(<!-- results: (?P<id>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+STALE = "⚠ stale"
+
+
+def repo_root() -> Path:
+    """The repository holding ``results/`` (the working directory's, else the one above this package)."""
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (base / "results" / "tables").is_dir():
+            return base
+    return Path.cwd()
+
+
+def current_commit(where: Path | None = None) -> str:
+    """``git rev-parse HEAD`` of the checkout holding this package ("unknown" outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where or Path(__file__).resolve().parent,
+                             capture_output=True, text=True, check=True, timeout=10)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# ---- records -------------------------------------------------------------------------------------------------
+def _scalars(block: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in block.items() if isinstance(v, int | float | str | bool) or v is None}
+
+
+def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: str | None = None,
+                federation: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The record of one finished run directory for ``cell`` of ``table``.
+
+    ``federation`` describes a federation the config alone does not rebuild (e.g. PTB truncated by a
+    reproduction: ``{"kind": "truncated", "seqs": 100, "test": 400}``); :func:`verify` rebuilds it."""
+    from fedfuse.config import config_hash
+    from fedfuse.result import load
+
+    res = load(run_dir)
+    cfg = res.config
+    hist = res.history
+    if not res.summary:
+        raise ValueError(f"{run_dir}: the run has not finished (no summary.json)")
+    last, best = stability(hist)
+    algo = cfg.algorithm
+    curve = [[int(h["round"]), h.get("global_accuracy")] for h in hist if "personal_accuracy" in h]
+    d = cfg.to_dict()
+    for k in ("out", "data_dir", "threads"):
+        d.pop(k, None)
+    return {
+        "schema": SCHEMA,
+        "table": table,
+        "cell": cell,
+        "seed": int(cfg.seed),
+        "algorithm": algo,
+        "commit": commit or current_commit(),
+        "behaviour": {"*": BEHAVIOUR["*"], algo: BEHAVIOUR.get(algo, 1)},
+        "config_hash": config_hash(cfg),
+        "config": d,
+        "federation": federation,
+        "metrics": {**_scalars(res.summary.get("final", {})), "last10_mean": last, "best10_mean": best},
+        "curve": curve,
+    }
+
+
+def record_path(root: Path, rec: dict[str, Any]) -> Path:
+    slug = "-".join(f"{k}{v}" for k, v in rec["cell"].items()).replace("/", "_").replace(" ", "")
+    return root / "results" / "records" / rec["table"] / f"{slug}-seed{rec['seed']}.json"
+
+
+def write_record(root: Path, rec: dict[str, Any]) -> Path:
+    p = record_path(root, rec)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(rec, indent=1, sort_keys=False, default=str) + "\n")
+    return p
+
+
+def load_records(root: Path, table: str) -> list[dict[str, Any]]:
+    d = root / "results" / "records" / table
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+
+
+def stale_reason(rec: dict[str, Any]) -> str | None:
+    """Why ``rec`` no longer describes today's code (None if current): a behaviour version it ran below."""
+    ran = rec.get("behaviour", {})
+    for key in ("*", rec.get("algorithm", "")):
+        now = BEHAVIOUR.get(key, 1)
+        if int(ran.get(key, 1)) < now:
+            return f"{key} behaviour v{ran.get(key, 1)} < v{now}"
+    return None
+
+
+# ---- tables --------------------------------------------------------------------------------------------------
+def load_spec(root: Path, table: str) -> dict[str, Any]:
+    p = root / "results" / "tables" / f"{table}.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"no table spec {p}")
+    return json.loads(p.read_text())
+
+
+def _num(v: Any, scale: float, digits: int) -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{scale * float(v):.{digits}f}"
+
+
+def _groups(spec: dict[str, Any], recs: list[dict[str, Any]]) -> list[tuple[tuple, list[dict[str, Any]]]]:
+    keys = spec["rows"]
+    by: dict[tuple, list[dict[str, Any]]] = {}
+    for r in recs:
+        by.setdefault(tuple(r["cell"].get(k) for k in keys), []).append(r)
+    order = spec.get("order", {})
+
+    def rank(key: tuple) -> tuple:
+        return tuple((order[k].index(v) if k in order and v in order[k] else 999, str(v)) for k, v in zip(keys, key))
+
+    return [(k, sorted(by[k], key=lambda r: r["seed"])) for k in sorted(by, key=rank)]
+
+
+def _cell_text(col: dict[str, Any], key: tuple, spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
+    agg = col.get("agg", "key")
+    scale, digits = float(col.get("scale", 1.0)), int(col.get("digits", 2))
+    vals = [r["metrics"].get(col["metric"]) for r in recs] if "metric" in col else []
+    if agg == "key":
+        v = key[spec["rows"].index(col["key"])]
+        return "—" if v is None else str(v)
+    if agg == "mean_std":
+        return mean_std(vals).fmt(scale, digits)
+    if agg == "per_seed":
+        return " / ".join(_num(v, scale, digits) for v in vals)
+    if agg == "mean":
+        ms = mean_std(vals)
+        return "—" if ms.n == 0 else (f"{ms.mean * scale:,.0f}" if digits == 0 else f"{ms.mean * scale:.{digits}f}")
+    if agg == "seeds":
+        return ",".join(str(r["seed"]) for r in recs)
+    if agg == "within":  # every seed: best - last <= tol (metrics [best, last])
+        best, last = col["metrics"]
+        ok = all(r["metrics"].get(best) is not None and r["metrics"].get(last) is not None
+                 and r["metrics"][best] - r["metrics"][last] <= float(col["tol"]) + 1e-12 for r in recs)
+        return "yes" if ok else "no"
+    if agg == "commit":
+        return ", ".join(sorted({r["commit"][:7] for r in recs}))
+    raise ValueError(f"table {spec['id']}: unknown column aggregate {agg!r}")
+
+
+def render_table(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
+    """The Markdown table of ``spec`` over its records (a row per cell; stale rows marked)."""
+    if spec.get("kind") == "paired":
+        return render_paired(spec, recs)
+    cols = spec["columns"]
+    lines = ["| " + " | ".join(c["header"] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for key, rs in _groups(spec, recs):
+        cells = [_cell_text(c, key, spec, rs) for c in cols]
+        reasons = sorted({s for r in rs if (s := stale_reason(r))})
+        if reasons:
+            cells[0] = f"{cells[0]} {STALE} ({'; '.join(reasons)})"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
+    """Paired comparisons over the same seeds: for each group of ``spec["group"]`` and each (a, b) in
+    ``spec["pairs"]`` (values of ``spec["by"]``), the mean difference of ``metric``, the paired t-test's p and
+    whether "a better than b" holds (``higher_is_better``)."""
+    scale, digits = float(spec.get("scale", 1.0)), int(spec.get("digits", 2))
+    sign = 1.0 if spec.get("higher_is_better", True) else -1.0
+    group = spec.get("group", [])
+    out = ["| " + " | ".join([*group, "comparison", "difference", "p (paired t)", "holds"]) + " |",
+           "|" + "|".join("---" for _ in range(len(group) + 4)) + "|"]
+    by: dict[tuple, dict[Any, dict[int, dict]]] = {}
+    for r in recs:
+        by.setdefault(tuple(r["cell"].get(g) for g in group), {}).setdefault(r["cell"][spec["by"]], {})[
+            r["seed"]] = r
+    for gkey in sorted(by, key=str):
+        methods = by[gkey]
+        for a, b in spec["pairs"]:
+            if a not in methods or b not in methods:
+                continue
+            seeds = sorted(set(methods[a]) & set(methods[b]))
+            va = [methods[a][s]["metrics"].get(spec["metric"]) for s in seeds]
+            vb = [methods[b][s]["metrics"].get(spec["metric"]) for s in seeds]
+            t = paired_test(va, vb)
+            holds = ("yes" if sign * t.diff > 0 else "no") + ("" if t.significant() else " (n.s.)")
+            stale = any(stale_reason(methods[m][s]) for m in (a, b) for s in seeds)
+            p = "—" if t.p_value != t.p_value else f"{t.p_value:.3g}"
+            diff = f"{scale * t.diff:+.{digits}f}" if t.n else "—"
+            label = f"{a} vs {b}" + (f" {STALE}" if stale else "")
+            out.append("| " + " | ".join([*map(str, gkey), label, diff, p, holds]) + " |")
+    return "\n".join(out)
+
+
+def provenance_line(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
+    commits = sorted({r["commit"][:7] for r in recs})
+    digest = hashlib.sha256("".join(sorted(r["config_hash"] for r in recs)).encode()).hexdigest()[:12]
+    return (f"<sub>Rendered by `fedfuse results render` from {len(recs)} records in "
+            f"`results/records/{spec['id']}/` (commit {', '.join(commits) or '—'}; config hashes {digest}).</sub>")
+
+
+def render_block(root: Path, table: str) -> str:
+    spec = load_spec(root, table)
+    recs = load_records(root, table)
+    if spec.get("records"):
+        recs = [r for t in spec["records"] for r in load_records(root, t)]
+    return f"\n{render_table(spec, recs)}\n\n{provenance_line(spec, recs)}\n\n"
+
+
+def render_text(root: Path, text: str) -> str:
+    """``text`` with every ``<!-- results: ID -->`` … ``<!-- /results -->`` block regenerated."""
+    return MARK.sub(lambda m: m.group(1) + render_block(root, m.group("id")) + m.group(4), text)
+
+
+def documents(root: Path) -> list[Path]:
+    """Markdown files of the repository that hold results blocks."""
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    return [p for p in docs if p.is_file() and MARK.search(p.read_text())]
+
+
+def render(root: Path | None = None, check: bool = False) -> list[Path]:
+    """Regenerate every results block (``check``: write nothing); returns the files whose text differs."""
+    root = root or repo_root()
+    changed = []
+    for p in documents(root):
+        old = p.read_text()
+        new = render_text(root, old)
+        if new != old:
+            changed.append(p)
+            if not check:
+                p.write_text(new)
+    return changed
+
+
+# ---- verification --------------------------------------------------------------------------------------------
+def all_records(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    base = root / "results" / "records"
+    return [(p, json.loads(p.read_text())) for p in sorted(base.glob("*/*.json"))] if base.is_dir() else []
+
+
+def choose(root: Path, table: str | None = None, cell: dict[str, str] | None = None, seed: int | None = None,
+           pick: int | None = None) -> tuple[Path, dict[str, Any]]:
+    """One record: filtered by table / cell values / seed; the first match, or a random one with ``pick`` (its
+    seed)."""
+    found = [(p, r) for p, r in all_records(root)
+             if (table is None or r["table"] == table) and (seed is None or r["seed"] == seed)
+             and all(str(r["cell"].get(k)) == v for k, v in (cell or {}).items())]
+    if not found:
+        raise SystemExit(f"fedfuse results: no record matches table={table} cell={cell} seed={seed}")
+    return random.Random(pick).choice(found) if pick is not None else found[0]
+
+
+def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = None) -> dict[str, Any]:
+    """Re-run ``rec``'s config with today's code; returns the metrics a record would hold."""
+    from fedfuse.config import RunConfig, apply, validate
+    from fedfuse.runner import experiment
+
+    out = out or tempfile.mkdtemp(prefix="fedfuse-verify-")
+    cfg = validate(apply(RunConfig(), {**rec["config"], "out": out, "data_dir": data_dir, "threads": 1,
+                                       "plots": False}))
+    fed = None
+    spec = rec.get("federation")
+    if spec:
+        from fedfuse.reproduce.common import federation_for
+
+        if spec.get("kind") != "truncated":
+            raise SystemExit(f"fedfuse results verify: unknown federation {spec}")
+        from fedfuse.reproduce.msfusion import truncated
+
+        fed = truncated(federation_for(cfg), int(spec["seqs"]), int(spec["test"]))
+    exp = experiment(cfg, fed=fed, progress=False)
+    summary = exp.run()
+    last, best = stability(exp.history)
+    return {**_scalars(summary.get("final", {})), "last10_mean": last, "best10_mean": best}
+
+
+def compare(recorded: dict[str, Any], now: dict[str, Any], keys: Iterable[str] | None = None
+            ) -> list[tuple[str, Any, Any, float | None]]:
+    """(metric, recorded, now, now − recorded) for every numeric metric both hold (or ``keys``)."""
+    rows = []
+    for k in keys or sorted(recorded):
+        a, b = recorded.get(k), now.get(k)
+        if isinstance(a, bool) or isinstance(b, bool):
+            continue
+        if isinstance(a, int | float) and isinstance(b, int | float) and not k.startswith(("wall", "seconds")):
+            rows.append((k, a, b, float(b) - float(a)))
+    return rows
+
+
+TABLE_METRICS = ("global_accuracy", "last10_mean", "best10_mean", "perplexity", "personal_accuracy")
+
+
+def verify(rec: dict[str, Any], data_dir: str | None = None, tol: float = 1e-9,
+           out: str | None = None) -> tuple[bool, list[tuple[str, Any, Any, float | None]]]:
+    """Re-run ``rec`` and compare: (every table metric within ``tol``, the comparison rows)."""
+    now = rerun(rec, data_dir, out)
+    rows = compare(rec["metrics"], now)
+    table = [r for r in rows if r[0] in TABLE_METRICS or r[0].startswith("global_accuracy_")]
+    ok = all(d is not None and abs(d) <= tol for _, _, _, d in table)
+    return ok, rows
+
+
+__all__ = ["BEHAVIOUR", "make_record", "render", "render_table", "stability", "stale_reason", "verify"]

@@ -1,0 +1,140 @@
+"""Result records (fedfuse.records): every docs table equals what its records say; tables, stale marks and
+paired comparisons computed by hand; a record re-run by ``verify`` reproduces its numbers, a changed one does
+not."""
+
+import json
+import shutil
+
+import pytest
+
+from fedfuse import records
+from fedfuse.records import BEHAVIOUR, STALE, make_record, render_table, stale_reason
+from fedfuse.stats import stability
+
+
+def test_docs_tables_equal_their_records():
+    """Every '<!-- results: ID -->' block in README/docs is exactly what `fedfuse results render` makes."""
+    root = records.repo_root()
+    assert (root / "results" / "tables").is_dir()
+    assert records.documents(root), "no document holds a results block"
+    assert records.render(root, check=True) == [], "run `fedfuse results render` and commit the tables"
+
+
+def test_every_record_matches_its_spec_and_hashes_its_config():
+    from fedfuse.config import RunConfig, apply, config_hash
+
+    root = records.repo_root()
+    for path, rec in records.all_records(root):
+        spec = records.load_spec(root, rec["table"]) if (root / "results" / "tables" /
+                                                          f"{rec['table']}.json").is_file() else None
+        assert spec is None or set(spec["rows"]) <= set(rec["cell"]), path
+        assert rec["schema"] == records.SCHEMA and len(rec["commit"]) >= 7, path
+        cfg = apply(RunConfig(), {**rec["config"], "out": None})
+        assert config_hash(cfg) == rec["config_hash"], f"{path}: config and hash disagree"
+
+
+def test_stability_by_hand():
+    hist = [{"round": r, "global_accuracy": a} for r, a in enumerate([0.1, 0.5, 0.9, 0.7, 0.3], start=1)]
+    last, best = stability(hist, window=2)
+    assert last == pytest.approx(0.5)  # rounds 4-5
+    assert best == pytest.approx(0.8)  # rounds 3-4 (0.9 + 0.7) / 2
+    last, best = stability(hist, window=10)  # shorter than the window: one window, all of it
+    assert last == best == pytest.approx(0.5)
+    assert stability([{"round": 1}]) == (None, None)
+
+
+def _rec(method, seed, acc, last=None, best=None, behaviour=None):
+    return {"schema": 1, "table": "t", "cell": {"method": method, "mu": 0.5}, "seed": seed, "algorithm": method,
+            "commit": "abcdef0123", "behaviour": behaviour or {"*": BEHAVIOUR["*"], method: BEHAVIOUR.get(method, 1)},
+            "config_hash": f"h{method}{seed}", "config": {}, "metrics": {"global_accuracy": acc,
+                                                                          "last10_mean": last, "best10_mean": best}}
+
+
+SPEC = {"id": "t", "rows": ["method", "mu"], "order": {"method": ["b", "a"]},
+        "columns": [{"header": "method", "key": "method"}, {"header": "mu", "key": "mu"},
+                    {"header": "acc %", "metric": "global_accuracy", "agg": "mean_std", "scale": 100, "digits": 2},
+                    {"header": "per seed", "metric": "global_accuracy", "agg": "per_seed", "scale": 100,
+                     "digits": 1},
+                    {"header": "stable", "agg": "within", "metrics": ["best10_mean", "last10_mean"], "tol": 0.02},
+                    {"header": "seeds", "agg": "seeds"}]}
+
+
+def test_table_by_hand_and_stale_rows_marked():
+    recs = [_rec("a", 1, 0.80, 0.79, 0.80), _rec("a", 0, 0.90, 0.90, 0.93),
+            _rec("b", 0, 0.50, 0.50, 0.50), _rec("b", 1, 0.70, 0.70, 0.71)]
+    text = render_table(SPEC, recs).splitlines()
+    assert text[0] == "| method | mu | acc % | per seed | stable | seeds |"
+    # rows in the spec's order (b first); seeds sorted; sample std: a = 0.85 ± 0.0707
+    assert text[2] == "| b | 0.5 | 60.00 ± 14.14 | 50.0 / 70.0 | yes | 0,1 |"
+    assert text[3] == "| a | 0.5 | 85.00 ± 7.07 | 90.0 / 80.0 | no | 0,1 |"  # seed 0 fell 3 points
+    old = _rec("a", 2, 0.1, behaviour={"*": BEHAVIOUR["*"], "a": 0})
+    assert stale_reason(old) == "a behaviour v0 < v1"
+    row = render_table(SPEC, [*recs, old]).splitlines()[3]
+    assert row.startswith(f"| a {STALE} (a behaviour v0 < v1) | 0.5 |")
+    assert stale_reason(recs[0]) is None
+
+
+def test_paired_table_by_hand():
+    spec = {"id": "t", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "b"]],
+            "metric": "global_accuracy", "scale": 100, "digits": 2}
+    recs = [_rec("a", 0, 0.90), _rec("a", 1, 0.80), _rec("a", 2, 0.85),
+            _rec("b", 0, 0.70), _rec("b", 1, 0.72), _rec("b", 2, 0.68)]
+    row = render_table(spec, recs).splitlines()[2]
+    # differences 0.20, 0.08, 0.17: mean 0.15, sd 0.0624, t = 4.16 on 2 df, p = 0.053
+    assert row.startswith("| 0.5 | a vs b | +15.00 | 0.053")
+    assert row.endswith("| yes (n.s.) |")
+
+
+def _tiny_run(tmp_path, seed=0):
+    from fedfuse.config import RunConfig, apply
+    from fedfuse.runner import experiment
+
+    cfg = apply(RunConfig(), dict(algorithm="fedavg", dataset="digits", model="mlp", clients=4, clients_per_round=2,
+                                  rounds=2, eval_every=1, seed=seed, plots=False, threads=1,
+                                  out=str(tmp_path / f"run{seed}")))
+    experiment(cfg, progress=False).run()
+    return tmp_path / f"run{seed}"
+
+
+def test_record_render_and_verify_a_real_run(tmp_path):
+    root = tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    spec = {**SPEC, "id": "tiny", "order": {}}
+    (root / "results" / "tables" / "tiny.json").write_text(json.dumps(spec))
+    for seed in (0, 1):
+        rec = make_record(_tiny_run(tmp_path, seed), "tiny", {"method": "fedavg", "mu": 1}, commit="0" * 40)
+        records.write_record(root, rec)
+    recs = records.load_records(root, "tiny")
+    assert [r["seed"] for r in recs] == [0, 1] and recs[0]["metrics"]["global_accuracy"] is not None
+    doc = root / "docs" / "x.md"
+    doc.parent.mkdir()
+    doc.write_text("before\n<!-- results: tiny -->\nold table\n<!-- /results -->\nafter\n")
+    assert records.render(root, check=True) == [doc] and "old table" in doc.read_text()
+    assert records.render(root) == [doc] and records.render(root, check=True) == []
+    text = doc.read_text()
+    accs = [100 * r["metrics"]["global_accuracy"] for r in recs]
+    assert "| fedavg | 1 | " in text and f"{accs[0]:.1f} / {accs[1]:.1f}" in text
+    assert "from 2 records in `results/records/tiny/`" in text and text.endswith("<!-- /results -->\nafter\n")
+    # verify: the same code re-runs the record bit for bit; a changed number is reported
+    ok, rows = records.verify(recs[0], tol=0.0)
+    assert ok and dict((k, d) for k, _, _, d in rows)["global_accuracy"] == 0.0
+    bad = {**recs[0], "metrics": {**recs[0]["metrics"], "global_accuracy": 0.01}}
+    ok, rows = records.verify(bad)
+    assert not ok and dict((k, d) for k, _, _, d in rows)["global_accuracy"] > 0
+    shutil.rmtree(tmp_path / "run0")
+
+
+def test_cli_results_render_check_and_list(tmp_path, capsys):
+    from fedfuse.cli import main
+
+    root = tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    (root / "results" / "tables" / "t.json").write_text(json.dumps(SPEC))
+    for r in (_rec("a", 0, 0.9, 0.9, 0.9), _rec("b", 0, 0.5, 0.5, 0.5)):
+        records.write_record(root, r)
+    (root / "README.md").write_text("<!-- results: t -->\n<!-- /results -->\n")
+    assert main(["results", "--root", str(root), "render", "--check"]) == 1
+    assert main(["results", "--root", str(root), "render"]) == 0
+    assert main(["results", "--root", str(root), "render", "--check"]) == 0
+    assert main(["results", "--root", str(root), "list"]) == 0
+    assert "t: 2 records, 0 stale" in capsys.readouterr().out
