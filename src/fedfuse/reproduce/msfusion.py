@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluation interval of the mnist part (1: every round, for the 10-round stability means)")
     p.add_argument("--compare-assemblies", action="store_true",
                    help="msfusion: also score the other full-model assemblies (last, zero_stale) on the same "
-                        "training runs (evaluation only; option compare_assemblies)")
+                        "training runs (evaluation only; option compare_assemblies; mnist, cifar, ptb parts)")
 
 
 def settings(quick: bool) -> dict[str, Any]:
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         runs = [run_one(base, out / section / name / f"seed{sd}", progress=False, **{**over, "seed": sd})
                 for sd in seeds]
         row = cell_row(label, runs, seeds, time.time() - t, metric, **cols)
-        if section == "mnist":
+        if metric.endswith("accuracy"):
             row.update(stability_columns(runs))
         results[section].append(row)
         print(show([results[section][-1]]).splitlines()[-1], flush=True)
@@ -298,17 +298,20 @@ def run(args: argparse.Namespace) -> int:
 
     wanted = [m.strip() for m in getattr(args, "methods", "").split(",") if m.strip()] or list(METHODS)
 
+    def compare(algo: str) -> dict[str, Any]:
+        return {"compare_assemblies": True} if algo == "msfusion" and getattr(args, "compare_assemblies", False) \
+            else {}
+
     def point(section: str, base: dict, partition: str | None, mu: float, eval_every: int, rounds: int) -> None:
         for algo in (m for m in METHODS if m in wanted):
             cols: dict[str, Any] = {"data": partition} if partition else {}
             cols["mu"] = mu
             if section == "mnist":
                 opts: dict[str, Any] = {"mu": mu}  # the algorithm's defaults otherwise
-                if algo == "msfusion" and getattr(args, "compare_assemblies", False):
-                    opts["compare_assemblies"] = True
             else:
                 opts = algo_options(algo, mu, eval_every, rounds)
                 cols["paper"] = PAPER_CIFAR.get((algo, partition, mu), "—")
+            opts.update(compare(algo))
             go(section, f"{partition or 'mnist'}-mu{mu}-{algo}", base, algo,
                {"algorithm": algo, "algorithm_options": opts}, **cols)
 
@@ -362,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
             for sd in seeds:
                 cfg = validate(apply(RunConfig(), {**base, "algorithm": algo, "seed": sd,
                                                    "out": str(out / "ptb" / algo / f"seed{sd}"),
-                                                   "algorithm_options": {"mu": 0.25, **LR}}))
+                                                   "algorithm_options": {"mu": 0.25, **LR, **compare(algo)}}))
                 exp = experiment(cfg, fed=truncated(federation_for(cfg), s["ptb_seqs"], s["ptb_test"]),
                                  progress=False)
                 runs.append((exp.run(), exp.history))
