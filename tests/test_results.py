@@ -138,3 +138,23 @@ def test_cli_results_render_check_and_list(tmp_path, capsys):
     assert main(["results", "--root", str(root), "render", "--check"]) == 0
     assert main(["results", "--root", str(root), "list"]) == 0
     assert "t: 2 records, 0 stale" in capsys.readouterr().out
+
+
+def test_claims_rows_computed_from_records_and_typed_rows_marked(tmp_path):
+    root = tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    for r in (_rec("a", 0, 0.90), _rec("a", 1, 0.80), _rec("a", 2, 0.85),
+              _rec("b", 0, 0.70), _rec("b", 1, 0.72), _rec("b", 2, 0.68)):
+        records.write_record(root, r)
+    spec = {"id": "claims", "kind": "claims", "rows": [
+        {"family": "A", "claim": "a > b", "table": "t", "pairs": [["a", "b"]], "metric": "global_accuracy",
+         "group": {"mu": 0.5}, "label": "toy", "where": "here"},
+        {"family": "A", "claim": "b > a", "table": "t", "pairs": [["b", "a"]], "metric": "global_accuracy"},
+        {"family": "B", "claim": "typed", "measured": "1 > 0", "holds": "**yes**", "where": "there"}]}
+    (root / "results" / "tables" / "claims.json").write_text(json.dumps(spec))
+    lines = records.render_claims(spec, root).splitlines()
+    assert lines[2] == "| A | a > b | toy: a 85.0 vs b 70.0 % (+15.0, p = 0.053) | yes (n.s.) | here |"
+    assert lines[3].endswith("| no |  |")  # b is below a on every seed (no link given)
+    assert lines[4] == f"| B | typed | 1 > 0 {records.TYPED} | **yes** | there |"
+    block = records.render_block(root, "claims")
+    assert "2 rows computed from 6 records (`t`); the 1 rows marked ✎ are typed by hand" in block

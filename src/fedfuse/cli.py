@@ -417,7 +417,7 @@ def cmd_results(args: argparse.Namespace) -> int:
           f"{rec['commit'][:12]}{'; ' + records.stale_reason(rec) if records.stale_reason(rec) else ''})",
           flush=True)
     ok, rows = records.verify(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
-    wanted = [r for r in rows if r[0] in records.TABLE_METRICS or r[0].startswith("global_accuracy_")]
+    wanted = [r for r in rows if records.is_table_metric(r[0])]
     for name, a, b, d in (rows if args.all_metrics else wanted):
         print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  difference {d:+.3g}")
     print("reproduced" if ok else f"NOT reproduced (tolerance {args.tol})")

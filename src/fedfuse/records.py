@@ -64,6 +64,17 @@ def _scalars(block: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in block.items() if isinstance(v, int | float | str | bool) or v is None}
 
 
+def _stability_metrics(hist: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """``last10_mean`` / ``best10_mean`` of the global accuracy, and ``…_<name>`` of every other evaluated
+    ``global_accuracy_<name>`` (e.g. MSfusion's ``compare_assemblies``)."""
+    out: dict[str, float | None] = {}
+    names = sorted({k for h in hist for k in h if k.startswith("global_accuracy_")})
+    for metric in ("global_accuracy", *names):
+        suffix = metric[len("global_accuracy"):]
+        out[f"last10_mean{suffix}"], out[f"best10_mean{suffix}"] = stability(hist, metric)
+    return out
+
+
 def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: str | None = None,
                 federation: dict[str, Any] | None = None) -> dict[str, Any]:
     """The record of one finished run directory for ``cell`` of ``table``.
@@ -78,7 +89,6 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
     hist = res.history
     if not res.summary:
         raise ValueError(f"{run_dir}: the run has not finished (no summary.json)")
-    last, best = stability(hist)
     algo = cfg.algorithm
     curve = [[int(h["round"]), h.get("global_accuracy")] for h in hist if "personal_accuracy" in h]
     d = cfg.to_dict()
@@ -95,7 +105,7 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
         "config_hash": config_hash(cfg),
         "config": d,
         "federation": federation,
-        "metrics": {**_scalars(res.summary.get("final", {})), "last10_mean": last, "best10_mean": best},
+        "metrics": {**_scalars(res.summary.get("final", {})), **_stability_metrics(hist)},
         "curve": curve,
     }
 
@@ -178,10 +188,12 @@ def _cell_text(col: dict[str, Any], key: tuple, spec: dict[str, Any], recs: list
     raise ValueError(f"table {spec['id']}: unknown column aggregate {agg!r}")
 
 
-def render_table(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
+def render_table(spec: dict[str, Any], recs: list[dict[str, Any]], root: Path | None = None) -> str:
     """The Markdown table of ``spec`` over its records (a row per cell; stale rows marked)."""
     if spec.get("kind") == "paired":
         return render_paired(spec, recs)
+    if spec.get("kind") == "claims":
+        return render_claims(spec, root or repo_root())
     cols = spec["columns"]
     lines = ["| " + " | ".join(c["header"] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for key, rs in _groups(spec, recs):
@@ -224,6 +236,59 @@ def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+TYPED = "✎"
+
+
+def claim_cells(row: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[str, str]:
+    """("measured here", "holds?") of a claims row from its records: each (a, b) of ``row["pairs"]`` over the
+    same seeds within ``row["group"]`` — means, difference, paired-t p; holds = every pair better, **yes** when
+    every pair is also significant."""
+    scale, digits = float(row.get("scale", 100.0)), int(row.get("digits", 1))
+    sign = 1.0 if row.get("higher_is_better", True) else -1.0
+    unit = row.get("unit", " %")
+    sel = [r for r in recs if all(str(r["cell"].get(k)) == str(v) for k, v in row.get("group", {}).items())]
+    by: dict[Any, dict[int, dict[str, Any]]] = {}
+    for r in sel:
+        by.setdefault(r["cell"][row.get("by", "method")], {})[r["seed"]] = r
+    parts, holds, sig, stale = [], [], [], False
+    for a, b in row["pairs"]:
+        if a not in by or b not in by:
+            return "no records", "—"
+        seeds = sorted(set(by[a]) & set(by[b]))
+        va = [by[a][x]["metrics"].get(row["metric"]) for x in seeds]
+        vb = [by[b][x]["metrics"].get(row["metric"]) for x in seeds]
+        t = paired_test(va, vb)
+        ma, mb = mean_std(va).mean, mean_std(vb).mean
+        p = "n/a" if t.p_value != t.p_value else f"{t.p_value:.2g}"
+        parts.append(f"{a} {scale * ma:.{digits}f} vs {b} {scale * mb:.{digits}f}{unit} "
+                     f"({scale * t.diff:+.{digits}f}, p = {p})")
+        holds.append(sign * t.diff > 0)
+        sig.append(t.significant())
+        stale = stale or any(stale_reason(by[m][x]) for m in (a, b) for x in seeds)
+    verdict = ("**yes**" if all(sig) else "yes (n.s.)") if all(holds) else \
+        ("no" if all(not h and g for h, g in zip(holds, sig)) or not any(holds) else "partly")
+    text = f"{row.get('label', '')}: " + "; ".join(parts) if row.get("label") else "; ".join(parts)
+    return text + (f" {STALE}" if stale else ""), verdict
+
+
+def render_claims(spec: dict[str, Any], root: Path) -> str:
+    """A claims table: rows with ``table``/``pairs`` are computed from that table's records
+    (:func:`claim_cells`); rows with ``measured``/``holds`` text are typed by hand and marked ✎."""
+    cols = spec.get("columns", ["family", "paper's claim", "measured here", "holds?", "where"])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for row in spec["rows"]:
+        if "table" in row:
+            recs = load_records(root, row["table"])
+            measured, holds = claim_cells(row, recs)
+            note = row.get("note")
+            if note:
+                measured = f"{measured}; {note}"
+        else:
+            measured, holds = f"{row['measured']} {TYPED}", row["holds"]
+        lines.append("| " + " | ".join([row["family"], row["claim"], measured, holds, row.get("where", "")]) + " |")
+    return "\n".join(lines)
+
+
 def provenance_line(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     commits = sorted({r["commit"][:7] for r in recs})
     digest = hashlib.sha256("".join(sorted(r["config_hash"] for r in recs)).encode()).hexdigest()[:12]
@@ -233,10 +298,18 @@ def provenance_line(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
 
 def render_block(root: Path, table: str) -> str:
     spec = load_spec(root, table)
+    if spec.get("kind") == "claims":
+        tables = sorted({r["table"] for r in spec["rows"] if "table" in r})
+        recs = [r for t in tables for r in load_records(root, t)]
+        typed = sum(1 for r in spec["rows"] if "table" not in r)
+        return (f"\n{render_claims(spec, root)}\n\n<sub>Rendered by `fedfuse results render` from "
+                f"`results/tables/{table}.json`: {len(spec['rows']) - typed} rows computed from {len(recs)} records "
+                f"({', '.join(f'`{t}`' for t in tables) or '—'}); the {typed} rows marked {TYPED} are typed by hand "
+                f"(no records yet).</sub>\n\n")
     recs = load_records(root, table)
     if spec.get("records"):
         recs = [r for t in spec["records"] for r in load_records(root, t)]
-    return f"\n{render_table(spec, recs)}\n\n{provenance_line(spec, recs)}\n\n"
+    return f"\n{render_table(spec, recs, root)}\n\n{provenance_line(spec, recs)}\n\n"
 
 
 def render_text(root: Path, text: str) -> str:
@@ -302,8 +375,7 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
         fed = truncated(federation_for(cfg), int(spec["seqs"]), int(spec["test"]))
     exp = experiment(cfg, fed=fed, progress=False)
     summary = exp.run()
-    last, best = stability(exp.history)
-    return {**_scalars(summary.get("final", {})), "last10_mean": last, "best10_mean": best}
+    return {**_scalars(summary.get("final", {})), **_stability_metrics(exp.history)}
 
 
 def compare(recorded: dict[str, Any], now: dict[str, Any], keys: Iterable[str] | None = None
@@ -319,7 +391,12 @@ def compare(recorded: dict[str, Any], now: dict[str, Any], keys: Iterable[str] |
     return rows
 
 
-TABLE_METRICS = ("global_accuracy", "last10_mean", "best10_mean", "perplexity", "personal_accuracy")
+TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy")
+
+
+def is_table_metric(name: str) -> bool:
+    """Metrics the tables use: accuracies, perplexity and the stability means."""
+    return name in TABLE_METRICS or name.startswith(("global_accuracy_", "last10_mean", "best10_mean"))
 
 
 def verify(rec: dict[str, Any], data_dir: str | None = None, tol: float = 1e-9,
@@ -327,7 +404,7 @@ def verify(rec: dict[str, Any], data_dir: str | None = None, tol: float = 1e-9,
     """Re-run ``rec`` and compare: (every table metric within ``tol``, the comparison rows)."""
     now = rerun(rec, data_dir, out)
     rows = compare(rec["metrics"], now)
-    table = [r for r in rows if r[0] in TABLE_METRICS or r[0].startswith("global_accuracy_")]
+    table = [r for r in rows if is_table_metric(r[0])]
     ok = all(d is not None and abs(d) <= tol for _, _, _, d in table)
     return ok, rows
 
