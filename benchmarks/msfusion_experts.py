@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from fedfuse.api import load
-from fedfuse.experiment import Experiment
 from fedfuse.fusion.slicing import load_submodel
+from fedfuse.result import load
+from fedfuse.runner import experiment
 
 
 @torch.no_grad()
@@ -38,7 +38,7 @@ def analyse(run_dir: Path, data_dir: str | None) -> dict[str, float | str]:
     res = load(run_dir)
     cfg = res.config
     cfg.out, cfg.data_dir = None, data_dir or cfg.data_dir
-    exp = Experiment(cfg, progress=False)
+    exp = experiment(cfg, progress=False)
     ck = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
     x, y = exp.fed.test.x, exp.fed.test.y
     g = exp.algo.global_model(ck["state"])
