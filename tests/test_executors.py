@@ -424,3 +424,23 @@ def test_a_finalize_may_continue_the_clients_generator():
     for a, b in zip(draws["seq"], draws["bat"], strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(draws["seq"][0], draws["seq"][1])
+
+
+def test_entries_left_out_of_init_are_a_frozen_shared_base():
+    """A program whose ``init`` holds only the head trains the head on the template's body (read, never moved,
+    not sent back) in both executors; an optimised parameter missing from ``init`` is refused."""
+    clients = _clients([10, 7])
+    model = MLP()
+    body = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("body.1.")}
+    head = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("body.4.")}
+    spec = TrainConfig(local_epochs=2, batch_size=4, lr=0.1)
+    group = [(j, _program(model, spec, trainable=frozenset(head))) for j in _jobs(2)]
+    group = [(j, dataclasses.replace(p, init=dict(head))) for j, p in group]
+    ex = BatchedExecutor(clients, seed=0)
+    out = _compare(ex, group)
+    for state, _ in out.values():
+        assert set(state) == set(head) and not torch.equal(state["body.4.weight"], head["body.4.weight"])
+    for k, v in body.items():
+        assert torch.equal(model.state_dict()[k], v), k  # the base was read, never trained
+    with pytest.raises(ValueError, match="missing from init"):
+        run_program(dataclasses.replace(group[0][1], trainable=None), clients[0], torch.Generator().manual_seed(0))
