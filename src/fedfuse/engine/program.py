@@ -154,10 +154,13 @@ class _FeaturesAndLogits(nn.Module):
         return self.model.features_and_logits(x)
 
 
-def forward(model: nn.Module, state: Mapping[str, torch.Tensor], x: torch.Tensor, *, features: bool = False,
+def forward(model: nn.Module, state: Mapping[str, torch.Tensor] | None, x: torch.Tensor, *, features: bool = False,
             tied: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(features, logits)`` of ``model`` evaluated with ``state`` (entries it lacks: the module's own).
-    ``features`` needs a model with ``features_and_logits`` (every :class:`~fedfuse.models.base.FedModel`)."""
+    """``(features, logits)`` of ``model`` evaluated with ``state`` (entries it lacks, or all with ``None``: the
+    module's own).  ``features`` needs a model with ``features_and_logits`` (every
+    :class:`~fedfuse.models.base.FedModel`)."""
+    if state is None:
+        return model.features_and_logits(x) if features else (None, model(x))
     if not features:
         return None, functional_call(model, dict(state), (x,), strict=False, tie_weights=tied)
     view = _FeaturesAndLogits(model)
@@ -166,12 +169,14 @@ def forward(model: nn.Module, state: Mapping[str, torch.Tensor], x: torch.Tensor
 
 def step_loss(program: ClientProgram, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
               refs: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None = None,
-              step: int = 0, frozen: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              step: int = 0, frozen: Mapping[str, torch.Tensor] | None = None,
+              own: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """THE training loss of one client on one batch: ``(minimised, reported)`` = (loss + terms, loss).
 
     ``frozen``: template tensors outside ``params``/``buffers`` passed explicitly (the batched executor's shared
-    base, detached).  Every executor computes its gradients from this function."""
-    state = {**(frozen or {}), **params, **buffers}
+    base, detached).  ``own``: ``params``/``buffers`` are the template's own tensors (the sequential driver), so
+    the template is called as it is.  Every executor computes its gradients from this function."""
+    state = None if own else {**(frozen or {}), **params, **buffers}
     z, logits = forward(program.model, state, x, features=program.features, tied=program.tied)
     batch = Batch(x, y, logits, z, dict(params), dict(buffers), dict(refs), step, mask)
     reported = program.loss(batch)
@@ -208,10 +213,10 @@ def run_program(program: ClientProgram, data: ClientData, gen: torch.Generator) 
 def _train(program: ClientProgram, model: nn.Module, split: Split, gen: torch.Generator,
            params: list[nn.Parameter]) -> TrainStats:
     spec, step = program.spec, [0]  # the optimiser step the loss is computed for
+    own_params, own_buffers = dict(model.named_parameters()), dict(model.named_buffers())  # trained in place
 
     def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return step_loss(program, dict(m.named_parameters()), dict(m.named_buffers()), program.refs, x, y, None,
-                         step[0])
+        return step_loss(program, own_params, own_buffers, program.refs, x, y, None, step[0], own=True)
 
     second = sam_step(model, spec.sam_rho, spec.two_pass == "asam", spec.sam_eta, names=program.optimised_names(),
                       loss=lambda m, x, y: loss(m, x, y)[0]) if spec.two_pass else None
