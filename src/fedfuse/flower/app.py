@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import queue
 from typing import Any
 
 import torch
@@ -257,24 +256,37 @@ def _main(grid: Grid, context: Context) -> None:
     log.info("fedfuse run finished: %s", json.dumps(summary.get("final", {}), default=str)[:500])
 
 
-def serving_app(requests: queue.Queue[Any], replies: queue.Queue[Any]) -> ServerApp:
-    """A ServerApp that serves a :class:`~fedfuse.flower.simulation.SimulationExecutor` living in the caller's
-    thread: it sends each batch of jobs it is handed and returns the replies, until it is handed ``None``."""
-    app = ServerApp()
+relay_app = ServerApp()
 
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
+
+@relay_app.main()
+def _relay(grid: Grid, context: Context) -> None:
+    """``--executor flower`` (:class:`~fedfuse.flower.simulation.SimulationExecutor`): the ServerApp of a
+    ``flwr run`` on a local simulation SuperLink.  It connects back to the fedfuse process that submitted the run
+    (run config ``relay``, ``relay-key``: a loopback ``multiprocessing`` connection with an authentication key),
+    then sends each batch of jobs it is handed to the simulated nodes and returns the results, until it is handed
+    ``None``.  fedfuse's round loop stays in the submitting process."""
+    import pickle
+    from multiprocessing.connection import Client
+
+    rc = dict(context.run_config)
+    host, port = str(rc["relay"]).rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(str(rc["relay-key"])))
+    cfg = make_config(json.loads(str(rc["fedfuse-run"])))
+    executor = FlowerExecutor(grid, cfg, cfg.seed, min_nodes=int(rc.get("min-nodes", 1)))
+    try:
         while True:
-            item = requests.get()
+            item = pickle.loads(conn.recv_bytes())  # the standard pickler: torch tensors by value
             if item is None:
                 return
-            executor, fn, jobs = item
+            method, jobs, train = item
             try:
-                replies.put(executor.serve(grid, fn, jobs))
-            except BaseException as e:  # hand the error to the caller, keep serving
-                replies.put(e)
-
-    return app
+                reply: Any = (executor.send_jobs(method, jobs, train), executor.lost)
+            except Exception as e:  # hand the error to the caller, keep serving
+                reply = RuntimeError(f"{type(e).__name__}: {e}")
+            conn.send_bytes(pickle.dumps(reply))
+    finally:
+        conn.close()
 
 
 def quiet_flower() -> None:

@@ -302,7 +302,7 @@ class LocalFederation:
     def __init__(self, dir: str | Path, nodes: int = 2, *, auth: bool = True, env: Mapping[str, str] | None = None,
                  connection: str = DEFAULT_CONNECTION, node_config: Sequence[str] | None = None,
                  startup_timeout: float = 60.0, warm: bool = False, worker_poll: float | None = None,
-                 node_poll: float | None = None, audit_open: bool = False) -> None:
+                 node_poll: float | None = None, audit_open: bool = False, simulation: bool = False) -> None:
         self.dir = Path(dir).resolve()
         self.num_nodes = nodes
         self.auth = auth
@@ -314,6 +314,7 @@ class LocalFederation:
         self.worker_poll = worker_poll
         self.node_poll = node_poll  # SuperNode idle poll (fedfuse.flower.supernode); None: Flower's 3 s
         self.audit_open = audit_open  # warm workers record every file they open (logs/worker-I.opened)
+        self.simulation = simulation  # a plain-HTTP loopback SuperLink in simulation mode, no SuperNodes
         self.workers: list[_Proc | None] = [None] * nodes  # warm ClientApp workers (``warm=True``)
         self.logs = self.dir / "logs"
         self.home = self.dir / "cli-home"  # FLWR_HOME of the flwr CLI (holds the SuperLink connection)
@@ -351,8 +352,16 @@ class LocalFederation:
     def start(self) -> None:
         """Certificates, SuperLink, CLI connection, node registrations, SuperNodes; returns when all are up."""
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.certs = make_certificates(self.dir / "certs", nodes=self.num_nodes if self.auth else 0)
         self.port = free_port()
+        if self.simulation:  # Flower's local simulation runtime: `flwr run` starts the ServerApp and the
+            # simulated SuperNodes in one flwr-simulation process (Ray), as `flwr run APP local` does
+            write_connection(self.home, self.address, None, self.connection, insecure=True)
+            cmd = [_tool("flower-superlink"), "--insecure", "--simulation", "--host", "127.0.0.1", "--port",
+                   str(self.port), "--disable-runtime-dependency-installation"]
+            self.superlink = self._spawn("superlink", cmd, self.dir / "superlink-home")
+            self._wait_listening(self.superlink, self.port)
+            return
+        self.certs = make_certificates(self.dir / "certs", nodes=self.num_nodes if self.auth else 0)
         write_connection(self.home, self.address, self.certs.ca_cert, self.connection)
         cmd = [_tool("flower-superlink"), "--ssl-ca-certfile", str(self.certs.ca_cert),
                "--ssl-certfile", str(self.certs.server_cert), "--ssl-keyfile", str(self.certs.server_key),
@@ -515,13 +524,16 @@ class LocalFederation:
             raise FederationError(f"no JSON in the output of flwr {' '.join(args)}:\n{out}")
         return json.loads(out[start:])
 
-    def run(self, app: str | Path, run_config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> int:
+    def run(self, app: str | Path, run_config: Mapping[str, Any] | None = None, timeout: float = 120.0,
+            federation_config: Mapping[str, Any] | None = None) -> int:
         """Submit ``app`` with ``flwr run APP <connection> --stream``; returns the run id once the SuperLink has
         accepted it.  The ``flwr`` process keeps streaming the ServerApp's log to ``logs/run-ID.log`` until the run
         ends, which is what :meth:`wait` waits for (no status polling)."""
         args = ["run", str(app), self.connection, "--stream"]
         for k, v in (run_config or {}).items():
             args += ["--run-config", f"{k}={_toml_value(v)}"]
+        if federation_config:  # the simulation runtime's settings (num-supernodes, client resources, Ray)
+            args += ["--federation-config", " ".join(f"{k}={_toml_value(v)}" for k, v in federation_config.items())]
         log = self.logs / f"flwr-run-{time.monotonic_ns()}.log"
         env = dict(self._env, FLWR_HOME=str(self.home), COLUMNS="200", NO_COLOR="1")
         with log.open("wb") as fh:
@@ -541,6 +553,11 @@ class LocalFederation:
                 popen.wait()
                 raise FederationError(f"flwr run {app} did not start a run:\n{_tail(log)}")
             time.sleep(0.2)
+
+    def streaming(self, run_id: int) -> bool:
+        """Whether ``flwr run --stream`` of ``run_id`` still runs (the run has not ended)."""
+        stream = self._streams.get(run_id)
+        return stream is not None and stream.poll() is None
 
     def status(self, run_id: int) -> str:
         """The run's status as ``flwr list`` shows it, e.g. ``running`` or ``finished:completed``."""

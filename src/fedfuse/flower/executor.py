@@ -152,7 +152,15 @@ class FlowerExecutor:
         method = getattr(fn, "__name__", "")
         if getattr(fn, "__self__", None) is None or method not in METHODS:
             raise ValueError(f"the Flower executor runs the algorithm's {'/'.join(METHODS)} hooks, not {fn!r}")
-        jobs = list(jobs)
+        return self.send_jobs(method, list(jobs), self.train_json())
+
+    def train_json(self) -> str:
+        """The current local-training settings (the loop may halve the lr on rollback), as sent with each job."""
+        return json.dumps(asdict(self._ctx.train) if self._ctx is not None else {}, default=str)
+
+    def send_jobs(self, method: str, jobs: list[Job], train: str) -> dict[int, Any]:
+        """Send one message per job (``method``: ``fit`` or ``evaluate``) and decode the replies by client id; a
+        job without a usable reply is left out and its reason kept in :attr:`lost`."""
         self.lost = {}
         if not jobs:
             return {}
@@ -161,7 +169,6 @@ class FlowerExecutor:
         holders = self.holders(self.route(ids, strict=True))  # a silent node's clients are absent for a while
         anyone = self.route([n for n in ids if self.served.get(n, None) is None])
         self._silent = {n: k - 1 for n, k in self._silent.items() if k > 1}
-        train = json.dumps(asdict(self._ctx.train) if self._ctx is not None else {}, default=str)
         payloads: dict[int, tuple[Any, Any]] = {}  # a payload broadcast to many clients is encoded once
         sent = {}
         for job in jobs:
