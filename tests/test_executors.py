@@ -444,3 +444,27 @@ def test_entries_left_out_of_init_are_a_frozen_shared_base():
         assert torch.equal(model.state_dict()[k], v), k  # the base was read, never trained
     with pytest.raises(ValueError, match="missing from init"):
         run_program(dataclasses.replace(group[0][1], trainable=None), clients[0], torch.Generator().manual_seed(0))
+
+
+def test_step_loss_is_the_loss_plus_the_terms_and_ignores_padded_samples():
+    """Hand case on a linear model: (minimised, reported) = (CE + λ·mean‖x‖² + ‖w‖², CE); padding the batch with
+    masked garbage samples changes neither value."""
+    from fedfuse.engine.program import step_loss
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 2, 3, 0])
+    per_sample = LossTerm("sq", lambda b: b.mean(0.5 * b.x.pow(2).sum(1)))
+    weight = LossTerm("w", lambda b: b.params["weight"].pow(2).sum())
+    prog = ClientProgram(model=model, init=dict(params), spec=TrainConfig(), finalize=_identity_finalize,
+                         terms=(per_sample, weight))
+    total, reported = step_loss(prog, params, {}, {}, x, y)
+    ce = torch.nn.functional.cross_entropy(x @ params["weight"].T + params["bias"], y)
+    torch.testing.assert_close(reported, ce)
+    torch.testing.assert_close(total, ce + 0.5 * x.pow(2).sum(1).mean() + params["weight"].pow(2).sum())
+    xp, yp = torch.cat([x, 100 * torch.randn(3, 3)]), torch.cat([y, torch.tensor([3, 3, 3])])
+    mask = torch.cat([torch.ones(5), torch.zeros(3)])
+    padded = step_loss(prog, params, {}, {}, xp, yp, mask)
+    torch.testing.assert_close(padded[0], total)
+    torch.testing.assert_close(padded[1], reported)
