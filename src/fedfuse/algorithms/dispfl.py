@@ -137,7 +137,7 @@ def prune_and_regrow(mask: torch.Tensor, weight: torch.Tensor, grad: torch.Tenso
     score = torch.where(flat > 0, weight.reshape(-1).abs().float(), torch.full_like(flat, big))
     flat[torch.argsort(score, stable=True)[:k]] = 0
     if grad is None:
-        zeros = torch.flatnonzero(flat == 0)
+        zeros = torch.nonzero(flat == 0).reshape(-1)
         pick = zeros[torch.randperm(len(zeros), generator=gen)[:k]]
     else:
         g = torch.where(flat == 0, grad.reshape(-1).abs().float(), torch.full_like(flat, -1.0))

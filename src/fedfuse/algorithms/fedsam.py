@@ -67,12 +67,13 @@ class FedSAM(FedAvg):
     @dataclass
     class Options(FedAvg.Options):
         rho: float = opt(0.05, "SAM neighbourhood radius ρ (SAM reference: 0.05)", ge=0.0)
-        eta: float = opt(0.01, "ASAM only: T_w = |w| + η", ge=0.0)
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """FedAvg's standard step with a two-pass (A)SAM local spec; FLOPs count both passes."""
-        spec = self.ctx.train.with_two_pass(
-            "asam" if self.adaptive else "sam", float(self.opt.rho), float(self.opt.eta))
+        if self.adaptive:  # η (T_w = |w| + η) is ASAM's alone: FedSAM does not offer it
+            spec = self.ctx.train.with_two_pass("asam", float(self.opt.rho), float(self.opt.eta))
+        else:
+            spec = self.ctx.train.with_two_pass("sam", float(self.opt.rho))
         program = self.standard_program(payload, client_state, data, spec=spec)
         finalize = program.finalize
 
