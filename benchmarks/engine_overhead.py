@@ -1,42 +1,51 @@
-"""Engine benchmark: fedfuse's executors vs a hand-written PyTorch FedAvg loop and the hardware floor.
+"""Engine benchmark: fedfuse's executors vs a hand-written PyTorch FedAvg loop, against the machine's peak.
 
 Setting: FedAvg, 100 clients × 600 MNIST-shaped samples, 10 clients per round, 1 local epoch, batch 50,
 SGD lr 0.05; models MLP 784-200-200-10 and the McMahan CNN.  In this one process, interleaved (every repeat
 runs every variant once, so machine noise hits all alike), on the same data:
 
-- ``plain``: a minimal hand-written loop (one client after another, ``torch.optim.SGD``);
-- ``floor``: the same 6,000 samples trained centrally in one model with batch 600 (10 steps a round) —
-  what the hardware does with the work of a round when nothing is per-client;
-- ``sequential`` / ``batched`` / ``processes`` / ``auto``: fedfuse's round loop with that executor.
+- ``peak``: the practical peak of one device at each precision: the median GFLOP/s of a large square matrix
+  product (``--peak-size``, fp32 and bf16) — the roofline every variant is measured against;
+- ``plain``: a minimal hand-written fp32 loop (one client after another, ``torch.optim.SGD``); ``plain-bf16``
+  the same loop under bf16 autocast (with the engine's memory-format rule on a CNN);
+- ``EXECUTOR/PRECISION``: fedfuse's round loop with that executor and ``precision`` (``--executors`` ×
+  ``--precisions``; ``--memory-formats`` adds the CNN's layouts, ``auto`` by default).
 
-Reported: median wall seconds per round (first round — FLOP counting, the auto probe, worker start — and
-the last, evaluation round excluded), samples per second, speed-up over ``plain`` (> 1 = faster), median
-CPU seconds per round of *this* process and the CPU-time ratio over ``plain`` (on a loaded machine the CPU
-time is the more reliable measure of in-process work; worker processes' CPU is not in it, so the
-``processes`` row shows wall time only).
+Reported per variant: median wall seconds per round (first round — FLOP counting, the auto probe, worker
+start — and the last, evaluation round excluded), median CPU seconds per round of *this* process, the speed
+over ``plain`` in CPU time (on a loaded machine the more reliable measure; wall time for the ``processes``
+executor, whose work is in other processes), the achieved GFLOP/s (training FLOPs of the round, from
+``torch.utils.flop_counter``, over the CPU seconds; per worker for ``processes``) and the fraction of the peak
+of the variant's precision.
 
-``--algorithms fedprox,fedmr,...`` adds a table: each algorithm with the sequential and the batched executor on
-the MLP (speed-up = sequential / batched).
+``--algorithms fedprox,fedmr,...`` adds a table: each algorithm with its sequential fp32 run against its fastest
+configuration (``--fast``, default the batched executor at bf16) on the MLP.
 
     python benchmarks/engine_overhead.py [--data-dir ../shared/data] [--rounds 6] [--repeats 3] [--threads 1]
-        [--models mlp,cnn,mlp-small] [--executors sequential,batched,processes,auto] [--workers 2]
-        [--algorithms fedprox,fedmr,fedmerge,heterofl]
+        [--models mlp,cnn,mlp-small] [--executors sequential,batched,processes,auto] [--precisions fp32,bf16]
+        [--memory-formats auto,contiguous] [--workers 2] [--algorithms fedprox,fedmr,fedmerge,heterofl] [--gpu]
 
 With ``--data-dir`` the real MNIST training images are used (first 60,000 split into 100 × 600);
-otherwise random MNIST-shaped tensors (the timing does not depend on the pixel values).
+otherwise random MNIST-shaped tensors (the timing does not depend on the pixel values).  ``--gpu`` runs the
+same variants on ``cuda`` (data, models and the peak GEMM on the GPU; times are wall seconds after
+``torch.cuda.synchronize``; the process executor is skipped).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from fedfuse.config import RunConfig, apply
+from fedfuse.engine.client import train_flops_per_sample
 from fedfuse.engine.executors import make_executor
+from fedfuse.engine.precision import train_autocast, train_layout, use_precision
 from fedfuse.engine.processes import ProcessExecutor
 from fedfuse.models import build_model
 from fedfuse.rng import numpy_rng
@@ -44,10 +53,10 @@ from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Federation, Split
 
 N_CLIENTS, PER_CLIENT, PER_ROUND, BATCH, LR = 100, 600, 10, 50, 0.05
-FLOOR_BATCH = 600
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def make_federation(data_dir: str | None) -> Federation:
+def make_federation(data_dir: str | None, device: torch.device) -> Federation:
     if data_dir:
         from fedfuse.data.datasets import load_dataset
 
@@ -57,6 +66,7 @@ def make_federation(data_dir: str | None) -> Federation:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(N_CLIENTS * PER_CLIENT, 1, 28, 28, generator=g)
         y = torch.randint(0, 10, (N_CLIENTS * PER_CLIENT,), generator=g)
+    x, y = x.to(device), y.to(device)
     empty = Split(x[:0], y[:0])
     clients = [
         ClientData(c, Split(x[c * PER_CLIENT : (c + 1) * PER_CLIENT], y[c * PER_CLIENT : (c + 1) * PER_CLIENT]),
@@ -66,13 +76,43 @@ def make_federation(data_dir: str | None) -> Federation:
     return Federation(clients, Split(x[:100], y[:100]), 10, (1, 28, 28), dataset="mnist", partition="blocks")
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``fn`` (the device's queue drained before and after)."""
+    _sync(device)
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    _sync(device)
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def peak_gflops(precision: str, device: torch.device, n: int, repeats: int = 7) -> float:
+    """The practical peak: median GFLOP/s of an ``n``×``n``×``n`` matrix product at ``precision`` (CPU time on
+    a CPU, so other jobs on the machine do not count against it; wall time on a GPU)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device, DTYPES[precision])
+    b = torch.randn(n, n, generator=g).to(device, DTYPES[precision])
+    a @ b  # warm-up
+    rates = []
+    for _ in range(repeats):
+        w, c = _timed(lambda: a @ b, device)
+        rates.append(2 * n**3 / (w if device.type == "cuda" else c) / 1e9)
+    return statistics.median(rates)
+
+
 def engine_round_times(fed: Federation, model: str, opts: dict, rounds: int, executor: str, *,
-                       algorithm: str = "fedavg", workers: int = 2, threads: int = 1) -> tuple[list, list]:
+                       algorithm: str = "fedavg", workers: int = 2, threads: int = 1, precision: str = "fp32",
+                       memory_format: str = "auto", device: torch.device) -> tuple[list, list]:
     """(wall, CPU) seconds of every timed round of the engine with ``executor``."""
     cfg = apply(RunConfig(), dict(
         algorithm=algorithm, dataset="mnist", model=model, model_options=opts, clients=N_CLIENTS,
         clients_per_round=PER_ROUND, rounds=rounds + 2, local_epochs=1, batch_size=BATCH, lr=LR,
-        eval_every=10_000, plots=False, partition="iid", device="cpu", executor=executor,
+        eval_every=10_000, plots=False, partition="iid", device=str(device), executor=executor,
+        precision=precision, memory_format=memory_format, threads=threads,
     ))
     ex = (ProcessExecutor(fed.clients, cfg.seed, workers=workers, threads=threads) if executor == "processes"
           else make_executor(executor, fed.clients, cfg.seed, threads=threads))
@@ -80,6 +120,7 @@ def engine_round_times(fed: Federation, model: str, opts: dict, rounds: int, exe
     last = [time.process_time()]
 
     def tick(rec: dict) -> None:
+        _sync(device)
         now = time.process_time()
         cpu.append(now - last[0])
         last[0] = now
@@ -90,15 +131,12 @@ def engine_round_times(fed: Federation, model: str, opts: dict, rounds: int, exe
     return [h["seconds"] for h in exp.history[1:-1]], cpu[1:-1]
 
 
-def _timed(fn) -> tuple[float, float]:
-    w, c = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - w, time.process_time() - c
-
-
-def plain_round_times(fed: Federation, model_name: str, opts: dict, rounds: int) -> tuple[list, list]:
+def plain_round_times(fed: Federation, model_name: str, opts: dict, rounds: int, *, precision: str = "fp32",
+                      device: torch.device) -> tuple[list, list]:
+    """A hand-written FedAvg round: every client trained in turn with ``torch.optim.SGD``, then averaged.  At
+    bf16 the forward pass and loss run under autocast (the engine's ``train_autocast`` and memory-format rule)."""
     torch.manual_seed(0)
-    model = build_model(model_name, (1, 28, 28), 10, **opts)
+    model = build_model(model_name, (1, 28, 28), 10, **opts).to(device)
     state = {"g": {k: v.clone() for k, v in model.state_dict().items()}}
     walls, cpus = [], []
     for r in range(rounds + 1):
@@ -112,45 +150,23 @@ def plain_round_times(fed: Federation, model_name: str, opts: dict, rounds: int)
                 model.train()
                 opt = torch.optim.SGD(model.parameters(), lr=LR)
                 gen = torch.Generator().manual_seed(int(c) + 1000 * r)
-                perm = torch.randperm(len(data), generator=gen)
-                for s in range(0, len(data), BATCH):
-                    idx = perm[s : s + BATCH]
-                    loss = torch.nn.functional.cross_entropy(model(data.x[idx]), data.y[idx])
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
+                perm = torch.randperm(len(data), generator=gen).to(device)
+                layout = train_layout(model, data.x) if precision != "fp32" else contextlib.nullcontext()
+                with layout:
+                    for s in range(0, len(data), BATCH):
+                        idx = perm[s : s + BATCH]
+                        with train_autocast(device):
+                            loss = torch.nn.functional.cross_entropy(model(data.x[idx]), data.y[idx])
+                        opt.zero_grad()
+                        loss.backward()
+                        opt.step()
                 states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
                 weights.append(len(data))
             total = float(sum(weights))
             state["g"] = {k: sum(s[k] * (w / total) for s, w in zip(states, weights)) for k in states[0]}
 
-        w, c = _timed(one_round)
-        walls.append(w)
-        cpus.append(c)
-    return walls[1:], cpus[1:]
-
-
-def floor_round_times(fed: Federation, model_name: str, opts: dict, rounds: int) -> tuple[list, list]:
-    """The round's 6,000 samples trained centrally in one model, batch 600 (the hardware floor)."""
-    torch.manual_seed(0)
-    model = build_model(model_name, (1, 28, 28), 10, **opts)
-    x = torch.cat([fed.clients[c].train.x for c in range(PER_ROUND)])
-    y = torch.cat([fed.clients[c].train.y for c in range(PER_ROUND)])
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    model.train()
-    walls, cpus = [], []
-    for r in range(rounds + 1):
-
-        def one_round(r: int = r) -> None:
-            perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(r))
-            for s in range(0, len(x), FLOOR_BATCH):
-                idx = perm[s : s + FLOOR_BATCH]
-                loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-
-        w, c = _timed(one_round)
+        with use_precision(precision, "auto"):
+            w, c = _timed(one_round, device)
         walls.append(w)
         cpus.append(c)
     return walls[1:], cpus[1:]
@@ -163,6 +179,13 @@ MODELS = {  # variant → (label, registry model, options)
 }
 
 
+def round_gflop(fed: Federation, model_name: str, opts: dict) -> float:
+    """Training GFLOPs of one round (forward + backward of every sample, ``torch.utils.flop_counter``)."""
+    model = build_model(model_name, (1, 28, 28), 10, **opts)
+    x, y = fed.clients[0].train.x[:8].cpu(), fed.clients[0].train.y[:8].cpu()
+    return train_flops_per_sample(model, x, y) * PER_ROUND * PER_CLIENT / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default=None)
@@ -171,58 +194,87 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process and of each worker")
     p.add_argument("--models", default="mlp,cnn", help="which of mlp,cnn,mlp-small to time")
     p.add_argument("--executors", default="sequential,batched,processes,auto")
+    p.add_argument("--precisions", default="fp32,bf16", help="engine precisions to time (fp32, bf16)")
+    p.add_argument("--memory-formats", default="auto", help="CNN layouts to time: auto, contiguous, channels_last")
     p.add_argument("--workers", type=int, default=2, help="worker processes of the processes executor")
-    p.add_argument("--algorithms", default="", help="also time these algorithms, sequential vs batched, on the MLP")
-    p.add_argument("--no-floor", action="store_true", help="skip the hardware-floor variant")
+    p.add_argument("--algorithms", default="", help="also time these algorithms, sequential fp32 vs --fast, on the MLP")
+    p.add_argument("--fast", default="batched/bf16", help="EXECUTOR/PRECISION the --algorithms table compares")
+    p.add_argument("--peak-size", type=int, default=2048, help="size n of the n×n×n peak GEMM")
+    p.add_argument("--gpu", action="store_true", help="run everything on cuda")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    fed = make_federation(args.data_dir)
-    executors = [e for e in args.executors.split(",") if e]
-    samples = PER_ROUND * PER_CLIENT
+    device = torch.device("cuda" if args.gpu else "cpu")
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu: no CUDA device")
+    fed = make_federation(args.data_dir, device)
+    executors = [e for e in args.executors.split(",") if e and not (args.gpu and e == "processes")]
+    precisions = [q for q in args.precisions.split(",") if q]
+    formats = [f for f in args.memory_formats.split(",") if f]
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at start; "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}, data "
+          f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, data "
           f"{'real MNIST' if args.data_dir else 'random MNIST-shaped'}, {args.rounds} rounds × {args.repeats} "
           f"repeats, processes: {args.workers} workers")
+    peak = {q: peak_gflops(q, device, args.peak_size) for q in ("fp32", "bf16")}
+    print(f"practical peak (GEMM {args.peak_size}³): " + ", ".join(f"{q} {v:.0f} GFLOP/s" for q, v in peak.items()))
     for variant in [m for m in args.models.split(",") if m]:
         name, m, opts = MODELS[variant]
-        variants = ("plain", *(() if args.no_floor else ("floor",)), *executors)
-        times: dict[str, tuple[list, list]] = {k: ([], []) for k in variants}
+        gflop = round_gflop(fed, m, opts)
+        conv = variant == "cnn"
+        specs: dict[str, tuple] = {"plain": ("plain", "fp32", "auto")}
+        if "bf16" in precisions:
+            specs["plain-bf16"] = ("plain", "bf16", "auto")
+        for ex in executors:
+            for q in precisions:
+                for f in (formats if conv else ["auto"]):
+                    specs[f"{ex}/{q}" + (f"/{f}" if conv and len(formats) > 1 else "")] = (ex, q, f)
+        times: dict[str, tuple[list, list]] = {k: ([], []) for k in specs}
         for _ in range(args.repeats):  # interleaved so machine noise hits every variant alike
-            for key in times:
-                if key == "plain":
-                    w, c = plain_round_times(fed, m, opts, args.rounds)
-                elif key == "floor":
-                    w, c = floor_round_times(fed, m, opts, args.rounds)
+            for key, (ex, q, f) in specs.items():
+                if ex == "plain":
+                    w, c = plain_round_times(fed, m, opts, args.rounds, precision=q, device=device)
                 else:
-                    w, c = engine_round_times(fed, m, opts, args.rounds, key, workers=args.workers,
-                                              threads=args.threads)
+                    w, c = engine_round_times(fed, m, opts, args.rounds, ex, workers=args.workers,
+                                              threads=args.threads, precision=q, memory_format=f, device=device)
                 times[key][0].extend(w)
                 times[key][1].extend(c)
+        on_gpu = device.type == "cuda"
         pw, pc = statistics.median(times["plain"][0]), statistics.median(times["plain"][1])
-        print(f"\n{name}")
-        print("| variant | s/round (wall) | samples/s | speed vs plain (wall) | CPU s/round | speed vs plain (CPU) |")
+        base = pw if on_gpu else pc
+        print(f"\n{name}: {gflop:.1f} training GFLOP per round")
+        print("| variant | s/round (wall) | CPU s/round | × plain | GFLOP/s | of peak |")
         print("|---|---|---|---|---|---|")
         for key, (w, c) in times.items():
             mw, mc = statistics.median(w), statistics.median(c)
-            cpu_cols = ("n/a (workers)", "n/a") if key == "processes" else (f"{mc:.3f}", f"{pc / mc:.2f}×")
-            print(f"| {key} | {mw:.3f} | {samples / mw:,.0f} | {pw / mw:.2f}× | {cpu_cols[0]} | {cpu_cols[1]} |")
+            q = specs[key][1]
+            if specs[key][0] == "processes":  # work in the workers: wall time, GFLOP/s per worker
+                t, per, cpu_col = mw, mw * args.workers, "n/a (workers)"
+                speed = f"{pw / mw:.2f}× (wall)"
+            else:
+                t = mw if on_gpu else mc
+                per, cpu_col, speed = t, f"{mc:.3f}", f"{base / t:.2f}×"
+            rate = gflop / per
+            print(f"| {key} | {mw:.3f} | {cpu_col} | {speed} | {rate:.0f} | {rate / peak[q]:.0%} |")
+        print(f"| peak ({'bf16' if 'bf16' in precisions else 'fp32'}) | | | "
+              f"{(peak['bf16' if 'bf16' in precisions else 'fp32']) / (gflop / base):.2f}× | "
+              f"{peak['bf16' if 'bf16' in precisions else 'fp32']:.0f} | 100% |")
     algos = [a for a in args.algorithms.split(",") if a]
     if algos:
         name, _, opts = MODELS["mlp"]
-        print(f"\nalgorithms on the {name}: sequential vs batched executor")
-        print("| algorithm | sequential s/round | batched s/round | speed-up (wall) | sequential CPU | batched CPU | "
-              "speed-up (CPU) |")
-        print("|---|---|---|---|---|---|---|")
+        fast_ex, fast_q = args.fast.split("/")
+        print(f"\nalgorithms on the {name}: sequential fp32 vs {args.fast}")
+        print("| algorithm | sequential fp32 CPU s/round | " + args.fast + " CPU s/round | speed-up (CPU) | "
+              "speed-up (wall) |")
+        print("|---|---|---|---|---|")
         for algo in algos:
-            res: dict[str, tuple[list, list]] = {"sequential": ([], []), "batched": ([], [])}
+            res: dict[tuple, tuple[list, list]] = {("sequential", "fp32"): ([], []), (fast_ex, fast_q): ([], [])}
             for _ in range(args.repeats):
-                for ex in res:
-                    w, c = engine_round_times(fed, "mlp", opts, args.rounds, ex, algorithm=algo, threads=args.threads)
-                    res[ex][0].extend(w)
-                    res[ex][1].extend(c)
-            sw, bw = statistics.median(res["sequential"][0]), statistics.median(res["batched"][0])
-            sc, bc = statistics.median(res["sequential"][1]), statistics.median(res["batched"][1])
-            print(f"| {algo} | {sw:.3f} | {bw:.3f} | {sw / bw:.2f}× | {sc:.3f} | {bc:.3f} | {sc / bc:.2f}× |")
+                for ex, q in res:
+                    w, c = engine_round_times(fed, "mlp", opts, args.rounds, ex, algorithm=algo, threads=args.threads,
+                                              precision=q, device=device)
+                    res[(ex, q)][0].extend(w)
+                    res[(ex, q)][1].extend(c)
+            (sw, sc), (fw, fc) = ((statistics.median(a), statistics.median(b)) for a, b in res.values())
+            print(f"| {algo} | {sc:.3f} | {fc:.3f} | {sc / fc:.2f}× | {sw / fw:.2f}× |")
 
 
 if __name__ == "__main__":

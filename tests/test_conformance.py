@@ -15,6 +15,7 @@ transformer, so it runs on generated token sequences):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -96,11 +97,12 @@ def _fed(algorithm: str) -> Federation | None:
     return _FEDS.get(key)
 
 
-def _run(algorithm: str, executor: str, executor_obj=None) -> Experiment:
+def _run(algorithm: str, executor: str, executor_obj=None, **changes) -> Experiment:
     lm = algorithm == "simple-fedma" or algorithm in LORA
     if algorithm in LORA:
         pytest.importorskip("peft")
-    exp = experiment(_cfg(algorithm, executor), fed=_fed(algorithm) or (
+    cfg = dataclasses.replace(_cfg(algorithm, executor), **changes)
+    exp = experiment(cfg, fed=_fed(algorithm) or (
         _token_federation() if lm else None), executor=executor_obj)
     _FEDS.setdefault("lm" if lm else "digits", exp.fed)
     exp.run()
@@ -150,6 +152,46 @@ def test_every_executor_gives_the_same_run(algorithm):
     assert [strip_timing(h) for h in rev.history] == [strip_timing(h) for h in bat.history]
     for key in ("global", "personal"):
         assert seq.summary()["final"].get(f"{key}_accuracy") == proc.summary()["final"].get(f"{key}_accuracy")
+
+
+BF16_LOSS_RTOL = 2e-2  # bf16 products round to 8 bits of mantissa: the batched kernels round differently
+BF16_ACC_ATOL = 0.05
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_bf16_runs_under_every_executor(algorithm):
+    """``precision=bf16`` (one round): autocast reaches the training step of every executor — ``processes``
+    equals ``sequential`` bit for bit and both differ from the fp32 run where anything was trained; ``batched``
+    agrees within bf16 tolerance; the summary reports the precision."""
+    seq = _run(algorithm, "sequential", precision="bf16", rounds=1)
+    assert seq.summary()["precision"] == "bf16"
+    proc = _run(algorithm, "processes", precision="bf16", rounds=1)
+    assert [strip_timing(h) for h in proc.history] == [strip_timing(h) for h in seq.history]
+    bat = _run(algorithm, "batched", precision="bf16", rounds=1)
+    def close(k: str, va, vb) -> None:
+        where = f"{algorithm} bf16 batched: {k} {va} vs {vb}"
+        if isinstance(va, dict) and isinstance(vb, dict) and not any(t in k for t in EXACT):
+            assert va.keys() == vb.keys(), where
+            for kk in va:
+                close(k, va[kk], vb[kk])
+        elif any(t in k for t in EXACT) or not isinstance(va, float) or not isinstance(vb, float):
+            assert va == vb, where
+        elif "accuracy" in k:
+            assert abs(va - vb) <= BF16_ACC_ATOL, where
+        elif not math.isnan(va):
+            assert vb == pytest.approx(va, rel=BF16_LOSS_RTOL, abs=1e-3), where
+
+    for a, b in zip(seq.history, bat.history, strict=True):
+        a, b = strip_timing(a), strip_timing(b)
+        assert a.keys() == b.keys()
+        for k, va in a.items():
+            close(k, va, b[k])
+    fp32 = _run(algorithm, "sequential", rounds=1)
+    assert fp32.summary()["precision"] == "fp32"
+    losses = [(h.get("train_loss"), f.get("train_loss")) for h, f in zip(seq.history, fp32.history, strict=True)]
+    trained = [(a, b) for a, b in losses if a is not None and b is not None and not math.isnan(a)]
+    if trained:  # bf16 products change the trained model: autocast was in effect in the training step
+        assert any(a != b for a, b in trained), f"{algorithm}: bf16 training loss equals fp32"
 
 
 def test_declared_programs_are_batched_not_fallen_back():

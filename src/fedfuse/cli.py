@@ -176,6 +176,9 @@ def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None 
     lines.append(f"wall time: {summary['wall_seconds']:.1f} s over {n} round{'s' if n != 1 else ''}")
     if counts:
         lines.append(f"{final_note(last, counts[:1], 'this run')} (as in compare, reports and Result.final())")
+    if "precision" in summary:
+        threads = summary.get("threads")
+        lines.append(f"precision: {summary['precision']}" + (f", torch threads: {threads}" if threads else ""))
     return "\n".join(lines)
 
 

@@ -50,9 +50,27 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--out": ("out", str, "output directory (default: runs/<algorithm or compare>-<dataset>-<time>)"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--eval-every": ("eval_every", int, "evaluate every N rounds (the last round is always evaluated)"),
-    "--threads": ("threads", int, "torch intra-op threads (0 = PyTorch's default; 1 is fastest for small models)"),
+    "--threads": ("threads", str, "torch intra-op threads: auto, 0 (PyTorch's default) or a count"),
+    "--precision": ("precision", str, "training precision: fp32, bf16 or auto"),
+    "--memory-format": ("memory_format", str, "layout of conv models in training: auto, contiguous, channels_last"),
     "--executor": ("executor", str, "where client work runs: sequential, batched, processes or auto"),
 }
+
+
+def parse_threads(value: object) -> int | str:
+    """A ``threads`` setting: ``"auto"`` or a non-negative integer (0 = PyTorch's own default); raises
+    ``ValueError`` otherwise."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        raise ValueError(f"expected auto or a non-negative integer, got {value!r}")
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"expected auto or a non-negative integer, got {value!r}") from None
+    if n < 0:
+        raise ValueError(f"expected auto or a non-negative integer, got {value!r}")
+    return n
 
 
 class ConfigError(UserError):
@@ -101,7 +119,14 @@ class RunConfig:
     device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
     executor: str = opt("sequential", "how clients run: sequential | batched | processes | auto | flower "
                                       "(engine/executors.py)")
-    threads: int = opt(0, "torch intra-op threads; 0 = PyTorch's default", ge=0)
+    precision: str = opt("fp32", "training precision: fp32, bf16 (autocast for the local forward/backward; fp32 "
+                                 "weights, optimiser and server), or auto = bf16 where the hardware has native "
+                                 "bf16 (docs/engine.md)", choices=("fp32", "bf16", "auto"))
+    memory_format: str = opt("auto", "layout of 4-D tensors in training: auto = channels-last for the convolutional "
+                                     "models measured faster that way (docs/engine.md), contiguous (NCHW) or "
+                                     "channels_last (NHWC)", choices=("auto", "contiguous", "channels_last"))
+    threads: str = opt("auto", "torch intra-op threads: auto = min(physical cores, cores the load average leaves "
+                               "idle), 1 on a busy machine; 0 = PyTorch's default; or a count")
     val_fraction: float = opt(0.1, "fraction of each client's samples held out for validation", ge=0.0, lt=1.0)
     eval_every: int = opt(1, "evaluate every this many rounds (and at the last)", ge=1)
     checkpoint_every: int = opt(1, "checkpoint every this many rounds (and at the last)", ge=1)
@@ -516,6 +541,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.corrupt != "none" and not cfg.corrupt_clients:
         raise ConfigError(f"corrupt: {cfg.corrupt!r} needs corrupt_clients (e.g. --set corrupt_clients=[0])")
     check_device(cfg.device)
+    try:
+        cfg = dataclasses.replace(cfg, threads=str(parse_threads(cfg.threads)))
+    except ValueError as e:
+        raise ConfigError(f"threads: {e}") from None
     if cfg.late_replies == "next-round":
         registry = registered_algorithms()
         if not registry[cfg.algorithm].accepts_late:
@@ -711,7 +740,8 @@ RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "client
                 "local_epochs", "batch_size", "lr", "momentum", "weight_decay", "optimizer", "grad_clip",
                 "algorithm_options", "model_options", "partition_options", "dataset_options", "dropout",
                 "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients", "dp", "secagg",
-                "dp_noise", "dp_clip", "dp_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_accountant")
+                "dp_noise", "dp_clip", "dp_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_accountant",
+                "precision", "memory_format")
 
 
 def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source: str) -> None:
@@ -778,5 +808,9 @@ def config_hash(cfg: RunConfig) -> str:
     d = cfg.to_dict()
     for k in ("out", "plots", "checkpoint_every", "data_dir", "threads"):
         d.pop(k, None)
+    if d.get("precision") == "fp32":  # the defaults, as before these options existed: earlier hashes stay valid
+        d.pop("precision")
+    if d.get("memory_format") == "auto":
+        d.pop("memory_format")
     text = json.dumps(d, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -14,6 +14,7 @@ communication, and a paired test against a baseline label over the shared seeds.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -363,9 +364,13 @@ def _run_job(cfg: RunConfig, resume: bool, progress: bool, log: list[str], callb
 def _worker(args: tuple[dict[str, Any], bool, list[str], list[Any]]) -> Result:
     import torch
 
+    from fedfuse.engine.threads import worker_threads
+
     cfg_dict, resume, log, callbacks = args
     cfg = RunConfig(**cfg_dict)
-    torch.set_num_threads(cfg.threads or 1)  # one process per core: no oversubscription
+    # one process per core: no oversubscription (an explicit count is kept; auto and 0 mean 1 per worker)
+    cfg = dataclasses.replace(cfg, threads=str(worker_threads(cfg.threads)))
+    torch.set_num_threads(int(cfg.threads))
     return _run_job(cfg, resume, False, log, callbacks)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.engine.precision import train_autocast, train_layout
 from fedfuse.errors import UserError
 from fedfuse.types import ClientData, Split
 
@@ -147,6 +148,14 @@ def train_local(
     before clipping and the optimiser step; it may replace the gradients (SAM's second pass, a gradient
     transform).  ``stats.generator`` is ``generator`` where training left it.
     """
+    with train_layout(model, data.x):  # the run's memory format (fedfuse.engine.precision); NCHW by default
+        return _train_steps(model, data, cfg, generator, loss=loss, params=params, epochs=epochs, lr=lr,
+                            before_step=before_step)
+
+
+def _train_steps(model: nn.Module, data: Split, cfg: TrainConfig, generator: torch.Generator, *,
+                 loss: BatchLoss | None, params: Iterable[torch.nn.Parameter] | None, epochs: int | None,
+                 lr: float | None, before_step: GradHook | None) -> TrainStats:
     model.train()
     n = len(data)
     stats = TrainStats(generator=generator)
@@ -161,10 +170,11 @@ def train_local(
         for start in range(0, n, bs):
             idx = perm[start : start + bs]
             x, y = data.x[idx], data.y[idx]
-            if loss is None:
-                total = reported = task_loss(model(x), y)
-            else:
-                total, reported = loss(model, x, y)
+            with train_autocast(x.device):  # the run's precision (fedfuse.engine.precision); no-op at fp32
+                if loss is None:
+                    total = reported = task_loss(model(x), y)
+                else:
+                    total, reported = loss(model, x, y)
             opt.zero_grad(set_to_none=True)
             total.backward()
             if before_step is not None:

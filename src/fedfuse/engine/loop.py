@@ -26,9 +26,11 @@ from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerSta
 from fedfuse.engine.contract import Algorithm, Executor, Job
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
+from fedfuse.engine.precision import resolve_precision, use_precision
 from fedfuse.engine.privacy import DP_SAMPLINGS, DPSettings, central_epsilon
 from fedfuse.engine.round import Collected, RoundLedger
 from fedfuse.engine.sampling import make_sampler
+from fedfuse.engine.threads import apply_threads, worker_threads
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError, UserError
 from fedfuse.rng import numpy_rng
@@ -165,8 +167,8 @@ class Experiment:
                             f"not {type(algorithm).__name__}")
         self.cfg = validate(cfg)
         self.device = resolve_device(self.cfg.device)
-        if self.cfg.threads:
-            torch.set_num_threads(self.cfg.threads)
+        self.threads = apply_threads(self.cfg.threads)
+        self.precision = resolve_precision(self.cfg.precision, self.device)  # fp32 | bf16 (engine/precision.py)
         self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, algorithm, fed=fed)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
@@ -175,7 +177,7 @@ class Experiment:
                               f"{self.cfg.algorithm!r} samples {self.sampler.name!r} (set --set sampling=poisson)")
         # fit/evaluate get the clients' data without the ground truth; only diagnostics/finish see self.fed
         self.executor = executor or make_executor(self.cfg.executor, self.fed.blinded().clients, self.cfg.seed,
-                                                  threads=self.cfg.threads, config=self.cfg)
+                                                  threads=worker_threads(self.cfg.threads), config=self.cfg)
         self.executor.bind(self.ctx)  # executors that send the local-training settings along
         self.progress = progress
         self.on_round = on_round
@@ -268,7 +270,8 @@ class Experiment:
             bar = tqdm(total=R, initial=self.start_round, desc=f"{self.cfg.algorithm}", unit="round")
         for r in range(self.start_round, R):
             t0 = time.perf_counter()
-            rec = self._guarded_round(r)
+            with use_precision(self.precision, self.cfg.memory_format):
+                rec = self._guarded_round(r)
             self.totals.wall_seconds += time.perf_counter() - t0
             rec["seconds"] = time.perf_counter() - t0
             rec["wall_seconds"] = self.totals.wall_seconds
@@ -541,6 +544,8 @@ class Experiment:
             "totals": dataclasses.asdict(self.totals),
             "wall_seconds": self.totals.wall_seconds,
             "executor": self.executor.describe(),
+            "precision": self.precision,
+            "threads": self.threads,
         }
 
     def _finish(self, summary: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from fedfuse.engine.contract import Algorithm, ClientFn, Job
 from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
+from fedfuse.engine.precision import current_settings, use_precision
 from fedfuse.types import ClientData, Message
 
 
@@ -59,8 +60,8 @@ def _init_worker(target: Any, clients: Sequence[ClientData], seed: int, threads:
     _WORKER.update(target=target, clients=clients, seed=seed)
 
 
-def _work(task: tuple[str, bytes]) -> bytes:
-    method, blob = task
+def _work(task: tuple[str, bytes, tuple[str, str]]) -> bytes:
+    method, blob, settings = task
     job: Job = _loads(blob)
     fn = getattr(_WORKER["target"], method)
     seed = _WORKER["seed"]
@@ -69,7 +70,8 @@ def _work(task: tuple[str, bytes]) -> bytes:
     device = data.train.x.device
     if device.type != "cpu":
         job = Job(job.cid, job.payload.to(device), _to_device(job.state, device), job.keys)
-    return _dumps(fn(job.payload, job.state, data, job_generator(seed, job)))
+    with use_precision(*settings):  # the parent run's training precision and memory format
+        return _dumps(fn(job.payload, job.state, data, job_generator(seed, job)))
 
 
 class ProcessExecutor(SequentialExecutor):
@@ -110,8 +112,9 @@ class ProcessExecutor(SequentialExecutor):
             return super().map(fn, jobs)
         pool = self._ensure(target)
         cpu = torch.device("cpu")
-        tasks = [(fn.__name__, _dumps(Job(job.cid, job.payload.to("cpu"), _to_device(job.state, cpu), job.keys)))
-                 for job in jobs]
+        settings = current_settings()
+        tasks = [(fn.__name__, _dumps(Job(job.cid, job.payload.to("cpu"), _to_device(job.state, cpu), job.keys)),
+                  settings) for job in jobs]
         replies = pool.map(_work, tasks, chunksize=1)
         out: dict[int, Any] = {}
         device = self.clients[jobs[0].cid].train.x.device if self.clients else torch.device("cpu")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fedfuse.engine.client import GradHook, task_loss
+from fedfuse.engine.precision import train_autocast
 
 TWO_PASS = ("", "sam", "asam")
 
@@ -76,7 +77,9 @@ def sam_step(model: nn.Module, rho: float, adaptive: bool = False, eta: float = 
             for p, e in zip(params, eps, strict=True):
                 p.add_(e)
         m.zero_grad(set_to_none=True)
-        objective(m, x, y).backward()
+        with train_autocast(x.device):
+            second = objective(m, x, y)
+        second.backward()
         with torch.no_grad():
             for p, e in zip(params, eps, strict=True):
                 p.sub_(e)

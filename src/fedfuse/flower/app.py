@@ -33,6 +33,8 @@ from fedfuse.config import make_config, resolve_device
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
 from fedfuse.engine.loop import Experiment, assemble
+from fedfuse.engine.precision import resolve_precision, use_precision
+from fedfuse.engine.threads import apply_threads
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
@@ -61,6 +63,9 @@ class NodeRun:
     ctx: Any
     algo: Any
     held: frozenset[int] | None = None
+    precision: str = "fp32"  # the run's training precision resolved on this node's device
+    memory_format: str = "contiguous"  # the run's memory_format setting
+    fp32_matmul: str = "ieee"  # the run's fp32_matmul setting
 
 
 def run_key(run_json: str) -> str:
@@ -102,11 +107,13 @@ def node_run(run_json: str, node_config: Any = None) -> NodeRun:
 def prepare_node(cfg: Any, fed: Any = None, *, key: str | None = None) -> NodeRun:
     """Build (and cache) this node's side of run ``cfg``.  ``fed`` gives the federation instead of building it
     from the config — for a federation assembled in code, as ``Experiment(cfg, fed=...)`` accepts in process."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    apply_threads(cfg.threads)
+    device = resolve_device(cfg.device)
     with torch.random.fork_rng(devices=[]):
-        fed, ctx, algo = assemble(cfg, resolve_device(cfg.device), get_algorithm(cfg.algorithm), fed=fed)
-        built = NodeRun(fed.blinded(), ctx, algo)  # client hooks never see the partition's ground truth
+        fed, ctx, algo = assemble(cfg, device, get_algorithm(cfg.algorithm), fed=fed)
+        # client hooks never see the partition's ground truth
+        built = NodeRun(fed.blinded(), ctx, algo, precision=resolve_precision(cfg.precision, device),
+                        memory_format=cfg.memory_format, fp32_matmul=cfg.fp32_matmul)
     while len(_RUNS) >= 4:  # a node process serves one run at a time; a few entries for in-process test grids
         del _RUNS[next(iter(_RUNS))]
     _RUNS[key or run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
@@ -134,7 +141,8 @@ def handle(msg: Message, context: Context) -> Message:
     job = Job(cid, payload.to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
     seed_global(seed, job)
     hook = {"fit": run.algo.fit, "evaluate": run.algo.evaluate}[method]
-    result = hook(job.payload, job.state, data, job_generator(seed, job))
+    with use_precision(run.precision, run.memory_format, run.fp32_matmul):
+        result = hook(job.payload, job.state, data, job_generator(seed, job))
     if private and method == "fit":  # evaluation reads the kept entries but leaves them as they are
         result = (result[0], keep_private(result[1], private, context, cid))
     content = wire.pack({"result": result})
