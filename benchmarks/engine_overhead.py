@@ -90,18 +90,51 @@ def _timed(fn: Callable[[], None], device: torch.device) -> tuple[float, float]:
     return time.perf_counter() - w, time.process_time() - c
 
 
-def peak_gflops(precision: str, device: torch.device, n: int, repeats: int = 7) -> float:
-    """The practical peak: median GFLOP/s of an ``n``×``n``×``n`` matrix product at ``precision`` (CPU time on
-    a CPU, so other jobs on the machine do not count against it; wall time on a GPU)."""
+def gemm_gflops(m: int, k: int, n: int, precision: str, device: torch.device, repeats: int = 7,
+                fp32_matmul: str = "ieee") -> float:
+    """Median GFLOP/s of an (``m``×``k``)·(``k``×``n``) product at ``precision`` (CPU time on a CPU, so other jobs
+    on the machine do not count against it; wall time on a GPU); ``fp32_matmul`` as the run option."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device, DTYPES[precision])
-    b = torch.randn(n, n, generator=g).to(device, DTYPES[precision])
-    a @ b  # warm-up
-    rates = []
-    for _ in range(repeats):
-        w, c = _timed(lambda: a @ b, device)
-        rates.append(2 * n**3 / (w if device.type == "cuda" else c) / 1e9)
+    a = torch.randn(m, k, generator=g).to(device, DTYPES[precision])
+    b = torch.randn(k, n, generator=g).to(device, DTYPES[precision])
+    inner = max(1, int(2e8 // (2 * m * k * n)))  # at least ~0.2 GFLOP per timing
+    with use_precision("fp32", "auto", fp32_matmul):
+
+        def run() -> None:
+            for _ in range(inner):
+                a @ b
+
+        run()  # warm-up
+        rates = []
+        for _ in range(repeats):
+            w, c = _timed(run, device)
+            rates.append(2 * m * k * n * inner / (w if device.type == "cuda" else c) / 1e9)
     return statistics.median(rates)
+
+
+def peak_gflops(precision: str, device: torch.device, n: int, repeats: int = 7) -> float:
+    """The practical peak: median GFLOP/s of an ``n``×``n``×``n`` matrix product at ``precision``."""
+    return gemm_gflops(n, n, n, precision, device, repeats)
+
+
+def print_gemm_table(device: torch.device, n: int) -> None:
+    """GFLOP/s of the large GEMM and of the MLP's batch-50 layer shapes: fp32 (default BLAS), fp32 with
+    ``fp32_matmul=bf16`` (oneDNN, bf16 internal arithmetic) and bf16."""
+    print("| GEMM (m×k·k×n) | fp32 | fp32, fp32_matmul=bf16 | bf16 |")
+    print("|---|---|---|---|")
+    for m, k, nn_ in ((n, n, n), (50, 784, 200), (50, 200, 200), (200, 50, 784), (500, 784, 200)):
+        row = [gemm_gflops(m, k, nn_, "fp32", device), gemm_gflops(m, k, nn_, "fp32", device, fp32_matmul="bf16"),
+               gemm_gflops(m, k, nn_, "bf16", device)]
+        print(f"| {m}×{k}·{k}×{nn_} | " + " | ".join(f"{r:.0f}" for r in row) + " |", flush=True)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a, b = torch.randn(n, n, generator=g).to(device), torch.randn(n, n, generator=g).to(device)
+    exact = a.double() @ b.double()
+    errors = []
+    for q, mode in (("fp32", "ieee"), ("fp32", "bf16"), ("bf16", "ieee")):
+        with use_precision("fp32", "auto", mode):
+            out = (a.to(DTYPES[q]) @ b.to(DTYPES[q])).double()
+        errors.append(((out - exact).abs().max() / exact.abs().max()).item())
+    print(f"| largest error / largest entry ({n}³) | " + " | ".join(f"{e:.1e}" for e in errors) + " |")
 
 
 def engine_round_times(fed: Federation, model: str, opts: dict, rounds: int, executor: str, *,
@@ -201,11 +234,17 @@ def main() -> None:
     p.add_argument("--fast", default="batched/bf16", help="EXECUTOR/PRECISION the --algorithms table compares")
     p.add_argument("--peak-size", type=int, default=2048, help="size n of the n×n×n peak GEMM")
     p.add_argument("--gpu", action="store_true", help="run everything on cuda")
+    p.add_argument("--gemm", action="store_true", help="only print the GEMM table (peak and the MLP's shapes)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.gpu else "cpu")
     if args.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu: no CUDA device")
+    if args.gemm:
+        print(f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}, device {device}, "
+              f"threads {torch.get_num_threads()}; GFLOP/s, medians")
+        print_gemm_table(device, args.peak_size)
+        return
     fed = make_federation(args.data_dir, device)
     executors = [e for e in args.executors.split(",") if e and not (args.gpu and e == "processes")]
     precisions = [q for q in args.precisions.split(",") if q]

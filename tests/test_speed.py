@@ -147,3 +147,17 @@ def test_channels_last_trains_the_same_model_and_hands_back_contiguous_weights()
     with use_precision("fp32", "auto"):
         mlp, xs = _model_and_data()
         assert training_memory_format(mlp, xs.x) is None
+
+
+def test_fp32_matmul_switch_is_scoped_to_the_run():
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    a, b = torch.randn(64, 96), torch.randn(96, 32)
+    exact = a.double() @ b.double()
+    with use_precision("fp32", "auto", "bf16"):
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        fast = a @ b
+        assert fast.dtype == torch.float32
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    assert torch.allclose(fast.double(), exact, rtol=1e-3, atol=1e-3)  # fp32 output, bf16-based internal arithmetic
+    with pytest.raises(ValueError), use_precision("fp32", "auto", "tf64"):
+        pass

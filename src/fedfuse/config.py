@@ -125,6 +125,10 @@ class RunConfig:
     memory_format: str = opt("auto", "layout of 4-D tensors in training: auto = channels-last for the convolutional "
                                      "models measured faster that way (docs/engine.md), contiguous (NCHW) or "
                                      "channels_last (NHWC)", choices=("auto", "contiguous", "channels_last"))
+    fp32_matmul: str = opt("ieee", "fp32 matrix products on a CPU: ieee = the default BLAS (MKL) in full fp32; bf16 = "
+                                   "oneDNN's AVX-512 kernels with bf16 internal arithmetic "
+                                   "(torch.backends.mkldnn.matmul.fp32_precision; faster, slightly less exact: "
+                                   "docs/engine.md)", choices=("ieee", "bf16"))
     threads: str = opt("auto", "torch intra-op threads: auto = min(physical cores, cores the load average leaves "
                                "idle), 1 on a busy machine; 0 = PyTorch's default; or a count")
     val_fraction: float = opt(0.1, "fraction of each client's samples held out for validation", ge=0.0, lt=1.0)
@@ -741,7 +745,7 @@ RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "client
                 "algorithm_options", "model_options", "partition_options", "dataset_options", "dropout",
                 "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients", "dp", "secagg",
                 "dp_noise", "dp_clip", "dp_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_accountant",
-                "precision", "memory_format")
+                "precision", "memory_format", "fp32_matmul")
 
 
 def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source: str) -> None:
@@ -812,5 +816,7 @@ def config_hash(cfg: RunConfig) -> str:
         d.pop("precision")
     if d.get("memory_format") == "auto":
         d.pop("memory_format")
+    if d.get("fp32_matmul") == "ieee":
+        d.pop("fp32_matmul")
     text = json.dumps(d, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()

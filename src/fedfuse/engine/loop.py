@@ -270,7 +270,7 @@ class Experiment:
             bar = tqdm(total=R, initial=self.start_round, desc=f"{self.cfg.algorithm}", unit="round")
         for r in range(self.start_round, R):
             t0 = time.perf_counter()
-            with use_precision(self.precision, self.cfg.memory_format):
+            with use_precision(self.precision, self.cfg.memory_format, self.cfg.fp32_matmul):
                 rec = self._guarded_round(r)
             self.totals.wall_seconds += time.perf_counter() - t0
             rec["seconds"] = time.perf_counter() - t0

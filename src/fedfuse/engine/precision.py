@@ -23,9 +23,11 @@ import torch
 
 PRECISIONS = ("fp32", "bf16", "auto")
 MEMORY_FORMATS = ("auto", "contiguous", "channels_last")
+FP32_MATMULS = ("ieee", "bf16")
 
 _current = "fp32"
 _memory_format = "contiguous"
+_fp32_matmul = "ieee"
 
 
 @functools.cache
@@ -67,25 +69,38 @@ def current_precision() -> str:
     return _current
 
 
-def current_settings() -> tuple[str, str]:
-    """``(precision, memory_format)`` in effect: what a worker process needs to train as this process does."""
-    return _current, _memory_format
+def current_settings() -> tuple[str, str, str]:
+    """``(precision, memory_format, fp32_matmul)`` in effect: what a worker process needs to train as this one."""
+    return _current, _memory_format, _fp32_matmul
+
+
+def _set_fp32_matmul(value: str) -> None:
+    """PyTorch's documented switch (``torch.backends.mkldnn.matmul.fp32_precision``): ``ieee`` leaves fp32
+    products to the default BLAS (MKL), ``bf16`` sends them to oneDNN with bf16 internal arithmetic."""
+    if value == "bf16" or torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16" if value == "bf16" else "none"
 
 
 @contextlib.contextmanager
-def use_precision(precision: str, memory_format: str = "contiguous") -> Iterator[None]:
-    """Train with ``precision`` (``fp32`` or ``bf16``) and ``memory_format`` (``auto``, ``contiguous`` or
-    ``channels_last``, see :func:`training_memory_format`) inside the block."""
-    global _current, _memory_format
+def use_precision(precision: str, memory_format: str = "contiguous", fp32_matmul: str = "ieee") -> Iterator[None]:
+    """Train with ``precision`` (``fp32`` or ``bf16``), ``memory_format`` (``auto``, ``contiguous`` or
+    ``channels_last``, see :func:`training_memory_format`) and ``fp32_matmul`` (``ieee`` or ``bf16``: the
+    internal arithmetic of fp32 matrix products on a CPU) inside the block."""
+    global _current, _memory_format, _fp32_matmul
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be resolved to fp32 or bf16, got {precision!r}")
     if memory_format not in MEMORY_FORMATS:
         raise ValueError(f"unknown memory_format {memory_format!r}; choose one of {', '.join(MEMORY_FORMATS)}")
-    before, _current, _memory_format = (_current, _memory_format), precision, memory_format
+    if fp32_matmul not in FP32_MATMULS:
+        raise ValueError(f"unknown fp32_matmul {fp32_matmul!r}; choose one of {', '.join(FP32_MATMULS)}")
+    before = (_current, _memory_format, _fp32_matmul)
+    _current, _memory_format, _fp32_matmul = precision, memory_format, fp32_matmul
+    _set_fp32_matmul(fp32_matmul)
     try:
         yield
     finally:
-        _current, _memory_format = before
+        _current, _memory_format, _fp32_matmul = before
+        _set_fp32_matmul(_fp32_matmul)
 
 
 def train_autocast(device: torch.device | str) -> Any:
@@ -100,8 +115,8 @@ def train_autocast(device: torch.device | str) -> Any:
 #: ``benchmarks/memory_format.py`` (one thread, batch 50; docs/engine.md has the table).  ``memory_format=auto``
 #: trains these channels-last and everything else in PyTorch's default (contiguous, NCHW) layout.
 CHANNELS_LAST_CPU: dict[str, frozenset[str]] = {
-    "fp32": frozenset({"CNN", "FemnistCNN", "CifarCNN"}),
-    "bf16": frozenset({"CNN", "FemnistCNN", "CifarCNN"}),
+    "fp32": frozenset({"CNN", "FemnistCNN", "CifarCNN", "ResNet"}),
+    "bf16": frozenset({"CNN", "FemnistCNN", "CifarCNN", "ResNet"}),
 }
 
 

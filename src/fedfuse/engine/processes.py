@@ -60,7 +60,7 @@ def _init_worker(target: Any, clients: Sequence[ClientData], seed: int, threads:
     _WORKER.update(target=target, clients=clients, seed=seed)
 
 
-def _work(task: tuple[str, bytes, tuple[str, str]]) -> bytes:
+def _work(task: tuple[str, bytes, tuple[str, str, str]]) -> bytes:
     method, blob, settings = task
     job: Job = _loads(blob)
     fn = getattr(_WORKER["target"], method)
