@@ -3,8 +3,9 @@
 
 Every ``import`` and ``from … import`` in ``src/fedfuse`` is read with :mod:`ast` — at module level, inside
 functions (a call-time import is still an arrow) and under ``if TYPE_CHECKING`` — and resolved to the module it
-names; ``importlib.import_module`` with a constant name counts too, and a registry package's discovery of its
-own submodules (``importlib.import_module(f"{__name__}.{name}")``) is an arrow to each of them.  A failure lists
+names; ``importlib.import_module`` with a constant name counts too, a registry package's discovery of its
+own submodules (``importlib.import_module(f"{__name__}.{name}")``) is an arrow to each of them, and importing a
+module of a package is also an arrow to that package's ``__init__`` (Python runs it first).  A failure lists
 the offending arrows as ``importer:line -> imported``.
 """
 
@@ -40,9 +41,10 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("run store", "a run directory read back as a Result", ("fedfuse.result",)),
     ("engine", "the round loop, checkpoints, executors and their registry, client training, callbacks",
      ("fedfuse.engine", "fedfuse.engine.*")),
-    ("contract", "what an algorithm is", ("fedfuse.algorithms.base",)),
     ("adapters", "LoRA adapters, the character tokenizer, adapter evaluation",
      ("fedfuse.adapters", "fedfuse.adapters.*")),
+    ("contract", "what an algorithm is, and what the LoRA algorithms share",
+     ("fedfuse.algorithms.base", "fedfuse.algorithms.lora_base")),
     ("algorithms", "one module per algorithm", ("fedfuse.algorithms.*",)),
     ("registry", "every algorithm by name", ("fedfuse.algorithms",)),
     ("flower", "Flower: executor, apps, wire format, simulation, deployment", ("fedfuse.flower", "fedfuse.flower.*")),
@@ -74,7 +76,7 @@ ALLOWED_VARIANTS: dict[tuple[str, str], str] = {
 }
 # Modules of fedfuse.algorithms that are not algorithms: every algorithm may import them.  (The package itself is
 # the registry of every algorithm: importing it counts as importing another algorithm.)
-ALGORITHM_COMMONS = {"fedfuse.algorithms.base"}
+ALGORITHM_COMMONS = {"fedfuse.algorithms.base", "fedfuse.algorithms.lora_base"}
 # The package root resolves its public names lazily (``fedfuse.run`` → ``fedfuse.api.run``) with computed module
 # names; it is the top rank, so whatever it reaches is below it.
 DYNAMIC_IMPORTERS = {"fedfuse"}
@@ -189,7 +191,6 @@ def rank_of(module: str) -> int | None:
     return None if best is None else best[1]
 
 
-ARROWS = all_arrows()
 MODULES = all_modules()
 
 
@@ -197,6 +198,24 @@ def _target(a: Arrow) -> str:
     """The module an arrow reaches (``from pkg.mod import name`` reaches ``pkg.mod``)."""
     parent = a.module.rpartition(".")[0]
     return parent if a.module not in MODULES and parent in MODULES else a.module
+
+
+def with_packages(arrows: list[Arrow]) -> list[Arrow]:
+    """``arrows`` plus the package ``__init__`` each import runs first: importing ``fedfuse.a.b.c`` executes
+    ``fedfuse/a/__init__.py`` and ``fedfuse/a/b/__init__.py`` (an arrow to each, unless the importer is inside
+    that package).  The root ``fedfuse`` is left out: every module runs it, and it imports only
+    ``fedfuse.config`` at import time (its public names are resolved on first use)."""
+    out = list(arrows)
+    for a in arrows:
+        parts = _target(a).split(".")
+        for i in range(2, len(parts)):
+            package = ".".join(parts[:i])
+            if not _under(a.importer, package):
+                out.append(Arrow(a.importer, a.line, package, (f"runs {package}/__init__",)))
+    return out
+
+
+ARROWS = with_packages(all_arrows())
 
 
 def test_the_scanner_sees_function_level_relative_and_registry_imports():
@@ -212,6 +231,25 @@ def test_the_scanner_sees_function_level_relative_and_registry_imports():
                                                                                 "fedfuse.algorithms.msfusion"}
     with pytest.raises(AssertionError, match="computed name"):
         arrows_of("import importlib\nimportlib.import_module(name)\n", "fedfuse.engine.loop")
+
+
+def test_importing_a_package_member_counts_as_importing_the_package():
+    found = with_packages([Arrow("fedfuse.engine.loop", 3, "fedfuse.data.datasets.registry", ())])
+    assert {a.module for a in found} == {"fedfuse.data.datasets.registry", "fedfuse.data", "fedfuse.data.datasets"}
+    inside = with_packages([Arrow("fedfuse.data.datasets.cifar", 3, "fedfuse.data.datasets.common", ())])
+    assert [a.module for a in inside] == ["fedfuse.data.datasets.common"]  # its own packages run already
+
+
+def test_the_package_root_imports_only_the_config_when_imported():
+    """Every module runs ``fedfuse/__init__.py``; at import time it may reach only the configuration layer
+    (everything else it offers is imported on first use), so it closes no cycle."""
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    named = {n.module for n in top if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fedfuse.")}
+    named |= {f"fedfuse.{a.name}" for n in top if isinstance(n, ast.ImportFrom) and n.module == "fedfuse"
+              for a in n.names}
+    named |= {a.name for n in top if isinstance(n, ast.Import) for a in n.names if a.name.startswith("fedfuse")}
+    assert named <= {"fedfuse.config"}, named
 
 
 def test_every_module_has_exactly_one_rank_and_every_pattern_names_something():

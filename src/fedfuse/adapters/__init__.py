@@ -2,7 +2,8 @@
 with ``peft`` LoRA modules whose tensors are the only thing clients train, send and the server fuses.
 
 Modules: :mod:`~fedfuse.adapters.lora` (base loading, adapter tensors, ΔW view), :mod:`~fedfuse.adapters.text`
-(character tokenizer, corpora, ``fedfuse pretrain``), :mod:`~fedfuse.adapters.evaluate` (token loss,
-generation, ROUGE-1), :mod:`~fedfuse.adapters.algorithm` (the LoRA algorithms' shared plumbing).
+(character tokenizer, ``fedfuse pretrain``), :mod:`~fedfuse.adapters.evaluate` (token loss, generation,
+ROUGE-1).  The LoRA algorithms' shared plumbing is :mod:`fedfuse.algorithms.lora_base`; corpora are read by
+:mod:`fedfuse.data.corpus`.
 Needs the ``lora`` extra: ``pip install 'fedfuse[lora]'``.
 """

@@ -11,11 +11,14 @@ import pkgutil
 
 from fedfuse.algorithms.base import Algorithm, RoundInfo, RunContext
 
+#: modules of this package that are not algorithms but what algorithms share (every algorithm may import them)
+COMMONS = ("base", "lora_base")
+
 
 def _discover() -> dict[str, type[Algorithm]]:
     found: dict[str, type[Algorithm]] = {}
     for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if mod.name.startswith("_") or mod.name == "base":
+        if mod.name.startswith("_") or mod.name in COMMONS:
             continue
         module = importlib.import_module(f"{__name__}.{mod.name}")
         for obj in vars(module).values():

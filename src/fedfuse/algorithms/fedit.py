@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
+from fedfuse.algorithms.lora_base import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average

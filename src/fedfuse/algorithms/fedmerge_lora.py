@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.adapters.algorithm import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.adapters.evaluate import row_losses
 from fedfuse.adapters.lora import cross_term_gap
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
+from fedfuse.algorithms.lora_base import LoraAlgorithm, LoraOptions, size_weights
 from fedfuse.engine.client import TrainStats, make_optimizer, task_loss
 from fedfuse.engine.program import ClientProgram, run_program
 from fedfuse.errors import UserError

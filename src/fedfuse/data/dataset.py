@@ -1,8 +1,12 @@
-"""The in-memory form every loader returns."""
+"""The in-memory forms of the data layer: a loaded :class:`Dataset`, a :class:`Partition` of it, a registry
+entry (:class:`DatasetInfo`), and where parsed arrays are cached."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -78,3 +82,25 @@ class Partition:
     def sizes(self) -> np.ndarray:
         """Number of training samples per client."""
         return np.array([len(i) for i in self.train_indices], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a dataset is, which files it needs (relative to the data directory) and where to get them."""
+
+    name: str
+    description: str
+    task: Task
+    files: list[str]
+    source: str
+    alt_files: list[str] = field(default_factory=list)  # other accepted layouts
+    options: dict[str, object] = field(default_factory=dict)  # option name -> default
+    needs_data_dir: bool = True
+    loader: Callable[[Path | None, dict[str, Any]], Dataset] | None = None  # else the family loader of name
+    check: Callable[[dict[str, Any]], None] | None = None  # extra option checks
+
+
+def cache_dir() -> Path:
+    """Where parsed arrays are cached: ``$FEDFUSE_CACHE``, else ``~/.cache/fedfuse``."""
+    env = os.environ.get("FEDFUSE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedfuse"

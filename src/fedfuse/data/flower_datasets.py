@@ -19,17 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from fedfuse.data.dataset import Dataset, DatasetNotFoundError, Partition
+from fedfuse.data.dataset import Dataset, DatasetInfo, DatasetNotFoundError, Partition, cache_dir
 from fedfuse.errors import UserError
 from fedfuse.rng import numpy_rng
-
-if TYPE_CHECKING:
-    from fedfuse.data.datasets.registry import DatasetInfo
 
 __all__ = [
     "FLWR_PARTITIONS",
@@ -90,7 +87,6 @@ def dataset_label(name: str) -> str:
 
 def hf_dataset_info(name: str) -> DatasetInfo:
     """The registry entry of ``hf:PATH`` (built on demand: the path is part of the name)."""
-    from fedfuse.data.datasets.registry import DatasetInfo
 
     path = str(name).strip()[len(HF_PREFIX):]
     if not path:
@@ -141,8 +137,6 @@ def _open_splits(path: Path) -> dict[str, Any]:
             loaded = hf.load_from_disk(str(path))
             return dict(loaded) if isinstance(loaded, hf.DatasetDict) else {"train": loaded}
         if any(path.rglob("*.parquet")):
-            from fedfuse.data.datasets.common import cache_dir
-
             loaded = hf.load_dataset("parquet", data_dir=str(path), cache_dir=str(cache_dir() / "hf"))
             return dict(loaded)
     where = "does not exist" if not path.exists() else "holds no save_to_disk dataset and no .parquet files"

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from fedfuse.data.dataset import Dataset, DatasetNotFoundError
+from fedfuse.data.dataset import Dataset, DatasetInfo, DatasetNotFoundError, cache_dir
 from fedfuse.data.datasets.cifar import CIFAR10_CLASSES, _load_cifar10, _load_cifar100
 from fedfuse.data.datasets.common import (
     CACHE_VERSION,
@@ -59,7 +59,6 @@ from fedfuse.data.datasets.common import (
     UNK,
     _apply_limits,
     _rotate_domains,
-    cache_dir,
     resolve_data_dir,
     rotate_images,
 )
@@ -72,7 +71,7 @@ from fedfuse.data.datasets.leaf import (
     _load_shakespeare,
     femnist_normalize,
 )
-from fedfuse.data.datasets.registry import _ALIASES, DATASETS, DatasetInfo
+from fedfuse.data.datasets.registry import _ALIASES, DATASETS
 from fedfuse.data.datasets.registry import _MNIST_FILES as _MNIST_FILES
 from fedfuse.data.datasets.text import _load_ptb, _load_tiny_shakespeare, _load_wikitext2
 from fedfuse.errors import UserError

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedfuse.data.dataset import Dataset, DatasetNotFoundError
+from fedfuse.data.dataset import Dataset, DatasetNotFoundError, cache_dir
 from fedfuse.data.datasets.registry import _CHECKSUMS, _IMAGE_DATASETS, DATASETS
 from fedfuse.errors import UserError
 from fedfuse.rng import numpy_rng
@@ -41,12 +41,6 @@ def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> Path | None:
     if data_dir is None or str(data_dir) == "":
         data_dir = os.environ.get("FEDFUSE_DATA") or None
     return None if data_dir is None else Path(data_dir).expanduser()
-
-
-def cache_dir() -> Path:
-    """Where parsed arrays are cached: ``$FEDFUSE_CACHE``, else ``~/.cache/fedfuse``."""
-    env = os.environ.get("FEDFUSE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedfuse"
 
 
 # ------------------------------------------------------------------------------------ files and errors

@@ -4,15 +4,7 @@ sizes/SHA-256 of known files.  Pure data; the loaders live in one module per dat
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from fedfuse.types import Task
-
-if TYPE_CHECKING:
-    from fedfuse.data.dataset import Dataset
+from fedfuse.data.dataset import DatasetInfo
 
 _MNIST_FILES = [
     "train-images-idx3-ubyte",
@@ -23,22 +15,6 @@ _MNIST_FILES = [
 
 
 # ---------------------------------------------------------------------------------------------- registry
-
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    """What a dataset is, which files it needs (relative to the data directory) and where to get them."""
-
-    name: str
-    description: str
-    task: Task
-    files: list[str]
-    source: str
-    alt_files: list[str] = field(default_factory=list)  # other accepted layouts
-    options: dict[str, object] = field(default_factory=dict)  # option name -> default
-    needs_data_dir: bool = True
-    loader: Callable[[Path | None, dict[str, Any]], Dataset] | None = None  # else the family loader of name
-    check: Callable[[dict[str, Any]], None] | None = None  # extra option checks
 
 
 _CLS_OPTS: dict[str, object] = {"train_limit": None, "test_limit": None}
