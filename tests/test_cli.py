@@ -316,3 +316,36 @@ def test_run_table_says_what_final_is(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "final = the mean of the last 5 evaluations; this run evaluated 3 times" in out
     assert "round 3" in out.splitlines()[0]
+
+
+def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
+    from fedfuse.engine import loop
+
+    original = loop.Experiment._checkpoint
+
+    def interrupted(self, next_round):
+        original(self, next_round)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop.Experiment, "_checkpoint", interrupted)
+    out = tmp_path / "r"
+    with pytest.raises(SystemExit) as e:
+        main(["run", *FAST, "--out", str(out), "--set", "plots=false"])
+    assert e.value.code == 130
+    assert f"continue with: fedfuse run --resume {out}" in capsys.readouterr().err
+    monkeypatch.setattr(loop.Experiment, "_checkpoint", original)
+    assert main(["run", "--resume", str(out), "--no-progress"]) == 0
+
+
+def test_partition_png_says_where(tmp_path, capsys):
+    assert main(["partition", "--clients", "4", "--clients-per-round", "2", "--png", "p.png"]) == 0
+    assert f"wrote the plot to {Path('p.png').resolve()}" in capsys.readouterr().out
+
+
+def test_metrics_csv_keeps_integers(tmp_path, capsys):
+    import csv
+
+    out = tmp_path / "r"
+    assert main(["run", *FAST, "--out", str(out), "--set", "plots=false", "--log", "csv"]) == 0
+    rows = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+    assert rows[0]["round"] == "1" and "." not in rows[0]["total_bytes_down"]

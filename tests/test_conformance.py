@@ -100,7 +100,7 @@ def _fed(algorithm: str) -> Federation | None:
 def _run(algorithm: str, executor: str, executor_obj=None, **changes) -> Experiment:
     lm = algorithm == "simple-fedma" or algorithm in LORA
     if algorithm in LORA:
-        pytest.importorskip("peft")
+        pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
     cfg = dataclasses.replace(_cfg(algorithm, executor), **changes)
     exp = experiment(cfg, fed=_fed(algorithm) or (
         _token_federation() if lm else None), executor=executor_obj)
@@ -218,7 +218,7 @@ def test_lora_adapter_programs_run_vmapped_on_a_shared_base(algorithm, monkeypat
     template's other entries are the base): without
     dropout they train batched (one base for all clients, adapters stacked) and match the sequential run; the
     programs' state is the adapter alone."""
-    pytest.importorskip("peft")
+    pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
 
     def no_dropout(algorithm: str, executor: str) -> RunConfig:
         cfg = _BASE_CFG(algorithm, executor)
@@ -255,7 +255,7 @@ def test_every_algorithm_resumes_bit_identically(algorithm, tmp_path):
 
     lm = algorithm == "simple-fedma" or algorithm in LORA
     if algorithm in LORA:
-        pytest.importorskip("peft")
+        pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
     fed = _fed(algorithm) or (_token_federation() if lm else None)
 
     def cfg(out) -> RunConfig:

@@ -617,3 +617,26 @@ def test_cifar10_jpeg_tarball_real(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(D.cifar, "_decode_images", lambda *a: pytest.fail("cache not used"))
     again = _load_with_shared_cache("cifar10")
     assert torch.equal(again.test_x, ds.test_x)
+
+
+def test_a_truncated_archive_is_named(tmp_path):
+    """A download cut short raises EOFError deep inside tarfile/gzip; the error names the file."""
+    import io
+    import os
+    import tarfile
+
+    from fedfuse.data.datasets import load_dataset
+    from fedfuse.errors import UserError
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        blob = os.urandom(200_000)
+        info = tarfile.TarInfo("CIFAR-10-images/train/airplane/0000.jpg")
+        info.size = len(blob)
+        tar.addfile(info, io.BytesIO(blob))
+    folder = tmp_path / "cifar10-jpeg"
+    folder.mkdir()
+    archive = folder / "CIFAR-10-images-d7d0561.tar.gz"
+    archive.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    with pytest.raises(UserError, match=f"its file {archive} is unreadable or corrupt"):
+        load_dataset("cifar10", tmp_path)

@@ -183,7 +183,7 @@ _BASE: list[str] = []
 
 def _lora_base() -> str:
     """A tiny frozen base LM for the LoRA algorithms (the format `fedfuse pretrain` writes)."""
-    pytest.importorskip("peft")
+    pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
     if not _BASE:
         import tempfile
 

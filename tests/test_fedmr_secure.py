@@ -171,7 +171,7 @@ def test_secure_fedmr_over_flower_messages_equals_in_process():
     """Every job travels as a Flower message to in-process ClientApp nodes; the metrics equal the in-process
     run exactly, and nothing a node sends back — replies *and* the client state that returns with them —
     holds a client's trained model: the model and private key stay in the node's ``context.state``."""
-    pytest.importorskip("flwr")
+    pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[flower]'")
     from fedfuse.flower import wire
     from fedfuse.flower.app import KEPT, client_app
     from fedfuse.flower.executor import FlowerExecutor, LocalGrid
@@ -309,7 +309,7 @@ def test_flower_node_that_lost_its_store_is_a_dropout():
     """A node restarts between stage 0 and stage 1 (its ``context.state`` is empty): its clients cannot send
     their layers, the ClientApp raises, Flower turns that into an error reply (as its runtimes do), and the
     loop counts them as dropouts; the round completes under the dropout policy."""
-    pytest.importorskip("flwr")
+    pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[flower]'")
     from flwr.app import Error, RecordDict
     from flwr.app import Message as FlowerMessage
 

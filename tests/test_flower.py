@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("flwr")
+pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[flower]'")
 
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.api import make_config
@@ -71,7 +71,7 @@ def _flower_run(cfg, fed=None, *, nodes: int = 2, fail=None) -> tuple[Experiment
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_algorithm_on_flower_equals_in_process(algorithm):
     if algorithm in LORA:
-        pytest.importorskip("peft")
+        pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
     lm = algorithm == "simple-fedma" or algorithm in LORA
     fed = _token_federation() if lm else None
     cfg = _cfg(algorithm, "sequential")

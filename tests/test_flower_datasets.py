@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-hf = pytest.importorskip("datasets")
-fp = pytest.importorskip("flwr_datasets.partitioner")
+hf = pytest.importorskip("datasets", reason="needs the flower extra: pip install -e '.[flower]'")
+fp = pytest.importorskip("flwr_datasets.partitioner", reason="needs the flower extra: pip install -e '.[flower]'")
 
 from fedfuse.cli import main  # noqa: E402
 from fedfuse.config import ConfigError  # noqa: E402

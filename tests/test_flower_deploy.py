@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("flwr")
+pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[flower]'")
 
 import fedfuse
 from fedfuse.flower.deploy import LocalFederation, make_certificates, write_app

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("flwr")
+pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[flower]'")
 
 from fedfuse.algorithms import get_algorithm
 from fedfuse.config import make_config
@@ -184,7 +184,7 @@ def test_a_nodes_process_opens_only_its_own_files(bundles, tmp_path):
 
 
 def test_node_data_from_a_table_an_image_folder_and_a_flower_partition(tmp_path):
-    hf = pytest.importorskip("datasets")
+    hf = pytest.importorskip("datasets", reason="needs the flower extra: pip install -e '.[flower]'")
     from PIL import Image
 
     rng = np.random.default_rng(0)

@@ -25,7 +25,7 @@ def test_every_registered_algorithm_has_a_golden_record():
 @pytest.mark.parametrize("algorithm", sorted(GOLD))
 def test_golden_final_metrics(algorithm):
     if is_lora(algorithm):
-        pytest.importorskip("peft")
+        pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
     base = _BASE.setdefault("base", _lora_base())
     for executor in EXECUTORS:
         got = final_metrics(algorithm, executor, base)

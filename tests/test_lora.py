@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("peft")
+pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
 
 from fedfuse.adapters.evaluate import IGNORE, rouge_rows
 from fedfuse.adapters.lora import LoraSpec, adapter_model, cross_term_gap, delta_weights, module_pairs

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
+transformers = pytest.importorskip("transformers", reason="needs the lora extra: pip install -e '.[lora]'")
 
 from fedfuse.adapters.lora import LoraSpec, adapter_model  # noqa: E402
 from fedfuse.adapters.text import CharTokenizer  # noqa: E402

@@ -69,7 +69,7 @@ def test_serverless_mode_trains_like_the_assembled_mode():
 
 
 def test_serverless_on_flower_keeps_memories_on_the_nodes():
-    pytest.importorskip("flwr")
+    pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[flower]'")
     from fedfuse.flower.app import KEPT, client_app
     from fedfuse.flower.executor import FlowerExecutor, LocalGrid
 

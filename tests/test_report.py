@@ -96,7 +96,7 @@ def test_callbacks_see_every_round_and_csv_logger_writes(tmp_path):
 
 
 def test_tensorboard_logger_writes_events(tmp_path):
-    pytest.importorskip("tensorboard")
+    pytest.importorskip("tensorboard", reason="needs the tensorboard extra: pip install -e '.[tensorboard]'")
     fedfuse.run(algorithm="fedavg", out=str(tmp_path / "r"), log=["tensorboard"], **SMALL)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

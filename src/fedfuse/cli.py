@@ -195,13 +195,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _sweep(args, algorithms=None)
     if args.resume:
         cfg = resume_config(args, build_config)
-        res = execute(cfg, progress=not args.no_progress, log=_logs(args), resume=True)
     else:
         cfg = build_config(args)
         if not cfg.out:
             cfg.out = _default_out(cfg, cfg.algorithm)
         prepare_run_dir(cfg.out, overwrite=args.overwrite)
-        res = execute(cfg, progress=not args.no_progress, log=_logs(args))
+    try:
+        res = execute(cfg, progress=not args.no_progress, log=_logs(args), resume=bool(args.resume))
+    except KeyboardInterrupt:
+        if (Path(cfg.out) / "checkpoint.pt").exists():
+            print(f"fedfuse: interrupted; continue with: fedfuse run --resume {cfg.out}", file=sys.stderr)
+            raise SystemExit(130) from None
+        raise
     print(results_table(res.summary, res.history))
     print(f"outputs in {res.out}")
     return 0
@@ -230,8 +235,13 @@ def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
     store = args.store or (root / "runs" if base.out else os.environ.get("FEDFUSE_STORE", "runs/store"))
     base.out = None
     sw = Sweep.plan(algorithms, base, seeds=seeds, grid=grid, **options)
-    sw.execute(out=root, store=store, jobs=args.jobs, rerun=args.rerun, progress=not args.no_progress,
-               log=_logs(args), verbose=True)
+    try:
+        sw.execute(out=root, store=store, jobs=args.jobs, rerun=args.rerun, progress=not args.no_progress,
+                   log=_logs(args), verbose=True)
+    except KeyboardInterrupt:
+        print("fedfuse: interrupted; run the same command again: finished runs are reused from the store and an "
+              "interrupted one resumes from its checkpoint", file=sys.stderr)
+        raise SystemExit(130) from None
     table = sw.table(baseline=args.baseline, metric=args.metric, last=args.last, target=args.target,
                      test=args.test)
     write_compare(table, root, plots=base.plots)
@@ -289,7 +299,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     png = Path(args.png or f"partition-{dataset_label(cfg.dataset)}-{cfg.partition.replace(':', '-')}.png")
     png.parent.mkdir(parents=True, exist_ok=True)
     plot_partition(fed, png)
-    print(f"wrote {png}")
+    print(f"wrote the plot to {png.resolve()}")
     return 0
 
 

@@ -79,7 +79,8 @@ class CSVLogger(Callback):
             self.path = Path(config.out) / "metrics.csv"
 
     def on_round(self, record: dict[str, Any]) -> None:
-        self.rows.append(scalars(record))
+        # integers (round, counts, bytes) stay integers: 3, not 3.0
+        self.rows.append({k: record[k] if isinstance(record[k], int) else v for k, v in scalars(record).items()})
 
     def on_run_end(self, summary: dict[str, Any]) -> None:
         if self.path is None or not self.rows:

@@ -136,6 +136,25 @@ def _info(key: str) -> DatasetInfo:
     return DATASETS[key]
 
 
+def _file_being_read(error: BaseException) -> str | None:
+    """The file a loader was reading when ``error`` was raised (a truncated archive raises ``EOFError`` without
+    naming it): the innermost frame's open file object or path variable that names an existing file."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        for name, value in tb.tb_frame.f_locals.items():
+            cand = getattr(value, "name", None) if hasattr(value, "read") else value
+            if name.startswith("_") or not isinstance(cand, str | os.PathLike):
+                continue
+            try:
+                if os.path.isfile(cand):
+                    found = os.fspath(cand)
+            except (OSError, TypeError, ValueError):
+                continue
+        tb = tb.tb_next
+    return found
+
+
 def load_dataset(name: str, data_dir: str | os.PathLike[str] | None = None, **options: Any) -> Dataset:
     """Load dataset ``name`` from ``data_dir`` (or ``$FEDFUSE_DATA``); see ``dataset_options(name)``."""
     key = _canonical_name(name)
@@ -147,9 +166,12 @@ def load_dataset(name: str, data_dir: str | os.PathLike[str] | None = None, **op
         raise
     except (OSError, EOFError, zlib.error, tarfile.TarError, pickle.UnpicklingError, UnicodeDecodeError,
             KeyError, IndexError, TypeError) as e:  # unreadable or corrupt files the readers did not name
+        culprit = _file_being_read(e)
         where = f" under {root}" if root is not None else ""
-        raise UserError(f"dataset {key!r}: its files{where} are unreadable or corrupt ({type(e).__name__}: {e}); "
-                        "replace them with the canonical files (see the dataset README)") from e
+        what = f"file {culprit} is" if culprit else f"files{where} are"
+        fix = "replace it with the canonical file" if culprit else "replace them with the canonical files"
+        raise UserError(f"dataset {key!r}: its {what} unreadable or corrupt ({type(e).__name__}: {e}); "
+                        f"{fix} (see the dataset README)") from e
     _check_labels(ds)
     if ds.task == "classification":
         ds = _apply_limits(ds, opts.get("train_limit"), opts.get("test_limit"))
