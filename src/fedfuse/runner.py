@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import datetime
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,20 @@ def experiment(cfg: RunConfig, *, fed: Federation | None = None, executor: Any |
 def execute(cfg: RunConfig, *, progress: bool = False, callbacks: Sequence[Callback] = (),
             log: Sequence[str] = (), resume: bool = False, fed: Federation | None = None) -> Result:
     """Run ``cfg`` (a resolved config) with the given callbacks and built-in loggers; returns its :class:`Result`.
-
-    An internal error (anything but a user error, a divergence or an interruption: a bug in fedfuse) is written
-    with its traceback to the run's log, ``fedfuse.log`` in ``cfg.out``, and re-raised with a note naming it."""
-    try:
+    A bug in fedfuse leaves its traceback in the run's log (:func:`bugs_logged`)."""
+    with bugs_logged(cfg):
         exp = experiment(cfg, fed=fed, progress=progress, callbacks=[*callbacks, *make_loggers(log, cfg)])
         summary = exp.run(resume=resume)
+    return Result(exp.cfg, exp.history, summary, exp.out)
+
+
+@contextmanager
+def bugs_logged(cfg: RunConfig) -> Iterator[None]:
+    """An internal error raised inside (anything but a user error, a divergence or an interruption: a bug in
+    fedfuse) is written with its traceback to the run's log, ``fedfuse.log`` in ``cfg.out``, and re-raised with
+    a note naming that file."""
+    try:
+        yield
     except (UserError, DivergenceError):
         raise
     except Exception as e:
@@ -74,7 +83,6 @@ def execute(cfg: RunConfig, *, progress: bool = False, callbacks: Sequence[Callb
         if path is not None:
             e.add_note(f"traceback in {path}")
         raise
-    return Result(exp.cfg, exp.history, summary, exp.out)
 
 
 def log_internal_error(cfg: RunConfig, e: BaseException) -> Path | None:
@@ -94,6 +102,11 @@ def log_internal_error(cfg: RunConfig, e: BaseException) -> Path | None:
     return path
 
 
-def run(cfg: RunConfig, *, resume: bool = False, progress: bool = False) -> dict[str, Any]:
-    """Build the :func:`experiment` of ``cfg`` and run it; returns the summary."""
-    return experiment(cfg, progress=progress).run(resume=resume)
+def run(cfg: RunConfig, *, resume: bool = False, progress: bool = False,
+        fed: Federation | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Build the :func:`experiment` of ``cfg`` and run it (bugs logged as by :func:`execute`); returns the
+    summary and the per-round records."""
+    with bugs_logged(cfg):
+        exp = experiment(cfg, fed=fed, progress=progress)
+        summary = exp.run(resume=resume)
+    return summary, exp.history

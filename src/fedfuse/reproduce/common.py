@@ -10,7 +10,7 @@ from typing import Any
 
 from fedfuse.config import RunConfig, apply, resolve_device, validate
 from fedfuse.engine.loop import build_federation
-from fedfuse.runner import experiment
+from fedfuse.runner import run
 from fedfuse.types import Federation
 
 _FED_CACHE: dict[str, Federation] = {}
@@ -39,9 +39,7 @@ def run_one(base: dict[str, Any], out: Path, progress: bool = True, **overrides:
 
         res = run_cached(cfg, progress=progress, fed=federation_for(cfg))
         return res.summary, res.history
-    exp = experiment(cfg, fed=federation_for(cfg), progress=progress)
-    summary = exp.run()
-    return summary, exp.history
+    return run(cfg, fed=federation_for(cfg), progress=progress)
 
 
 def pct(v: float | None) -> float | None:
