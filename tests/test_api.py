@@ -8,9 +8,10 @@ import pandas as pd
 import pytest
 
 import fedfuse
-from fedfuse.api import config_hash, load, make_config, show
-from fedfuse.config import ConfigError, RunConfig
+from fedfuse.api import show
+from fedfuse.config import ConfigError, RunConfig, config_hash, make_config
 from fedfuse.engine.loop import strip_timing
+from fedfuse.result import load
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 SMALL = dict(dataset="digits", rounds=2, clients=4, clients_per_round=2, model="mlp",

@@ -16,8 +16,7 @@ import torch
 pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[flower]'")
 
 from fedfuse.algorithms import ALGORITHMS
-from fedfuse.api import make_config
-from fedfuse.config import validate
+from fedfuse.config import make_config, validate
 from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.flower import wire
 from fedfuse.flower.app import client_app, prepare_node

@@ -152,7 +152,7 @@ def test_cli_run_trains_on_hf_dataset_with_flower_partition(digits_dir: Path, tm
 
 
 def test_bad_partition_option_is_a_config_error(digits_dir: Path) -> None:
-    from fedfuse.api import make_config
+    from fedfuse.config import make_config
 
     with pytest.raises(ConfigError, match="class_assignment_mode"):
         make_config(dataset=f"hf:{digits_dir}", partition="flwr:pathological",

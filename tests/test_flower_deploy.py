@@ -60,7 +60,7 @@ def _metrics(out: Path) -> list[dict]:
 
 def _in_process(tmp_path: Path) -> list[dict]:
     """The same config run by fedfuse's in-process engine (sequential executor), as metrics.jsonl records."""
-    from fedfuse.api import make_config
+    from fedfuse.config import make_config
     from fedfuse.runner import experiment
 
     cfg = tmp_path / "config.yaml"

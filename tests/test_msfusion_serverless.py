@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedfuse.api import make_config
-from fedfuse.config import validate
+from fedfuse.config import make_config, validate
 from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.runner import experiment
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from fedfuse.api import Result, make_config
-from fedfuse.config import ConfigError
+from fedfuse.config import ConfigError, make_config
 from fedfuse.engine.loop import strip_timing
+from fedfuse.result import Result
 from fedfuse.sweep import ResultTable, Sweep, expand_grid, load_sweep, parse_grid
 
 SMALL = dict(dataset="digits", rounds=2, clients=4, clients_per_round=2, model="mlp",

@@ -8,7 +8,8 @@
 
 Options are named exactly as the configuration keys (``rounds``, ``lr``, ``algorithm_options.mu`` or the bare
 ``mu`` when only one namespace has it), and are validated by the same code as ``--config`` files and CLI flags.
-The command line (:mod:`fedfuse.cli`) is a thin layer over these functions.
+The command line (:mod:`fedfuse.cli`) is a thin layer over these functions.  ``fedfuse.load``/``Result`` are
+:mod:`fedfuse.result` (the run store), ``fedfuse.make_config``/``config_hash`` are :mod:`fedfuse.config`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfuse.config import FLAGS, ConfigError, ConfigLike, RunConfig, config_hash, make_config
+from fedfuse.config import FLAGS, ConfigError, ConfigLike, RunConfig, make_config
 from fedfuse.options import OptionInfo, describe
-from fedfuse.result import Result, load
+from fedfuse.result import Result
 from fedfuse.runner import execute
 from fedfuse.types import Admits, Privacy
 
@@ -30,8 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedfuse.engine.callbacks import Callback
     from fedfuse.sweep import ResultTable
 
-__all__ = ["Component", "ConfigLike", "Result", "compare", "config_hash", "list_algorithms", "list_datasets",
-           "list_models", "list_partitions", "load", "make_config", "run", "show", "sweep"]
+__all__ = ["Component", "compare", "list_algorithms", "list_datasets", "list_models", "list_partitions",
+           "privacy_table", "run", "show", "sweep", "write_privacy_table"]
 
 
 # ---- running -------------------------------------------------------------------------------------------------
