@@ -154,7 +154,7 @@ def test_claims_rows_computed_from_records_and_typed_rows_marked(tmp_path):
     (root / "results" / "tables" / "claims.json").write_text(json.dumps(spec))
     lines = records.render_claims(spec, root).splitlines()
     assert lines[2] == "| A | a > b | toy: a 85.0 vs b 70.0 % (+15.0, p = 0.053) | yes (n.s.) | here |"
-    assert lines[3].endswith("| no |  |")  # b is below a on every seed (no link given)
+    assert lines[3].endswith("| no (n.s.) |  |")  # b is below a on every seed, p = 0.053 (no link given)
     assert lines[4] == f"| B | typed | 1 > 0 {records.TYPED} | **yes** | there |"
     block = records.render_block(root, "claims")
     assert "2 rows computed from 6 records (`t`); the 1 rows marked ✎ are typed by hand" in block

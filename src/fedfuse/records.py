@@ -265,8 +265,12 @@ def claim_cells(row: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[str, s
         holds.append(sign * t.diff > 0)
         sig.append(t.significant())
         stale = stale or any(stale_reason(by[m][x]) for m in (a, b) for x in seeds)
-    verdict = ("**yes**" if all(sig) else "yes (n.s.)") if all(holds) else \
-        ("no" if all(not h and g for h, g in zip(holds, sig)) or not any(holds) else "partly")
+    if all(holds):
+        verdict = "**yes**" if all(sig) else "yes (n.s.)"
+    elif not any(holds):
+        verdict = "no" if all(sig) else "no (n.s.)"
+    else:
+        verdict = "partly"
     text = f"{row.get('label', '')}: " + "; ".join(parts) if row.get("label") else "; ".join(parts)
     return text + (f" {STALE}" if stale else ""), verdict
 
@@ -292,8 +296,9 @@ def render_claims(spec: dict[str, Any], root: Path) -> str:
 def provenance_line(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     commits = sorted({r["commit"][:7] for r in recs})
     digest = hashlib.sha256("".join(sorted(r["config_hash"] for r in recs)).encode()).hexdigest()[:12]
-    return (f"<sub>Rendered by `fedfuse results render` from {len(recs)} records in "
-            f"`results/records/{spec['id']}/` (commit {', '.join(commits) or '—'}; config hashes {digest}).</sub>")
+    dirs = ", ".join(f"`results/records/{t}/`" for t in (spec.get("records") or [spec["id"]]))
+    return (f"<sub>Rendered by `fedfuse results render` from {len(recs)} records in {dirs} "
+            f"(commit {', '.join(commits) or '—'}; config hashes {digest}).</sub>")
 
 
 def render_block(root: Path, table: str) -> str:
