@@ -130,3 +130,87 @@ def test_mlflow_logger_calls(monkeypatch, tmp_path):
     assert [c[1] for c in steps] == [1, 2]
     assert steps[-1][2]["global_accuracy"] == pytest.approx(res.history[-1]["global_accuracy"])
     assert calls[-1] == ("end",) and calls[-2][0] == "metrics" and "final_global_accuracy" in calls[-2][2]
+
+
+def test_report_html_grid_inline_markdown_and_missing_values(tmp_path):
+    """Figures share a responsive grid, Markdown's `code` becomes <code>, a missing value is an em dash in the
+    HTML as in the Markdown, no cell wraps inside a number, partition options read as key=value."""
+    _fake_run(tmp_path / "a0", "fedavg", 0, [0.5, 0.6, 0.7])
+    _fake_run(tmp_path / "b0", "fedprox", 0, [0.55, 0.7, 0.8])
+    write_report(tmp_path, last=1)
+    html = (tmp_path / "report.html").read_text()
+    assert "display:grid" in html and "<div class='grid'>" in html and "white-space:nowrap" in html
+    assert "<code>fedfuse run --config config.yaml</code>" in html and "`" not in html.split("<pre>")[0]
+    assert ">None<" not in html and "—" in html  # fedavg has no mu: an em dash, as in report.md
+    assert "partition dirichlet (alpha=0.5, min_size=10, balance=true, max_attempts=1000)" in html
+
+
+def test_plots_in_percent_with_readable_log_ticks(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from fedfuse.plots import draw_metric
+
+    hist = [{"round": r, "global_accuracy": 0.5 + 0.01 * r, "loss": 0.4 + 0.05 * r} for r in range(1, 9)]
+    fig, (a, b) = plt.subplots(1, 2)
+    assert draw_metric(a, {"x": [hist]}, "global_accuracy") and draw_metric(b, {"x": [hist]}, "loss")
+    assert a.get_ylabel().endswith("(%)") and max(a.lines[0].get_ydata()) == pytest.approx(58.0)
+    fig.canvas.draw()
+    lo, hi = b.get_ylim()
+    labels = [t.get_text() for t in b.get_yticklabels() if t.get_text() and lo <= t.get_position()[1] <= hi]
+    assert len(labels) >= 3, labels  # 0.4..0.8 spans less than a decade: 0.5, 0.6, 0.7, ... not just 0.5
+    plt.close(fig)
+
+
+def test_partition_plot_integer_client_ids_and_headroom(tmp_path):
+    from matplotlib.image import imread
+
+    from fedfuse.data.report import plot_partition
+    from fedfuse.engine.loop import build_federation
+
+    fed = build_federation(fedfuse.make_config(clients=7, clients_per_round=2))
+    import matplotlib.figure
+
+    captured = {}
+    original = matplotlib.figure.Figure.savefig
+
+    def keep(self, *args, **kwargs):
+        captured["ax"] = self.axes[0]
+        return original(self, *args, **kwargs)
+
+    matplotlib.figure.Figure.savefig = keep
+    try:
+        plot_partition(fed, tmp_path / "p.png")
+    finally:
+        matplotlib.figure.Figure.savefig = original
+    ax = captured["ax"]
+    ticks = [t for t in ax.get_xticks() if -0.6 <= t <= 6.4]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    assert ax.get_ylim()[1] >= 1.05 * max(fed.client_sizes())
+    assert imread(tmp_path / "p.png").shape[0] > 0
+
+
+def test_report_renders_in_a_headless_browser(tmp_path):
+    """At 1280 px the page has no horizontal overflow and the figures sit side by side (a short page)."""
+    import re
+    import shutil
+    import subprocess
+
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip("no headless browser (chromium) installed")
+    for i, acc in enumerate(([0.5, 0.6, 0.7], [0.52, 0.61, 0.72], [0.55, 0.7, 0.8], [0.56, 0.71, 0.79])):
+        _fake_run(tmp_path / f"r{i}", "fedavg" if i < 2 else "fedprox", i % 2, acc)
+    write_report(tmp_path, last=1)
+    page = (tmp_path / "report.html").read_text()
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", "<script>document.title = document.documentElement.scrollWidth + 'x'"
+                                            " + document.documentElement.scrollHeight</script></body>"))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"]
+    dom = subprocess.run([browser, *flags, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=180).stdout
+    width, height = map(int, re.search(r"<title>(\d+)x(\d+)</title>", dom).groups())
+    assert width <= 1280 and height < 4500, (width, height)  # one ~500-px column of 6 figures would be taller
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, *flags, f"--screenshot={shot}", (tmp_path / "report.html").as_uri()],
+                   capture_output=True, timeout=180)
+    assert shot.stat().st_size > 10_000

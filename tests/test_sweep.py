@@ -123,7 +123,7 @@ def test_table_statistics_by_hand():
     assert frame.loc["a", "p_value"] is None or math.isnan(frame.loc["a", "p_value"])
     md = t.to_markdown()
     assert "| b | 3 |" in md and "(n.s.) not significant" in md
-    assert "final = the mean of the last 2 evaluations of global_accuracy" in md
+    assert "final = the mean of the last 2 evaluations; metric global_accuracy" in md
     assert "<table" in t._repr_html_() and "55.50 ± 2.00" in t._repr_html_()
 
 

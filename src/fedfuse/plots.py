@@ -72,19 +72,29 @@ def mean_band(histories: Sequence[Sequence[Mapping[str, Any]]], key: str,
     return xs, mean, std, n
 
 
-def _plain_log_ticks(axis: Any) -> None:
-    """Log-axis ticks at 1, 2, 5 × 10^k written as plain numbers (0.2, 0.5, 1, 2, 5, 10, ...)."""
+def _plain_log_ticks(axis: Any, lo: float | None = None, hi: float | None = None) -> None:
+    """Log-axis ticks written as plain numbers: at 1, 2, 5 × 10^k (0.2, 0.5, 1, 2, 5, 10, ...) over a wide
+    range, at every 1..9 × 10^k when the data ``lo..hi`` spans less than a decade (0.3, 0.4, 0.5, ..., so a
+    narrow range still gets several labelled ticks)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    narrow = lo is not None and hi is not None and lo > 0 and hi / lo < 10
+    subs = tuple(float(i) for i in range(1, 10)) if narrow else (1.0, 2.0, 5.0)
+    axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=12))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
     axis.set_minor_formatter(NullFormatter())
+
+
+def is_percent(key: str) -> bool:
+    """Accuracies are drawn in %, as every table shows them."""
+    return "accuracy" in key
 
 
 def draw_metric(ax: Any, groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], key: str,
                 x: str = "round", colors: Mapping[str, str] | None = None) -> bool:
-    """Mean line and ±std band per group on ``ax``; False when no group measured ``key``."""
+    """Mean line and ±std band per group on ``ax`` (accuracies in %); False when no group measured ``key``."""
     drawn = False
+    lo_hi: list[float] = []
     for i, (label, hists) in enumerate(groups.items()):
         xs, m, s, _ = mean_band(hists, key, x)
         if not len(xs):
@@ -94,6 +104,9 @@ def draw_metric(ax: Any, groups: Mapping[str, Sequence[Sequence[Mapping[str, Any
             xs, m, s = xs[keep] / 1e6, m[keep], s[keep]
             if not len(xs):
                 continue
+        if is_percent(key):
+            m, s = 100 * m, 100 * s
+        lo_hi.extend([float(np.min(m - s)), float(np.max(m + s))])
         c = (colors or {}).get(label, f"C{i % 10}")
         ax.plot(xs, m, color=c, label=label or None, marker="." if len(xs) < 30 else None, lw=1.8)
         if (s > 0).any():
@@ -101,10 +114,11 @@ def draw_metric(ax: Any, groups: Mapping[str, Sequence[Sequence[Mapping[str, Any
         drawn = True
     if drawn:
         ax.set_xlabel(LABELS.get(x, x))
-        ax.set_ylabel(LABELS.get(key, key))
+        ax.set_ylabel(LABELS.get(key, key) + (" (%)" if is_percent(key) else ""))
         if is_log_metric(key):
             ax.set_yscale("log")
-            _plain_log_ticks(ax.yaxis)
+            positive = [v for v in lo_hi if v > 0]
+            _plain_log_ticks(ax.yaxis, min(positive, default=None), max(positive, default=None))
         if x == "total_bytes":
             ax.set_xscale("log")
             _plain_log_ticks(ax.xaxis)

@@ -21,6 +21,7 @@ import yaml
 from fedfuse.plots import available_metrics, plot_metric
 from fedfuse.result import Result
 from fedfuse.sweep import ResultTable, _flatten, load_sweep
+from fedfuse.tables import cell
 
 CURVE_METRICS = ("global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "val_accuracy", "loss",
                  "val_loss", "train_loss", "perplexity", "personal_perplexity")
@@ -68,33 +69,61 @@ class _Page:
 
     def html(self, title: str) -> str:
         e = html.escape
-        out = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>"
-               "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
-               "table{border-collapse:collapse;font-size:14px}td,th{border:1px solid #ccc;padding:4px 8px;"
-               "text-align:right}td:first-child,th:first-child{text-align:left}pre{background:#f6f6f6;"
-               "padding:8px;overflow:auto}img{max-width:100%}.note{color:#555;font-size:13px}"
+        out = [f"<!doctype html><html><head><meta charset='utf-8'>"
+               "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+               f"<title>{e(title)}</title><style>"
+               "body{font-family:system-ui,sans-serif;max-width:1500px;margin:2em auto;padding:0 1em}"
+               "table{border-collapse:collapse;font-size:14px;display:block;overflow-x:auto;max-width:100%}"
+               "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right;white-space:nowrap}"
+               "td:first-child,th:first-child{text-align:left}pre{background:#f6f6f6;padding:8px;overflow:auto}"
+               "code{background:#f3f3f3;padding:0 3px}img{max-width:100%;height:auto}"
+               ".note{color:#555;font-size:13px}"
+               ".grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,440px),1fr));gap:12px}"
+               ".grid figure{margin:0}.grid figcaption{font-size:13px;color:#555;text-align:center}"
                "</style></head><body>"]
+        in_grid = False
         for kind, v in self.blocks:
+            if kind != "img" and in_grid:
+                out.append("</div>")
+                in_grid = False
             if kind == "h":
                 out.append(f"<h{v[0]}>{e(v[1])}</h{v[0]}>")
             elif kind == "p":
-                out.append(f"<p>{e(v)}</p>")
+                out.append(f"<p>{inline_html(v)}</p>")
             elif kind == "code":
                 out.append(f"<pre>{e(v)}</pre>")
             elif kind == "table":
                 rows, note = v
                 if rows:
-                    cols = list(rows[0])
+                    cols: list[str] = []
+                    for r in rows:
+                        cols += [c for c in r if c not in cols]
                     out.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
                     for r in rows:
-                        out.append("<tr>" + "".join(f"<td>{e(str(r.get(c, '')))}</td>" for c in cols) + "</tr>")
+                        out.append("<tr>" + "".join(f"<td>{e(cell(r.get(c)))}</td>" for c in cols) + "</tr>")
                     out.append("</table>")
                 if note:
-                    out.append(f"<p class='note'>{e(note)}</p>")
+                    out.append(f"<p class='note'>{inline_html(note)}</p>")
             elif kind == "img":
-                out.append(f"<p><img src='{e(v[0])}' alt='{e(v[1])}'></p>")
+                if not in_grid:  # consecutive figures share a responsive grid
+                    out.append("<div class='grid'>")
+                    in_grid = True
+                out.append(f"<figure><img src='{e(v[0])}' alt='{e(v[1])}'><figcaption>{e(v[1])}</figcaption>"
+                           "</figure>")
+        if in_grid:
+            out.append("</div>")
         out.append("</body></html>")
         return "\n".join(out)
+
+
+def inline_html(text: str) -> str:
+    """Markdown's inline marks as HTML (``code``, **bold**, *emphasis*); everything else escaped."""
+    import re
+
+    out = html.escape(text, quote=False)
+    out = re.sub(r"`([^`]+)`", r"<code>\1</code>", out)
+    out = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", out)
+    return re.sub(r"(?<![*\w])\*([^*\s][^*]*)\*(?![*\w])", r"<em>\1</em>", out)
 
 
 def _config_diffs(results: dict[str, list[Result]]) -> list[dict[str, Any]]:
@@ -105,6 +134,20 @@ def _config_diffs(results: dict[str, list[Result]]) -> list[dict[str, Any]]:
     varying = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in flat.values()}) > 1]
     return [{"label": label, **{k: json.dumps(f.get(k)) if isinstance(f.get(k), list | dict) else f.get(k)
                                 for k in varying}} for label, f in flat.items()] if varying else []
+
+
+def options_text(options: dict[str, Any]) -> str:
+    """``alpha=0.5, min_size=10`` (``none`` for None, lists as ``[2,3]``), or ``defaults`` when empty."""
+    def show(v: Any) -> str:
+        if v is None:
+            return "none"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, list | tuple):
+            return "[" + ",".join(show(x) for x in v) + "]"
+        return cell(v)
+
+    return ", ".join(f"{k}={show(v)}" for k, v in options.items()) or "defaults"
 
 
 def _diagnostic_pngs(run_dir: Path) -> list[Path]:
@@ -150,7 +193,7 @@ def write_report(path: str | Path, *, metric: str = "auto", last: int = 5, targe
     nseeds = sorted({len(v) for v in results.values()})
     head = title or f"{', '.join(results)} on {cfg.dataset}"
     page.h(1, head)
-    page.p(f"{cfg.dataset} · partition {cfg.partition} {json.dumps(cfg.partition_options)} · model {cfg.model} · "
+    page.p(f"{cfg.dataset} · partition {cfg.partition} ({options_text(cfg.partition_options)}) · model {cfg.model} · "
            f"{cfg.clients} clients, {cfg.clients_per_round} per round · {cfg.rounds} rounds · "
            f"seeds per label: {'/'.join(map(str, nseeds))}.")
     page.h(2, "Results")

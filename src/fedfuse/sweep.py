@@ -529,7 +529,7 @@ class ResultTable:
 
         better = "lower is better, " if self.lower else ""
         counts = [len(evaluations(r.history, self.metric)) for rs in self.results.values() for r in rs]
-        note = (f"\n\n{final_note(self.last, counts)} of {self.metric} ({better}best = the "
+        note = (f"\n\n{final_note(self.last, counts)}; metric {self.metric} ({better}best = the "
                 f"{'lowest' if self.lower else 'highest'} evaluation); mean ± std over seeds "
                 f"(n = seeds); target = {self._target_text()}; "
                 f"paired {'t-test' if self.test == 't' else 'Wilcoxon signed-rank test'} over shared seeds "

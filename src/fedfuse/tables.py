@@ -20,8 +20,13 @@ def markdown(rows: Iterable[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def cell(v: Any) -> str:
+    """One table cell as text, the same in Markdown and HTML: a missing value (None, NaN) is an em dash."""
+    return _cell(v)
+
+
 def _cell(v: Any) -> str:
-    if v is None:
+    if v is None or (isinstance(v, float) and v != v):
         return "—"
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"

@@ -90,9 +90,14 @@ def plot_partition(fed: Federation, path: str | Path) -> Path:
             ax.legend(
                 title="class", fontsize=7, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0)
             )
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_xlabel("client")
     ax.set_ylabel("train samples")
     ax.set_xlim(-0.6, k - 0.4)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # client ids are integers: 0, 5, 10, not 2.5
+    tallest = float(np.max(fed.client_sizes() if hist.shape[1] == 0 else hist.sum(axis=1), initial=0))
+    ax.set_ylim(0, max(1.0, 1.08 * tallest))  # headroom: the tallest bar does not touch the frame
     ax.set_title(f"{fed.dataset or 'dataset'} — {fed.partition or 'partition'} ({k} clients)")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
