@@ -137,7 +137,7 @@ def test_table_marks_non_significant_and_single_seed():
     assert one.display_rows()[0]["final global acc (%)"] == "52.50"  # no ± for one seed (mean of all 4 rounds)
     with pytest.raises(ConfigError, match="baseline 'zz' is not a label"):
         ResultTable(res, baseline="zz")
-    with pytest.raises(ConfigError, match="'acuracy' was not measured by any run; measured: bytes, global_accuracy"):
+    with pytest.raises(ConfigError, match="'acuracy' was not measured by any run; did you mean global_accuracy"):
         ResultTable(res, metric="acuracy")
 
 

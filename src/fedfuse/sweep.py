@@ -442,7 +442,12 @@ class ResultTable:
         if not any(h.get(metric) is not None for r in every for h in r.history):
             measured = sorted({k for r in every for h in r.history for k, v in h.items()
                                if isinstance(v, int | float) and not isinstance(v, bool)})
-            raise ConfigError(f"metric {metric!r} was not measured by any run; measured: {', '.join(measured)}")
+            from fedfuse.names import did_you_mean
+
+            hint = did_you_mean(metric, measured)
+            listed = f"; {hint}" if hint else (f"; measured: {', '.join(measured)}" if len(measured) <= 16 else
+                                               " (the measured metrics are the columns of metrics.jsonl)")
+            raise ConfigError(f"metric {metric!r} was not measured by any run{listed}")
         if test not in ("t", "wilcoxon"):
             raise ConfigError(f"test: choose t or wilcoxon, got {test!r}")
         self.metric, self.last, self.test, self.alpha = metric, last, test, alpha
