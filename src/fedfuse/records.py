@@ -110,16 +110,6 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
     }
 
 
-HASH_EXCLUDED = ("out", "plots", "checkpoint_every", "data_dir", "threads")
-
-
-def dict_hash(config: dict[str, Any]) -> str:
-    """SHA-256 of a recorded config (what :func:`fedfuse.config.config_hash` computes for the config it was
-    resolved from): fixed at recording time, so later config fields with defaults do not change it."""
-    d = {k: v for k, v in config.items() if k not in HASH_EXCLUDED}
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def record_path(root: Path, rec: dict[str, Any]) -> Path:
     slug = "-".join(f"{k}{v}" for k, v in rec["cell"].items()).replace("/", "_").replace(" ", "")
     return root / "results" / "records" / rec["table"] / f"{slug}-seed{rec['seed']}.json"
