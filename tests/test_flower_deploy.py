@@ -216,8 +216,9 @@ def test_fedfuse_app_survives_a_dead_supernode_in_round_two(federation: LocalFed
     while not _metrics(out):  # round 1 written: round 2's messages are on their way
         assert time.monotonic() < deadline, (federation.logs / f"run-{run_id}.log").read_text()[-3000:]
         time.sleep(0.05)
-    serving_1 = sorted(federation.node_id)[1]  # the executor routes client c to sorted(node_ids)[c % n]
-    federation.kill(federation.node_id.index(serving_1))
+    # node-local data: SuperNode 1 holds bundle node-1, i.e. client 1 (export-partitions --nodes puts c on c % n)
+    assert federation.node_data[1].name == "node-1"
+    federation.kill(1)
     _finished(federation, run_id, timeout=600)
     got = _metrics(out)
     assert [r["round"] for r in got] == [1, 2, 3]
