@@ -172,6 +172,13 @@ class RunConfig:
                              choices=("rdp", "pld"))
     secagg: bool = opt(False, "secure aggregation (SecAgg/SecAgg+ simulated in-process): the server receives "
                               "only masked vectors and learns only their sum")
+    secagg_threshold: float = opt(0.5, "SecAgg: fraction of a client's shareholders (itself and its neighbours) "
+                                       "whose shares rebuild its secrets; t = floor(fraction*holders)+1",
+                                  gt=0.0, lt=1.0)
+    secagg_neighbors: int = opt(0, "SecAgg+: degree k of the random Harary graph of pairwise masks and shares "
+                                   "(0 = every pair: SecAgg)", ge=0)
+    secagg_frac_bits: int = opt(24, "SecAgg: fixed-point fraction bits of the quantisation into Z_2^62 "
+                                    "(step 2^-bits)", ge=8, le=40)
     algorithm_options: dict[str, Any] = field(default_factory=dict)
     model_options: dict[str, Any] = field(default_factory=dict)
     partition_options: dict[str, Any] = field(default_factory=dict)
@@ -577,6 +584,16 @@ def validate(cfg: RunConfig) -> RunConfig:
         resolved[ns] = merged
     _check_namespace_rules(cfg, resolved)
     check_privacy(cfg.algorithm, resolved["algorithm_options"], cfg.dp, cfg.secagg)
+    if cfg.secagg:
+        if cfg.late_replies == "next-round":
+            raise ConfigError("late_replies: a straggler's reply cannot join a later round's masked sum under "
+                              "secagg=true (its masks belong to its own round); use late_replies=drop")
+        if cfg.sampling in ("clustered",):
+            raise ConfigError("sampling: clustered sampling reads every client's update, which secagg=true hides; "
+                              "choose uniform, poisson, size-weighted or clustered-size")
+        if cfg.executor == "flower":
+            raise ConfigError("secagg: the simulated protocol runs in-process; with executor=flower use Flower's "
+                              "own SecAgg+ (docs/privacy.md)")
     if cfg.dp == "central":
         if cfg.sampling not in ("auto", "uniform", "poisson"):
             raise ConfigError(f"sampling: central DP is accounted for sampling=poisson or uniform, not "
@@ -745,7 +762,8 @@ RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "client
                 "algorithm_options", "model_options", "partition_options", "dataset_options", "dropout",
                 "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients", "dp", "secagg",
                 "dp_noise", "dp_clip", "dp_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_accountant",
-                "precision", "memory_format", "fp32_matmul")
+                "precision", "memory_format", "fp32_matmul", "secagg_threshold", "secagg_neighbors",
+                "secagg_frac_bits")
 
 
 def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source: str) -> None:

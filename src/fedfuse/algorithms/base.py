@@ -151,6 +151,17 @@ class Algorithm:
         defines it."""
         raise NotImplementedError
 
+    # ---- secure aggregation (secagg=true; fedfuse.engine.secure) -----------------------------------------------
+    def secure_contribution(self, sent: Message, reply: Message) -> TensorDict:
+        """**Client side** of secure aggregation: what this client adds to the round's masked sum, from the payload
+        it was sent and its own reply (one layout for every client).  Defined by the algorithms whose privacy entry
+        admits ``secagg``; the engine then calls :meth:`aggregate_sum` instead of :meth:`aggregate_fit`."""
+        raise NotImplementedError(f"{self.name} does not admit secure aggregation (see its privacy entry)")
+
+    def aggregate_sum(self, state: ServerState, info: RoundInfo, total: TensorDict) -> ServerState:
+        """**Server side** of secure aggregation: the new state from the decoded sum of the contributions alone."""
+        raise NotImplementedError(f"{self.name} does not admit secure aggregation (see its privacy entry)")
+
     def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]] | None:
         """The model evaluated on the global test set (tensors, meta), or None if there is none."""
         return state["global"], {}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.options import opt
-from fedfuse.types import Message, Privacy, ServerView, no, not_built
+from fedfuse.types import Message, Privacy, ServerView, no, yes
 
 
 class CluSamp(FedAvg):
@@ -35,8 +35,7 @@ class CluSamp(FedAvg):
                  "every other's"),
                 central_dp=no('the clustering reads each update; noising only the mean leaves the per-client '
                                'updates exposed'),
-                local_dp=not_built('the client step is plain SGD on the task loss: DP-SGD (Opacus) fits it; '
-                                    'not wired yet'),
+                local_dp=yes('the client step is plain SGD on the task loss: DP-SGD through Opacus (BN-free models)'),
                 secagg=no("masked updates are uniformly random: no angle between two clients' gradients can be"
                            ' computed')),
     )

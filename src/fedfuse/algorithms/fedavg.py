@@ -24,6 +24,14 @@ noise is drawn on the server from ``(seed, "dp-noise", round, stage)``, so every
 the server optimiser (``server_lr``; FedAvgM's, FedAdam's, ...) then steps on the noised update's parameters.
 The clip and what the mechanism did live in the server state (``state["dp"]``, checkpointed) and reach
 ``metrics.jsonl`` as ``dp_*``.
+
+Secure aggregation (``secagg=true``, :mod:`fedfuse.engine.secure`): each client contributes n_i·(θ_i − θ) and n_i
+(under central DP: its clipped update and whether it was left unclipped) to a masked sum; the server's
+:meth:`FedAvg.aggregate_sum` sees only the decoded sums, then applies the same server optimiser.
+
+Local differential privacy (``dp=local``): every client trains with DP-SGD through Opacus (per-sample clipping at
+``dp_clip``, noise ``dp_noise``, Poisson-sampled batches; :mod:`fedfuse.engine.local_dp`) instead of the standard
+step; a model with BatchNorm is refused.
 """
 
 from __future__ import annotations
@@ -32,13 +40,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
+from fedfuse.engine.local_dp import check_local_dp, train_dp_sgd
+from fedfuse.engine.program import ClientProgram
 from fedfuse.errors import UserError
-from fedfuse.fusion.privacy import dp_mean
+from fedfuse.fusion.privacy import clipped_update, noised_keys, noised_mean
 from fedfuse.fusion.server import ServerOptimizer, ServerRule, ServerSGD
 from fedfuse.options import opt
 from fedfuse.rng import derive_seed
-from fedfuse.types import Message, Privacy, ServerView, not_built, yes
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, yes
+
+SECAGG_COUNT = "secagg/count"  # the summed weight (n_i) or, under central DP, the count of unclipped updates
 
 
 class FedAvg(Algorithm):
@@ -49,10 +61,8 @@ class FedAvg(Algorithm):
                 ('the sample-weighted mean needs only the sums Σ n_i·θ_i and Σ n_i (robust fusion and clipping '
                  'options need each update)'),
                 central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
-                local_dp=not_built('the client step is plain SGD on the task loss: DP-SGD (Opacus) fits it; '
-                                    'not wired yet'),
-                secagg=not_built('the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would '
-                                  'hide each term')),
+                local_dp=yes('the client step is plain SGD on the task loss: DP-SGD through Opacus (BN-free models)'),
+                secagg=yes('clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums')),
     )
     accepts_late = True  # a straggler's model from an earlier round can join a later average (late_replies)
 
@@ -83,6 +93,8 @@ class FedAvg(Algorithm):
     def __init__(self, ctx, options=None) -> None:
         super().__init__(ctx, options)
         robust = isinstance(self.opt, FedAvg.FusionOptions) and (self.opt.fusion != "mean" or self.opt.clip_norm > 0)
+        if ctx.dp.local:  # Opacus must be able to clip per-sample gradients of the model
+            check_local_dp(ctx.model())
         if robust and ctx.dp.central:
             raise UserError("dp=central replaces the mean with DP-FedAvg's clipped, noised mean; drop "
                             f"fusion={self.opt.fusion!r} / clip_norm={self.opt.clip_norm:g} (use dp_clip)")
@@ -118,20 +130,85 @@ class FedAvg(Algorithm):
     def _with_optimizer_state(state: ServerState, opt_state: dict | None) -> ServerState:
         return state if opt_state is None else {**state, "server_opt": opt_state}
 
+    # ---- local DP (dp=local): DP-SGD through Opacus replaces the standard client step ------------------------
+    def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram | None:
+        return None if self.ctx.dp.local else super().client_program(payload, client_state, data)
+
+    def fit(self, payload: Message, client_state: ClientState, data: ClientData,
+            gen: torch.Generator) -> tuple[Message, ClientState]:
+        if not self.ctx.dp.local:
+            return super().fit(payload, client_state, data, gen)
+        model = self.ctx.load(payload.tensors, payload.meta)
+        state, stats = train_dp_sgd(model, data.train, self.ctx.train, gen, noise=self.ctx.dp.noise,
+                                    clip=self.ctx.dp.clip)
+        return Message(state, stats=self.fit_stats(model, data, stats)), client_state
+
+    # ---- central DP (dp=central) ---------------------------------------------------------------------------
+    def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
+        if not self.ctx.dp.central:
+            return super().configure_fit(state, info, clients)
+        msg = Message(state["global"], {"dp_clip": self._dp_clip(state)})  # clients clip themselves under SecAgg
+        return {c: msg for c in clients}
+
+    def _dp_clip(self, state: ServerState) -> float:
+        return float((state.get("dp") or {}).get("clip", self.ctx.dp.clip))
+
     def dp_aggregate(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
         """DP-FedAvg's round: clipped updates, Gaussian noise on their sum, a fixed denominator m, then the server
         optimiser on the noised update; the (adaptive) clip and the round's record go to ``state["dp"]``."""
-        dp, m = self.ctx.dp, self.ctx.clients_per_round
-        clip = float((state.get("dp") or {}).get("clip", dp.clip))
+        total = {k: torch.zeros_like(state["global"][k], dtype=torch.float64) for k in noised_keys(state["global"])}
+        clip, unclipped = self._dp_clip(state), 0
+        for r in results.values():
+            upd, norm = clipped_update(r.tensors, state["global"], clip)
+            unclipped += int(norm <= clip)
+            for k, v in upd.items():
+                total[k].add_(v)
+        return self._dp_finish(state, info, total, unclipped, len(results))
+
+    def _dp_finish(self, state: ServerState, info: RoundInfo, total: TensorDict, unclipped: float,
+                   replies: int | None) -> ServerState:
+        """The server's half of DP-FedAvg from the clipped sum (the same with or without secure aggregation)."""
+        dp, m, clip = self.ctx.dp, self.ctx.clients_per_round, self._dp_clip(state)
         gen = torch.Generator().manual_seed(derive_seed(self.ctx.seed, "dp-noise", info.index, info.stage))
-        avg, rec = dp_mean([r.tensors for r in results.values()], state["global"], clip=clip,
-                           noise_multiplier=dp.noise, denominator=m, gen=gen, quantile=dp.quantile,
-                           clip_lr=dp.clip_lr, count_std=dp.count_std(m))
+        avg, std, frac, nxt = noised_mean(state["global"], total, unclipped, clip=clip, noise_multiplier=dp.noise,
+                                          denominator=m, gen=gen, quantile=dp.quantile, clip_lr=dp.clip_lr,
+                                          count_std=dp.count_std(m))
         avg, opt_state = ServerRule(optimizer=self.server_optimizer()).step(
             state["global"], avg, state.get("server_opt"), param_keys=self.ctx.param_keys(), round=info.index,
-            num_clients=len(results))
-        record = {"clip": rec.next_clip if rec.next_clip is not None else clip, "clip_used": clip,
-                  "clipped": rec.clipped, "noise_std": rec.noise_std}
-        if rec.unclipped_fraction is not None:
-            record["unclipped_fraction"] = rec.unclipped_fraction
+            num_clients=replies or 0)
+        record: dict[str, float] = {"clip": nxt if nxt is not None else clip, "clip_used": clip, "noise_std": std}
+        if replies is not None:  # a diagnostic of the simulation; under SecAgg the server only learns the count
+            record["clipped"] = replies - round(unclipped)
+        if frac is not None:
+            record["unclipped_fraction"] = frac
         return self._with_optimizer_state({**state, "global": avg, "dp": record}, opt_state)
+
+    # ---- secure aggregation (secagg=true; fedfuse.engine.secure) ----------------------------------------------
+    def secure_contribution(self, sent: Message, reply: Message) -> TensorDict:
+        """Client side: n_i·(θ_i − θ) and n_i (``weighting=uniform``: weight 1); under central DP the client's
+        clipped update (at the clip the server sent) and whether it was left unclipped."""
+        base = sent.tensors
+        if self.ctx.dp.central:
+            clip = float(sent.meta["dp_clip"])
+            upd, norm = clipped_update(reply.tensors, base, clip)
+            return {**upd, SECAGG_COUNT: torch.tensor([float(norm <= clip)], dtype=torch.float64)}
+        w = 1.0 if self.opt.weighting == "uniform" else float(reply.num_examples)
+        out = {k: (reply.tensors[k].double() - base[k].double()) * w if k in reply.tensors
+               else torch.zeros_like(base[k], dtype=torch.float64) for k in noised_keys(base)}
+        return {**out, SECAGG_COUNT: torch.tensor([w], dtype=torch.float64)}
+
+    def aggregate_sum(self, state: ServerState, info: RoundInfo, total: TensorDict) -> ServerState:
+        """Server side: the new global model from the decoded sum alone, then the server optimiser.  Integer
+        buffers (``num_batches_tracked``) are not summed: the server keeps its own counter."""
+        count = float(total[SECAGG_COUNT].sum())
+        sums = {k: v for k, v in total.items() if k != SECAGG_COUNT}
+        if self.ctx.dp.central:
+            return self._dp_finish(state, info, sums, count, None)
+        if count <= 0:
+            return state
+        base = state["global"]
+        avg = {k: (base[k].double() + sums[k] / count).to(base[k].dtype) if k in sums else base[k].clone()
+               for k in base}
+        avg, opt_state = ServerRule(optimizer=self.server_optimizer()).step(
+            base, avg, state.get("server_opt"), param_keys=self.ctx.param_keys(), round=info.index)
+        return self._with_optimizer_state({**state, "global": avg}, opt_state)

@@ -12,7 +12,7 @@ from fedfuse.algorithms.base import ClientState, evaluate_splits
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.client import train_local
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Privacy, ServerView, not_built, yes
+from fedfuse.types import ClientData, Message, Privacy, ServerView, yes
 
 
 class FedAvgFT(FedAvg):
@@ -22,10 +22,8 @@ class FedAvgFT(FedAvg):
         Privacy(ServerView.NOTHING_INDIVIDUAL,
                 "FedAvg's sum; the fine-tuning before evaluation stays on the client",
                 central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
-                local_dp=not_built('the client step is plain SGD on the task loss: DP-SGD (Opacus) fits it; '
-                                    'not wired yet'),
-                secagg=not_built('the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would '
-                                  'hide each term')),
+                local_dp=yes('the client step is plain SGD on the task loss: DP-SGD through Opacus (BN-free models)'),
+                secagg=yes('clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums')),
     )
 
     @dataclass

@@ -38,7 +38,7 @@ from fedfuse.algorithms.base import RoundInfo, ServerState
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
-from fedfuse.types import Message, Privacy, ServerView, TensorDict, not_built
+from fedfuse.types import Message, Privacy, ServerView, TensorDict, not_built, yes
 
 
 def fedexp_step_size(
@@ -69,8 +69,7 @@ class FedExP(FedAvg):
                 'the mean update plus one scalar sum, Σ p_i‖Δ_i‖², sets the extrapolation step',
                 central_dp=not_built('the step size Σ p_i‖Δ_i‖² is data-dependent: it would need its own '
                                       'clipping and noise'),
-                local_dp=not_built('the client step is plain SGD on the task loss: DP-SGD (Opacus) fits it; '
-                                    'not wired yet'),
+                local_dp=yes('the client step is plain SGD on the task loss: DP-SGD through Opacus (BN-free models)'),
                 secagg=not_built('append n_i‖Δ_i‖² to the masked vector: the server then learns only the sums')),
     )
 

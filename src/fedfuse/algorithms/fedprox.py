@@ -35,8 +35,7 @@ class FedProx(FedAvg):
                 central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
                 local_dp=not_built('the proximal term is not a per-sample loss: DP-SGD would clip the task '
                                     'gradients only and add it after'),
-                secagg=not_built('the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would '
-                                  'hide each term')),
+                secagg=yes('clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums')),
     )
 
     @dataclass

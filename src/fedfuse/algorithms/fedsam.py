@@ -59,8 +59,7 @@ class FedSAM(FedAvg):
                 central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
                 local_dp=not_built('SAM takes two gradients per step: DP-SGD would need both per-sample '
                                     'clipped and noised'),
-                secagg=not_built('the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would '
-                                  'hide each term')),
+                secagg=yes('clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums')),
     )
     adaptive = False
 
@@ -95,8 +94,7 @@ class FedASAM(FedSAM):
                 central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
                 local_dp=not_built('ASAM takes two gradients per step: DP-SGD would need both per-sample '
                                     'clipped and noised'),
-                secagg=not_built('the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would '
-                                  'hide each term')),
+                secagg=yes('clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums')),
     )
     adaptive = True
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.fusion.server import ServerAdaptive, ServerOptimizer
 from fedfuse.options import opt
-from fedfuse.types import Privacy, ServerView, not_built, yes
+from fedfuse.types import Privacy, ServerView, yes
 
 
 class FedYogi(FedAvg):
@@ -26,10 +26,8 @@ class FedYogi(FedAvg):
     privacy = (
         Privacy(ServerView.NOTHING_INDIVIDUAL, "Yogi steps on the mean update, which needs only FedAvg's sums",
                 central_dp=yes("DP-FedAvg's noised mean, then the Yogi step (post-processing)"),
-                local_dp=not_built("the client step is plain SGD on the task loss: DP-SGD (Opacus) fits it; "
-                                   "not wired yet"),
-                secagg=not_built("the sample-weighted mean is a sum of n_i·θ_i and n_i: pairwise masks would "
-                                 "hide each term")),
+                local_dp=yes("the client step is FedAvg's plain SGD: DP-SGD through Opacus (BN-free models)"),
+                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server optimiser steps on the decoded mean")),
     )
 
     @dataclass

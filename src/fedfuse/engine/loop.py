@@ -26,10 +26,12 @@ from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerSta
 from fedfuse.engine.contract import Algorithm, Executor, Job
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
+from fedfuse.engine.local_dp import local_epsilon, sample_rate
 from fedfuse.engine.precision import resolve_precision, use_precision
 from fedfuse.engine.privacy import DP_SAMPLINGS, DPSettings, central_epsilon
 from fedfuse.engine.round import Collected, RoundLedger
 from fedfuse.engine.sampling import make_sampler
+from fedfuse.engine.secure import SecAggAbort, SecAggSettings, secure_round
 from fedfuse.engine.threads import apply_threads, worker_threads
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError, UserError
@@ -172,6 +174,8 @@ class Experiment:
         self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, algorithm, fed=fed)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
+        self.local_dp_steps: dict[int, int] = {}  # dp=local: DP-SGD steps each client has taken so far
+        self.secagg = SecAggSettings(self.cfg.secagg_threshold, self.cfg.secagg_neighbors, self.cfg.secagg_frac_bits)
         if self.ctx.dp.central and self.sampler.name not in DP_SAMPLINGS:
             raise ConfigError(f"sampling: central DP is accounted for sampling {' or '.join(DP_SAMPLINGS)}; "
                               f"{self.cfg.algorithm!r} samples {self.sampler.name!r} (set --set sampling=poisson)")
@@ -222,6 +226,7 @@ class Experiment:
             dump_yaml(self.cfg, self.out / "config.yaml")
         self.executor.restore(ck.get("executor"))  # auto: keep the executor the probe chose
         self.sampler.load_state_dict(ck.get("sampler", {}))
+        self.local_dp_steps = dict(ck.get("local_dp_steps", {}))
         self.late_box = ck.get("late_box", {})
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
@@ -237,6 +242,7 @@ class Experiment:
             "best": self.best,
             "history": self.history,
             "sampler": self.sampler.state_dict(),
+            "local_dp_steps": dict(self.local_dp_steps),
             "late_box": self.late_box,
             "config": self.cfg.to_dict(),
             "lr": self.ctx.train.lr,
@@ -341,17 +347,19 @@ class Experiment:
         fates = self.faults.fates(r, clients)
         ledger = RoundLedger(clients, dropped=[c for c in clients if fates[c] == DROPOUT], active=list(clients))
         start_state = self.state
+        self.secure_record: dict[str, Any] = {}  # what secure aggregation did this round (secagg=true)
         new_late: dict[int, tuple[Message, Message]] = {}
         for stage in range(self.algo.num_stages(self.state, info)):
             info = RoundInfo(index=r, total=self.cfg.rounds, stage=stage)
             got = self._collect(info, fates, weights, ledger, new_late)
             results = self._screen(info, got, ledger)
             self._account(info, got.payloads, results, ledger)
-            if not self._fuse(info, results, ledger, start_state):
+            if not self._fuse(info, results, ledger, start_state, got.sent):
                 break
         self.late_box = new_late
         ledger.add_to(self.totals)
         rec = ledger.record(r, self.totals, self.algo.server_parameters(self.state))
+        rec.update(self.secure_record)
         rec.update(self._privacy_record(r))
         why = self._diverged(ledger.honest_bad, ledger.honest_replies, ledger.train_loss)
         if why:
@@ -383,6 +391,10 @@ class Experiment:
         jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", info.index, info.stage))
                 for c in payloads if fates.get(c) != DROPOUT]
         outs = self.executor.fit(self.algo, jobs)  # the executor runs declared programs or calls fit
+        if self.ctx.dp.local:  # every model a client sends costs its examples privacy, used or not
+            for c, (res, _) in outs.items():
+                if res.stats is not None:
+                    self.local_dp_steps[c] = self.local_dp_steps.get(c, 0) + int(res.stats.steps)
         for job in jobs:  # a job without a reply (a Flower node died, a reply timed out) is a dropout
             if job.cid not in outs and job.cid not in ledger.dropped:
                 ledger.dropped.append(job.cid)
@@ -437,7 +449,7 @@ class Experiment:
         """The replies the update checks accept (``check_updates``); the others are quarantined, with the reason."""
         results = got.results
         ledger.honest_replies += sum(1 for c in results if not self.faults.corrupts(c))
-        if not (self.cfg.check_updates and results):
+        if not (self.cfg.check_updates and results) or self.cfg.secagg:  # under SecAgg it cannot inspect them
             return results
         bad = check_replies(self.algo, got.sent, results, self.ctx.client_sizes, self.cfg.norm_bound)
         for c, reason in bad.items():
@@ -458,22 +470,38 @@ class Experiment:
         ledger.active = sorted(results)
 
     def _fuse(self, info: RoundInfo, results: dict[int, Message], ledger: RoundLedger,
-              start_state: ServerState) -> bool:
+              start_state: ServerState, sent: dict[int, Message]) -> bool:
         """The algorithm's exchange and server update; with fewer replies than the quorum the round leaves the
-        server as it was before its first stage (returns False: no further stage)."""
+        server as it was before its first stage (returns False: no further stage).  Under ``secagg`` the server
+        update is :func:`~fedfuse.engine.secure.secure_round` (the algorithm's ``aggregate_sum`` of a masked sum);
+        a protocol abort leaves the server as it was, like a missed quorum."""
         if len(results) < max(self.cfg.quorum, 1):
             self.state = start_state
             ledger.skipped = True
             return False
         results, moved = self.algo.exchange(info, results)
         ledger.peer += moved
-        self.state = self.algo.aggregate_fit(self.state, info, results)
+        if not self.cfg.secagg:
+            self.state = self.algo.aggregate_fit(self.state, info, results)
+            return True
+        try:
+            self.state, record, _ = secure_round(self.algo, self.state, info, sent, results, self.secagg,
+                                                 self.cfg.seed)
+        except SecAggAbort as e:
+            log.warning("round %d: secure aggregation aborted: %s", info.index + 1, e)
+            self.secure_record["secagg_abort"] = str(e)
+            self.state = start_state
+            ledger.skipped = True
+            return False
+        self.secure_record.update(record)
         return True
 
     def _privacy_record(self, r: int) -> dict[str, Any]:
         """Central DP: ε at δ after rounds 1..r+1 from the accountant (every round counts, skipped or not) and the
         mechanism's own record (the clip, the clipped clients) from the server state's ``dp`` entry."""
         dp = self.ctx.dp
+        if dp.local:
+            return self._local_dp_record()
         if not dp.central:
             return {}
         eps = central_epsilon(dp.noise, self.ctx.num_clients, self.ctx.clients_per_round, self.sampler.name, r + 1,
@@ -481,6 +509,20 @@ class Experiment:
         out: dict[str, Any] = {"dp_epsilon": eps if math.isfinite(eps) else None, "dp_delta": dp.delta}
         out.update({f"dp_{k}": v for k, v in (self.state.get("dp") or {}).items()})
         return out
+
+    def _local_dp_record(self) -> dict[str, Any]:
+        """Local DP: every client's ε_i at δ over all its DP-SGD steps so far (Opacus's RDP accountant); the
+        largest (the run's guarantee for every example) and the median over the clients that trained."""
+        dp, bs = self.ctx.dp, self.ctx.train.batch_size
+        eps = []
+        for c, steps in sorted(self.local_dp_steps.items()):
+            n = int(self.ctx.client_sizes[c])
+            eps.append(local_epsilon(dp.noise, sample_rate(n, min(bs, max(n, 1))), steps, dp.delta))
+        if not eps:
+            return {"dp_epsilon": 0.0, "dp_delta": dp.delta}
+        finite = all(math.isfinite(e) for e in eps)
+        return {"dp_epsilon": max(eps) if finite else None, "dp_epsilon_median": float(np.median(eps)),
+                "dp_delta": dp.delta, "dp_clients": len(eps)}
 
     def _diverged(self, bad: int, replies: int, loss: float | None) -> str | None:
         """Why this round counts as diverged (None if it does not): most honest replies non-finite, a
