@@ -11,11 +11,10 @@ from torch import nn
 
 pytest.importorskip("opacus")
 
-from fedfuse.experiment import Experiment
-
 from fedfuse.config import ConfigError, RunConfig, apply
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.local_dp import check_local_dp, local_epsilon, sample_rate, train_dp_sgd
+from fedfuse.runner import experiment
 from fedfuse.types import Split
 
 
@@ -71,7 +70,7 @@ def test_batchnorm_is_refused_with_the_reason() -> None:
         check_local_dp(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)))
     check_local_dp(_model())
     with pytest.raises(ConfigError, match=r"dp=local: Opacus cannot clip per-sample gradients"):
-        Experiment(apply(RunConfig(), dict(dataset="digits", model="resnet9", clients=4, clients_per_round=2,
+        experiment(apply(RunConfig(), dict(dataset="digits", model="resnet9", clients=4, clients_per_round=2,
                                            rounds=1, dp="local", out=None)))
 
 
@@ -79,7 +78,7 @@ def test_a_local_dp_run_reports_opacus_epsilon(tmp_path) -> None:
     cfg = apply(RunConfig(), dict(dataset="digits", partition="iid", model="mlp", clients=6, clients_per_round=3,
                                   rounds=3, batch_size=16, lr=0.1, seed=2, out=str(tmp_path / "run"), plots=False,
                                   model_options={"widths": [16]}, dp="local", dp_noise=1.1, dp_clip=1.0))
-    exp = Experiment(cfg)
+    exp = experiment(cfg)
     exp.run()
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     sizes = exp.ctx.client_sizes
@@ -92,11 +91,11 @@ def test_a_local_dp_run_reports_opacus_epsilon(tmp_path) -> None:
         assert rec["dp_epsilon"] == pytest.approx(max(eps)) and rec["dp_clients"] == len(steps)
     assert recs[0]["dp_epsilon"] <= recs[-1]["dp_epsilon"]
     assert 0 < recs[-1]["global_accuracy"] <= 1
-    again = Experiment(apply(cfg, {"out": str(tmp_path / "again")}))
+    again = experiment(apply(cfg, {"out": str(tmp_path / "again")}))
     again.run()
     assert all(torch.equal(v, again.state["global"][k]) for k, v in exp.state["global"].items())
 
 
 def test_local_dp_is_refused_where_the_client_step_is_not_plain_sgd() -> None:
     with pytest.raises(ConfigError, match="'fedprox' does not admit local DP"):
-        Experiment(apply(RunConfig(), dict(algorithm="fedprox", dp="local", out=None)))
+        experiment(apply(RunConfig(), dict(algorithm="fedprox", dp="local", out=None)))

@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
-from fedfuse.experiment import Experiment, strip_timing
 
 from fedfuse.config import ConfigError, RunConfig, apply, validate
+from fedfuse.engine.loop import strip_timing
 from fedfuse.fusion.secagg import (
     FRAC_BITS,
     MODULUS,
@@ -23,6 +23,7 @@ from fedfuse.fusion.secagg import (
     shamir_split,
     threshold_of,
 )
+from fedfuse.runner import experiment
 
 
 def _vectors(n: int, d: int = 300, seed: int = 0) -> dict[int, torch.Tensor]:
@@ -128,7 +129,7 @@ def _cfg(tmp_path, name: str, **kw) -> RunConfig:
 
 
 def _run(cfg: RunConfig, spy: list | None = None) -> tuple[dict, list[dict]]:
-    exp = Experiment(cfg)
+    exp = experiment(cfg)
     if spy is not None:
         def refuse(*a, **k):
             raise AssertionError("the server received individual replies under secagg")
