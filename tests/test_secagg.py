@@ -148,7 +148,8 @@ def _run(cfg: RunConfig, spy: list | None = None) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.parametrize("algorithm,extra", [
-    ("fedavg", {}), ("fedprox", {"secagg_neighbors": 4, "dropout": 0.2, "clients_per_round": 8})])
+    ("fedavg", {}), ("fedadam", {"algorithm_options": {"tau": 1e-3}}),
+    ("fedprox", {"secagg_neighbors": 4, "dropout": 0.2, "clients_per_round": 8})])
 def test_a_secagg_run_equals_the_plain_run(tmp_path, algorithm, extra) -> None:
     spy: list = []
     plain, plain_recs = _run(_cfg(tmp_path, "plain", algorithm=algorithm,

@@ -26,7 +26,7 @@ class FedAdagrad(FedAvg):
         Privacy(ServerView.NOTHING_INDIVIDUAL, "Adagrad steps on the mean update, which needs only FedAvg's sums",
                 central_dp=yes("DP-FedAvg's noised mean, then the Adagrad step (post-processing)"),
                 local_dp=yes("the client step is FedAvg's plain SGD: DP-SGD through Opacus (BN-free models)"),
-                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server optimiser steps on the decoded mean")),
+                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server steps on the decoded mean")),
     )
 
     @dataclass

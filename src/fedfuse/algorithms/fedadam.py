@@ -28,7 +28,7 @@ class FedAdam(FedAvg):
         Privacy(ServerView.NOTHING_INDIVIDUAL, "Adam steps on the mean update, which needs only FedAvg's sums",
                 central_dp=yes("DP-FedAvg's noised mean, then the Adam step (post-processing: DP-FedAdam)"),
                 local_dp=yes("the client step is FedAvg's plain SGD: DP-SGD through Opacus (BN-free models)"),
-                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server optimiser steps on the decoded mean")),
+                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server steps on the decoded mean")),
     )
 
     @dataclass

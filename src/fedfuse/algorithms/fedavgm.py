@@ -27,7 +27,7 @@ class FedAvgM(FedAvg):
         Privacy(ServerView.NOTHING_INDIVIDUAL, "momentum steps on the mean update: FedAvg's sums suffice",
                 central_dp=yes("DP-FedAvg's noised mean, then the momentum step (post-processing)"),
                 local_dp=yes("the client step is FedAvg's plain SGD: DP-SGD through Opacus (BN-free models)"),
-                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server optimiser steps on the decoded mean")),
+                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server steps on the decoded mean")),
     )
 
     @dataclass
