@@ -470,7 +470,7 @@ class Experiment:
         ledger.active = sorted(results)
 
     def _fuse(self, info: RoundInfo, results: dict[int, Message], ledger: RoundLedger,
-              start_state: ServerState, sent: dict[int, Message]) -> bool:
+              start_state: ServerState, sent: dict[int, Message] | None = None) -> bool:
         """The algorithm's exchange and server update; with fewer replies than the quorum the round leaves the
         server as it was before its first stage (returns False: no further stage).  Under ``secagg`` the server
         update is :func:`~fedfuse.engine.secure.secure_round` (the algorithm's ``aggregate_sum`` of a masked sum);
@@ -484,6 +484,8 @@ class Experiment:
         if not self.cfg.secagg:
             self.state = self.algo.aggregate_fit(self.state, info, results)
             return True
+        if sent is None:
+            raise TypeError("secure aggregation needs the payloads the clients answered (sent)")
         try:
             self.state, record, _ = secure_round(self.algo, self.state, info, sent, results, self.secagg,
                                                  self.cfg.seed)
