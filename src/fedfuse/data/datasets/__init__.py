@@ -143,7 +143,12 @@ def _file_being_read(error: BaseException) -> str | None:
     tb = error.__traceback__
     while tb is not None:
         for name, value in tb.tb_frame.f_locals.items():
-            cand = getattr(value, "name", None) if hasattr(value, "read") else value
+            cand = value
+            if hasattr(value, "read"):  # an open file object: the path it was opened from
+                try:
+                    cand = value.name
+                except AttributeError:
+                    cand = None
             if name.startswith("_") or not isinstance(cand, str | os.PathLike):
                 continue
             try:
