@@ -821,6 +821,15 @@ def make_config(config: ConfigLike = None, /, **options: Any) -> RunConfig:
     return validate(cfg)
 
 
+_HASH_NEUTRAL_DEFAULTS: dict[str, object] = {
+    "precision": "fp32", "memory_format": "auto", "fp32_matmul": "ieee",
+    "secagg_frac_bits": 24, "secagg_neighbors": 0, "secagg_threshold": 0.5,
+}
+"""Run keys added after configs were first hashed: left out of :func:`config_hash` while at these defaults (a
+run that leaves them alone computes what it did before they existed), so earlier caches and result records keep
+their hashes.  A new key with a behaviour-neutral default belongs here."""
+
+
 def config_hash(cfg: RunConfig) -> str:
     """SHA-256 of everything in a resolved config that can change a run's metrics.
 
@@ -830,11 +839,8 @@ def config_hash(cfg: RunConfig) -> str:
     d = cfg.to_dict()
     for k in ("out", "plots", "checkpoint_every", "data_dir", "threads"):
         d.pop(k, None)
-    if d.get("precision") == "fp32":  # the defaults, as before these options existed: earlier hashes stay valid
-        d.pop("precision")
-    if d.get("memory_format") == "auto":
-        d.pop("memory_format")
-    if d.get("fp32_matmul") == "ieee":
-        d.pop("fp32_matmul")
+    for k, default in _HASH_NEUTRAL_DEFAULTS.items():  # keys added later, at their defaults: old hashes stay valid
+        if k in d and d[k] == default:
+            d.pop(k)
     text = json.dumps(d, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
