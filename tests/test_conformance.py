@@ -20,7 +20,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.algorithms.base import RoundInfo
@@ -28,7 +27,8 @@ from fedfuse.config import RunConfig, apply
 from fedfuse.engine.batched import BatchedExecutor
 from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.runner import experiment
-from fedfuse.types import ClientData, Federation, Split
+from fedfuse.types import Federation
+from golden.make_golden import lora_base, token_federation
 
 LOSS_RTOL = 1e-4
 ACC_ATOL = 0.02
@@ -42,17 +42,7 @@ _BASE: dict[str, str] = {}
 def _lora_base() -> str:
     """A tiny frozen base (fedfuse transformer, vocabulary 30) for the LoRA algorithms, written once."""
     if "path" not in _BASE:
-        import tempfile
-        from pathlib import Path
-
-        from fedfuse.models.transformer import TransformerModel
-
-        torch.manual_seed(0)
-        kw = {"d_model": 8, "n_heads": 2, "n_layers": 1, "d_ff": 12, "dropout": 0.0, "max_len": 16}
-        path = Path(tempfile.mkdtemp()) / "base.pt"
-        torch.save({"kind": "fedfuse-lm", "model": kw, "vocab": [str(i) for i in range(30)],
-                    "state": TransformerModel(30, 30, task="lm", **kw).state_dict()}, path)
-        _BASE["path"] = f"fedfuse:{path}"
+        _BASE["path"] = lora_base()
     return _BASE["path"]
 
 
@@ -77,18 +67,6 @@ def _cfg(algorithm: str, executor: str) -> RunConfig:
     ))
 
 
-def _token_federation() -> Federation:
-    """Three clients of generated token sequences (length 10, vocabulary 30) of unequal sizes."""
-    g = torch.Generator().manual_seed(0)
-
-    def split(n: int) -> Split:
-        x = torch.randint(0, 30, (n, 10), generator=g)
-        return Split(x, torch.roll(x, -1, dims=1))
-
-    clients = [ClientData(c, split(n), split(4), split(6)) for c, n in enumerate((20, 17, 24))]
-    return Federation(clients, split(12), 30, (10,), task="lm", dataset="tiny-shakespeare", partition="iid")
-
-
 _FEDS: dict[str, Federation] = {}
 
 
@@ -103,7 +81,7 @@ def _run(algorithm: str, executor: str, executor_obj=None, **changes) -> Experim
         pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
     cfg = dataclasses.replace(_cfg(algorithm, executor), **changes)
     exp = experiment(cfg, fed=_fed(algorithm) or (
-        _token_federation() if lm else None), executor=executor_obj)
+        token_federation() if lm else None), executor=executor_obj)
     _FEDS.setdefault("lm" if lm else "digits", exp.fed)
     exp.run()
     return exp
@@ -256,7 +234,7 @@ def test_every_algorithm_resumes_bit_identically(algorithm, tmp_path):
     lm = algorithm == "simple-fedma" or algorithm in LORA
     if algorithm in LORA:
         pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
-    fed = _fed(algorithm) or (_token_federation() if lm else None)
+    fed = _fed(algorithm) or (token_federation() if lm else None)
 
     def cfg(out) -> RunConfig:
         return apply(_cfg(algorithm, "batched"), dict(rounds=3, eval_every=1, checkpoint_every=1, out=str(out)))

@@ -23,7 +23,8 @@ from fedfuse.flower.app import client_app, prepare_node
 from fedfuse.flower.executor import FlowerExecutor, LocalGrid
 from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
-from test_conformance import LORA, _cfg, _token_federation
+from golden.make_golden import token_federation
+from test_conformance import LORA, _cfg
 
 
 # ---- wire -------------------------------------------------------------------------------------------------
@@ -72,11 +73,11 @@ def test_every_algorithm_on_flower_equals_in_process(algorithm):
     if algorithm in LORA:
         pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
     lm = algorithm == "simple-fedma" or algorithm in LORA
-    fed = _token_federation() if lm else None
+    fed = token_federation() if lm else None
     cfg = _cfg(algorithm, "sequential")
     ref = experiment(cfg, fed=fed)
     ref.run()
-    flw, grid = _flower_run(cfg, fed=_token_federation() if lm else None)
+    flw, grid = _flower_run(cfg, fed=token_federation() if lm else None)
     assert [strip_timing(h) for h in flw.history] == [strip_timing(h) for h in ref.history]
     totals = {k: v for k, v in flw.summary()["totals"].items() if k != "wall_seconds"}
     assert totals == {k: v for k, v in ref.summary()["totals"].items() if k != "wall_seconds"}

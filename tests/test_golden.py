@@ -12,7 +12,7 @@ import json
 import pytest
 
 from fedfuse.algorithms import ALGORITHMS
-from golden.make_golden import EXECUTORS, GOLDEN, _lora_base, final_metrics, is_lora
+from golden.make_golden import EXECUTORS, GOLDEN, final_metrics, is_lora, lora_base
 
 GOLD = json.loads(GOLDEN.read_text())
 _BASE: dict[str, str] = {}
@@ -26,7 +26,7 @@ def test_every_registered_algorithm_has_a_golden_record():
 def test_golden_final_metrics(algorithm):
     if is_lora(algorithm):
         pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
-    base = _BASE.setdefault("base", _lora_base())
+    base = _BASE.setdefault("base", lora_base())
     for executor in EXECUTORS:
         got = final_metrics(algorithm, executor, base)
         want = GOLD[algorithm][executor]

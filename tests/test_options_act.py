@@ -24,7 +24,8 @@ from fedfuse.config import RunConfig, apply
 from fedfuse.engine.loop import strip_timing
 from fedfuse.options import describe
 from fedfuse.runner import experiment
-from test_conformance import LORA, _cfg, _token_federation
+from golden.make_golden import token_federation
+from test_conformance import LORA, _cfg
 
 NO_BN = "the MLP and the tiny transformer have no BatchNorm"
 LORA_TABLE = "one frozen base and its module names are the test's fixture"
@@ -145,7 +146,7 @@ def _fingerprint(algorithm: str, options: dict[str, Any], rounds: int) -> str:
         opts = {**cfg.algorithm_options, **BASE.get(algorithm, {}), **options}
         cfg = apply(cfg, {**over, "algorithm_options": opts})
         lm = algorithm == "simple-fedma" or algorithm in LORA
-        exp = experiment(cfg, fed=_token_federation() if lm else None)
+        exp = experiment(cfg, fed=token_federation() if lm else None)
         exp.run()
         h = hashlib.sha256()
         _digest([strip_timing(r) for r in exp.history], h)

@@ -241,6 +241,12 @@ class Privacy:
         return all(get(k) == v for k, v in self.when)
 
 
+#: the entry of a method in which nothing leaves a client (Local, Local-LoRA)
+LOCAL_ONLY = Privacy(ServerView.NOTHING_INDIVIDUAL, "nothing leaves a client: no server step at all",
+                     central_dp=no("no server step exists to noise"),
+                     local_dp=no("nothing is released, so there is nothing to protect"),
+                     secagg=no("no messages to mask"))
+
 def privacy_entry(entries: tuple[Privacy, ...], options: Any) -> Privacy | None:
     """The entry of ``entries`` that describes ``options``: the last variant whose ``when`` matches, else the first
     (``None`` when nothing is declared)."""

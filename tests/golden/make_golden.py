@@ -24,7 +24,7 @@ EXECUTORS = ("sequential", "batched", "processes")
 ROUNDS = 3
 
 
-def _lora_base() -> str:
+def lora_base() -> str:
     from fedfuse.models.transformer import TransformerModel
 
     torch.manual_seed(0)
@@ -35,7 +35,7 @@ def _lora_base() -> str:
     return f"fedfuse:{path}"
 
 
-def _token_federation():
+def token_federation():
     from fedfuse.types import ClientData, Federation, Split
 
     g = torch.Generator().manual_seed(0)
@@ -79,7 +79,7 @@ def final_metrics(algorithm: str, executor: str, base: str | None = None) -> dic
 
     lm = is_lora(algorithm) or algorithm == "simple-fedma"
     cfg = apply(RunConfig(), config(algorithm, executor, base))
-    exp = experiment(cfg, fed=_token_federation() if lm else None)
+    exp = experiment(cfg, fed=token_federation() if lm else None)
     exp.run()
     rec = strip_timing(exp.history[-1])
     return json.loads(json.dumps(rec))  # as the file holds it (floats round-trip exactly)
@@ -89,7 +89,7 @@ def main() -> None:
     from fedfuse.algorithms import ALGORITHMS
 
     torch.set_num_threads(1)
-    base = _lora_base()
+    base = lora_base()
     only = set(sys.argv[1:])
     out: dict[str, dict[str, Any]] = json.loads(GOLDEN.read_text()) if GOLDEN.exists() and only else {}
     for algorithm in sorted(ALGORITHMS):

@@ -26,7 +26,7 @@ from fedfuse.engine.client import TrainStats
 from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
+from fedfuse.types import LOCAL_ONLY, ClientData, Message, Privacy, ServerView, TensorDict, not_built
 
 
 class FedIT(LoraAlgorithm):
@@ -109,13 +109,7 @@ class FedLoRA(FedIT):
 class LocalLoRA(LoraAlgorithm):
     name = "local-lora"
     description = "Local LoRA: each client fine-tunes its own adapter (no communication)"
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL,
-                'nothing leaves a client: no server step at all',
-                central_dp=no('no server step exists to noise'),
-                local_dp=no('nothing is released, so there is nothing to protect'),
-                secagg=no('no messages to mask')),
-    )
+    privacy = (LOCAL_ONLY,)
 
     @dataclass
     class Options(LoraOptions):

@@ -18,19 +18,13 @@ from fedfuse.algorithms.base import (
 )
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.program import ClientProgram
-from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no
+from fedfuse.types import LOCAL_ONLY, ClientData, Message, TensorDict
 
 
 class Local(Algorithm):
     name = "local"
     description = "Local: each client trains alone on its own data (no communication)"
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL,
-                'nothing leaves a client: no server step at all',
-                central_dp=no('no server step exists to noise'),
-                local_dp=no('nothing is released, so there is nothing to protect'),
-                secagg=no('no messages to mask')),
-    )
+    privacy = (LOCAL_ONLY,)
 
     def init_state(self) -> ServerState:
         return {}
