@@ -205,7 +205,9 @@ def test_report_renders_in_a_headless_browser(tmp_path):
     probe = tmp_path / "probe.html"
     probe.write_text(page.replace("</body>", "<script>document.title = document.documentElement.scrollWidth + 'x'"
                                             " + document.documentElement.scrollHeight</script></body>"))
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"]
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,900", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'chromium-profile'}"]
     dom = subprocess.run([browser, *flags, "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
                          capture_output=True, text=True, timeout=180).stdout
     width, height = map(int, re.search(r"<title>(\d+)x(\d+)</title>", dom).groups())
