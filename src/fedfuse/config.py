@@ -19,6 +19,7 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 import yaml
@@ -304,57 +305,85 @@ def parse_value(text: str) -> Any:
     return yaml.safe_load(text)
 
 
+def _unwrap_optional(typ: Any) -> tuple[Any, bool]:
+    """``(T, True)`` for ``T | None`` (``Optional[T]``), else ``(typ, False)``."""
+    args = typing.get_args(typ)
+    if typing.get_origin(typ) in (typing.Union, UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return typ, False
+
+
+def _coerce_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{key}: expected true/false, got {value!r}")
+
+
+def _coerce_int(key: str, value: Any) -> int:
+    """An int, or a string/float holding a whole finite number; never a bool."""
+    if isinstance(value, bool) or not isinstance(value, int | str | float):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        f = float(value)
+    except ValueError:
+        raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if not math.isfinite(f) or not f.is_integer():
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    return int(f)
+
+
+def _coerce_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+
+
+def _coerce_str(key: str, value: Any) -> str:
+    if isinstance(value, dict | list | tuple):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return str(value)
+
+
+def _coerce_list(key: str, value: Any, elem: Any) -> list[Any]:
+    """A list, each element coerced to ``elem`` (naming ``key[i]``) unless ``elem`` is None or Any."""
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{key}: expected a list, got {value!r}")
+    if elem is None or elem is Any:
+        return list(value)
+    return [_coerce(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
+
+
+def _coerce_dict(key: str, value: Any) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    return dict(value)
+
+
+_SCALAR_COERCIONS: dict[type, Callable[[str, Any], Any]] = {
+    bool: _coerce_bool, int: _coerce_int, float: _coerce_float, str: _coerce_str}
+
+
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     """``value`` converted to ``typ`` (bool, int, float, str, list[...], dict, optional); errors name ``key``."""
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
-        if value is None:
-            return None
-        typ = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(typ), typing.get_args(typ)
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int | str | float):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        try:
-            f = float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if not math.isfinite(f) or not f.is_integer():
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return int(f)
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    if typ is str:
-        if isinstance(value, dict | list | tuple):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
+    typ, optional = _unwrap_optional(typ)
+    if optional and value is None:
+        return None
+    if typ in _SCALAR_COERCIONS:
+        return _SCALAR_COERCIONS[typ](key, value)
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
     if origin in (list, tuple) or typ in (list, tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        elem = args[0] if args else None
-        if elem is None or elem is Any:
-            return list(value)
-        return [_coerce(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
+        return _coerce_list(key, value, args[0] if args else None)
     if origin is dict or typ is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
+        return _coerce_dict(key, value)
     return value
 
 
@@ -461,43 +490,79 @@ def _all_algorithm_options() -> list[str]:
     return sorted({k for cls in registered_algorithms().values() for k in cls.option_defaults()})
 
 
-def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
-    from fedfuse.names import closest, did_you_mean
+def few_names(names: list[str], n: int = 5) -> str:
+    """The first ``n`` of ``names``, comma-separated, with ``, ...`` when there are more."""
+    return f"{', '.join(names[:n])}{', ...' if len(names) > n else ''}"
 
+
+def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
+    """Set one option given as ``ALGO.name``, ``namespace.name`` or a bare ``name`` (see :func:`apply`)."""
     prefixed = algorithm_prefix(key)
     if prefixed is not None:
-        algo, name = prefixed
-        if algo != cfg.algorithm:
-            raise UnknownKeyError(
-                f"{key}: an option of {algo}, but this run's algorithm is {cfg.algorithm}; run it with "
-                f"--algorithm {algo} --set {algo}.{name}=..., or compare both: fedfuse compare --algorithms "
-                f"{cfg.algorithm},{algo} --set {algo}.{name}=...")
-        key = f"algorithm_options.{name}"
+        return _apply_namespaced(cfg, "algorithm_options", _own_algorithm_option(cfg, key, *prefixed), value)
     if "." in key:
         ns, name = key.split(".", 1)
-        if ns not in NAMESPACES:
-            head = ns
-            hint = did_you_mean(head, [*NAMESPACES, *registered_algorithms()])
-            raise UnknownKeyError(f"unknown key {key!r}: {head!r} is neither an option namespace "
-                                  f"({', '.join(NAMESPACES)}) nor an algorithm" + (f"; {hint}" if hint else ""))
-        defaults = namespace_defaults(cfg, ns)
-        if name not in defaults:
-            what = ns.replace("_options", "")
-            owner = resolved_model(cfg) if what == "model" else getattr(cfg, what)
-            msg = _unknown_option(name, what, owner, defaults)
-            others = algorithms_with_option(name) if ns == "algorithm_options" else []
-            if others and not did_you_mean(name, defaults):
-                msg += (f"; {name} is an option of {', '.join(others[:5])}{', ...' if len(others) > 5 else ''} "
-                        f"(e.g. --algorithm {others[0]} --set {others[0]}.{name}=...)")
-            raise UnknownKeyError(msg)
-        _, hints = _option_hints(cfg, ns)
-        getattr(cfg, ns)[name] = _coerce_option(key, value, defaults[name], hints.get(name))
-        return cfg
+        return _apply_namespaced(cfg, ns, name, value)
+    return _apply_bare(cfg, key, value)
+
+
+def _own_algorithm_option(cfg: RunConfig, key: str, algo: str, name: str) -> str:
+    """``name`` of ``ALGO.name`` when ``ALGO`` is the run's algorithm; otherwise how to run that option."""
+    if algo != cfg.algorithm:
+        raise UnknownKeyError(
+            f"{key}: an option of {algo}, but this run's algorithm is {cfg.algorithm}; run it with "
+            f"--algorithm {algo} --set {algo}.{name}=..., or compare both: fedfuse compare --algorithms "
+            f"{cfg.algorithm},{algo} --set {algo}.{name}=...")
+    return name
+
+
+def _apply_namespaced(cfg: RunConfig, ns: str, name: str, value: Any) -> RunConfig:
+    """Set option ``name`` of namespace ``ns`` (coerced to its declared type or its default's)."""
+    from fedfuse.names import did_you_mean
+
+    key = f"{ns}.{name}"
+    if ns not in NAMESPACES:
+        hint = did_you_mean(ns, [*NAMESPACES, *registered_algorithms()])
+        raise UnknownKeyError(f"unknown key {key!r}: {ns!r} is neither an option namespace "
+                              f"({', '.join(NAMESPACES)}) nor an algorithm" + (f"; {hint}" if hint else ""))
+    defaults = namespace_defaults(cfg, ns)
+    if name not in defaults:
+        raise UnknownKeyError(_unknown_namespaced(cfg, ns, name, defaults))
+    _, hints = _option_hints(cfg, ns)
+    getattr(cfg, ns)[name] = _coerce_option(key, value, defaults[name], hints.get(name))
+    return cfg
+
+
+def _unknown_namespaced(cfg: RunConfig, ns: str, name: str, defaults: Mapping[str, Any]) -> str:
+    """The message for an option ``ns.name`` the run's algorithm/model/... lacks, with the algorithms that have
+    an algorithm option of that name."""
+    from fedfuse.names import did_you_mean
+
+    what = ns.replace("_options", "")
+    owner = resolved_model(cfg) if what == "model" else getattr(cfg, what)
+    msg = _unknown_option(name, what, owner, defaults)
+    others = algorithms_with_option(name) if ns == "algorithm_options" else []
+    if others and not did_you_mean(name, defaults):
+        msg += (f"; {name} is an option of {few_names(others)} "
+                f"(e.g. --algorithm {others[0]} --set {others[0]}.{name}=...)")
+    return msg
+
+
+def _apply_bare(cfg: RunConfig, key: str, value: Any) -> RunConfig:
+    """Set an option named without its namespace: the one namespace that has it."""
     owners = [ns for ns in NAMESPACES if key in _options_of(cfg, ns)]
     if len(owners) == 1:
-        return _apply_option(cfg, f"{owners[0]}.{key}", value)
+        return _apply_namespaced(cfg, owners[0], key, value)
     if len(owners) > 1:
         raise ConfigError(f"option {key!r} is ambiguous: say one of {', '.join(f'{o}.{key}' for o in owners)}")
+    raise UnknownKeyError(_unknown_key(cfg, key))
+
+
+def _unknown_key(cfg: RunConfig, key: str) -> str:
+    """The message for a key that is no field and no option of ``cfg``: the closest names, or the algorithms
+    that have an option of that (or a close) name."""
+    from fedfuse.names import closest, did_you_mean
+
     valid = list(_field_types())
     for ns in NAMESPACES:
         valid += list(_options_of(cfg, ns))
@@ -506,40 +571,74 @@ def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
     near = [key] if algorithms_with_option(key) else [] if hint else closest(key, _all_algorithm_options(), 1, 0.75)
     if near:
         others = algorithms_with_option(near[0])
-        owners = f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}"
         what = f"{key} is" if near[0] == key else f"did you mean {near[0]}? It is"
-        msg += (f"; {what} an option of {owners}, not of {cfg.algorithm}: e.g. --algorithm {others[0]} "
+        msg += (f"; {what} an option of {few_names(others)}, not of {cfg.algorithm}: e.g. --algorithm {others[0]} "
                 f"--set {near[0]}=...")
     elif not hint:
         msg += f" (keys: fedfuse show config; options of {cfg.algorithm}: fedfuse show {cfg.algorithm})"
-    raise UnknownKeyError(msg)
+    return msg
 
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Check every field and option (type, range, choices, cross-field rules); return the config with ``model``
     resolved.  Raises :class:`ConfigError` naming the field, the value and what is allowed."""
+    cfg = _checked_fields(cfg)
+    cfg = dataclasses.replace(cfg, **{k: canonical_name(k, getattr(cfg, k)) for k in _REGISTRY_KEYS})
+    for key in _REGISTRY_KEYS:
+        _check_choice(key, getattr(cfg, key))
+    _check_client_counts(cfg)
+    check_device(cfg.device)
+    try:
+        cfg = dataclasses.replace(cfg, threads=str(parse_threads(cfg.threads)))
+    except ValueError as e:
+        raise ConfigError(f"threads: {e}") from None
+    _check_late_replies(cfg)
+    cfg = dataclasses.replace(cfg, model=resolved_model(cfg))
+    resolved = {ns: _resolved_options(cfg, ns) for ns in NAMESPACES}
+    _check_namespace_rules(cfg, resolved)
+    check_privacy(cfg.algorithm, resolved["algorithm_options"], cfg.dp, cfg.secagg)
+    if cfg.secagg:
+        _check_secagg(cfg)
+    if cfg.dp == "central":
+        _check_central_dp(cfg)
+    return dataclasses.replace(cfg, **resolved)
+
+
+#: the fields naming a registry entry or a fixed choice: matched ignoring case, then checked
+_REGISTRY_KEYS = ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling")
+
+
+def _checked_fields(cfg: RunConfig) -> RunConfig:
+    """Every top-level field coerced to its type and checked against its declared range and choices; every
+    namespace a mapping."""
     types = _field_types()
     values = {}
     for f in dataclasses.fields(RunConfig):
         v = getattr(cfg, f.name)
-        if f.name not in NAMESPACES:
-            v = _coerce(f.name, v, types[f.name])
-            if isinstance(v, float) and not math.isfinite(v) and not (f.name == "deadline" and v == math.inf):
-                raise ConfigError(f"{f.name}: must be a finite number, got {v!r}")
-            problem = check_value(RunConfig, f.name, v)
-            if problem:
-                choices = f.metadata.get("choices")
-                if choices:
-                    problem = f"unknown value {v!r}; choose one of: {', '.join(map(str, choices))}"
-                raise ConfigError(f"{f.name}: {problem}")
-        elif not isinstance(v, dict):
-            raise ConfigError(f"{f.name}: expected a mapping of option: value, got {v!r}")
+        if f.name in NAMESPACES:
+            if not isinstance(v, dict):
+                raise ConfigError(f"{f.name}: expected a mapping of option: value, got {v!r}")
+        else:
+            v = _checked_field(f, _coerce(f.name, v, types[f.name]))
         values[f.name] = v
-    cfg = RunConfig(**values)
-    keys = ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling")
-    cfg = dataclasses.replace(cfg, **{k: canonical_name(k, getattr(cfg, k)) for k in keys})
-    for key in keys:
-        _check_choice(key, getattr(cfg, key))
+    return RunConfig(**values)
+
+
+def _checked_field(f: dataclasses.Field, v: Any) -> Any:
+    """``v`` unless it is non-finite (``deadline`` may be inf) or outside field ``f``'s range or choices."""
+    if isinstance(v, float) and not math.isfinite(v) and not (f.name == "deadline" and v == math.inf):
+        raise ConfigError(f"{f.name}: must be a finite number, got {v!r}")
+    problem = check_value(RunConfig, f.name, v)
+    if problem:
+        choices = f.metadata.get("choices")
+        if choices:
+            problem = f"unknown value {v!r}; choose one of: {', '.join(map(str, choices))}"
+        raise ConfigError(f"{f.name}: {problem}")
+    return v
+
+
+def _check_client_counts(cfg: RunConfig) -> None:
+    """clients_per_round, quorum and corrupt_clients within the number of clients."""
     if cfg.clients_per_round > cfg.clients:
         raise ConfigError(
             f"clients_per_round: {cfg.clients_per_round} exceeds clients ({cfg.clients}); choose 1..{cfg.clients}"
@@ -551,62 +650,67 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"corrupt_clients: client id(s) {bad} out of range; choose ids in 0..{cfg.clients - 1}")
     if cfg.corrupt != "none" and not cfg.corrupt_clients:
         raise ConfigError(f"corrupt: {cfg.corrupt!r} needs corrupt_clients (e.g. --set corrupt_clients=[0])")
-    check_device(cfg.device)
-    try:
-        cfg = dataclasses.replace(cfg, threads=str(parse_threads(cfg.threads)))
-    except ValueError as e:
-        raise ConfigError(f"threads: {e}") from None
+
+
+def _check_late_replies(cfg: RunConfig) -> None:
+    """``late_replies=next-round`` only for an algorithm that accepts stale replies."""
+    if cfg.late_replies != "next-round":
+        return
+    registry = registered_algorithms()
+    if not registry[cfg.algorithm].accepts_late:
+        late = sorted(n for n, c in registry.items() if c.accepts_late)
+        raise ConfigError(f"late_replies: {cfg.algorithm!r} cannot fuse a reply from an earlier round; "
+                          f"next-round works with {', '.join(late)}")
+
+
+def _resolved_options(cfg: RunConfig, ns: str) -> dict[str, Any]:
+    """Namespace ``ns`` in full: every option of the chosen algorithm/model/... at its given value (coerced and
+    range-checked) or its default; an unknown given option raises :class:`UnknownKeyError`."""
+    defaults = namespace_defaults(cfg, ns)
+    given = getattr(cfg, ns)
+    what = ns.replace("_options", "")
+    for k in given:
+        if k not in defaults:
+            raise UnknownKeyError(_unknown_option(k, what, getattr(cfg, what), defaults))
+    declared, hints = _option_hints(cfg, ns)
+    merged = {}
+    for k, default in defaults.items():
+        v = _coerce_option(f"{ns}.{k}", given[k], default, hints.get(k)) if k in given else default
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{ns}.{k}: must be a finite number, got {v!r}")
+        problem = check_value(declared, k, v) if declared is not None else None
+        if problem:
+            raise ConfigError(f"{ns}.{k}: {problem} ({what} {getattr(cfg, what)!r})")
+        merged[k] = _plain(v)
+    return merged
+
+
+def _check_secagg(cfg: RunConfig) -> None:
+    """What simulated secure aggregation cannot be combined with."""
     if cfg.late_replies == "next-round":
-        registry = registered_algorithms()
-        if not registry[cfg.algorithm].accepts_late:
-            late = sorted(n for n, c in registry.items() if c.accepts_late)
-            raise ConfigError(f"late_replies: {cfg.algorithm!r} cannot fuse a reply from an earlier round; "
-                              f"next-round works with {', '.join(late)}")
-    cfg = dataclasses.replace(cfg, model=resolved_model(cfg))
-    resolved: dict[str, dict[str, Any]] = {}
-    for ns in NAMESPACES:
-        defaults = namespace_defaults(cfg, ns)
-        given = getattr(cfg, ns)
-        what = ns.replace("_options", "")
-        for k in given:
-            if k not in defaults:
-                raise UnknownKeyError(_unknown_option(k, what, getattr(cfg, what), defaults))
-        declared, hints = _option_hints(cfg, ns)
-        merged = {}
-        for k, default in defaults.items():
-            v = _coerce_option(f"{ns}.{k}", given[k], default, hints.get(k)) if k in given else default
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{ns}.{k}: must be a finite number, got {v!r}")
-            problem = check_value(declared, k, v) if declared is not None else None
-            if problem:
-                raise ConfigError(f"{ns}.{k}: {problem} ({what} {getattr(cfg, what)!r})")
-            merged[k] = _plain(v)
-        resolved[ns] = merged
-    _check_namespace_rules(cfg, resolved)
-    check_privacy(cfg.algorithm, resolved["algorithm_options"], cfg.dp, cfg.secagg)
-    if cfg.secagg:
-        if cfg.late_replies == "next-round":
-            raise ConfigError("late_replies: a straggler's reply cannot join a later round's masked sum under "
-                              "secagg=true (its masks belong to its own round); use late_replies=drop")
-        if cfg.sampling in ("clustered",):
-            raise ConfigError("sampling: clustered sampling reads every client's update, which secagg=true hides; "
-                              "choose uniform, poisson, size-weighted or clustered-size")
-        if cfg.executor == "flower":
-            raise ConfigError("secagg: the simulated protocol runs in-process; with executor=flower use Flower's "
-                              "own SecAgg+ (docs/privacy.md)")
-    if cfg.dp == "central":
-        if cfg.sampling not in ("auto", "uniform", "poisson"):
-            raise ConfigError(f"sampling: central DP is accounted for sampling=poisson or uniform, not "
-                              f"{cfg.sampling!r}")
-        if cfg.dp_accountant == "pld" and cfg.sampling != "poisson":
-            raise ConfigError("dp_accountant: pld covers Poisson sampling only; add --set sampling=poisson or use rdp")
-        if cfg.dp_quantile > 0 and cfg.dp_noise > 0:
-            sigma_b = cfg.dp_count_noise or cfg.clients_per_round / 20
-            if 2 * sigma_b <= cfg.dp_noise:
-                raise ConfigError(f"dp_count_noise: adaptive clipping splits the noise z={cfg.dp_noise:g} between the "
-                                  f"update and the clipped count, which needs 2σ_b > z (σ_b={sigma_b:g}); raise "
-                                  "dp_count_noise or clients_per_round, or lower dp_noise")
-    return dataclasses.replace(cfg, **resolved)
+        raise ConfigError("late_replies: a straggler's reply cannot join a later round's masked sum under "
+                          "secagg=true (its masks belong to its own round); use late_replies=drop")
+    if cfg.sampling in ("clustered",):
+        raise ConfigError("sampling: clustered sampling reads every client's update, which secagg=true hides; "
+                          "choose uniform, poisson, size-weighted or clustered-size")
+    if cfg.executor == "flower":
+        raise ConfigError("secagg: the simulated protocol runs in-process; with executor=flower use Flower's "
+                          "own SecAgg+ (docs/privacy.md)")
+
+
+def _check_central_dp(cfg: RunConfig) -> None:
+    """The sampling central DP is accounted for, and the noise split of adaptive clipping."""
+    if cfg.sampling not in ("auto", "uniform", "poisson"):
+        raise ConfigError(f"sampling: central DP is accounted for sampling=poisson or uniform, not "
+                          f"{cfg.sampling!r}")
+    if cfg.dp_accountant == "pld" and cfg.sampling != "poisson":
+        raise ConfigError("dp_accountant: pld covers Poisson sampling only; add --set sampling=poisson or use rdp")
+    if cfg.dp_quantile > 0 and cfg.dp_noise > 0:
+        sigma_b = cfg.dp_count_noise or cfg.clients_per_round / 20
+        if 2 * sigma_b <= cfg.dp_noise:
+            raise ConfigError(f"dp_count_noise: adaptive clipping splits the noise z={cfg.dp_noise:g} between the "
+                              f"update and the clipped count, which needs 2σ_b > z (σ_b={sigma_b:g}); raise "
+                              "dp_count_noise or clients_per_round, or lower dp_noise")
 
 
 #: the run options that request each privacy mechanism of :class:`fedfuse.types.Privacy`
