@@ -120,57 +120,25 @@ class Sweep:
         applies to every run; an option (``mu``, ``algorithm_options.mu``) applies to each algorithm that has it
         (an error only when none does); ``ALGO.option`` (``fedprox.mu``) to that algorithm only, as do the
         options in ``per_algorithm[ALGO]``."""
-        from fedfuse.config import algorithm_prefix, canonical_name
-
         top = {k: v for k, v in options.items() if k in RunConfig.__dataclass_fields__}
         rest = {k: v for k, v in options.items() if k not in top}
         base = make_config(config, **top)
-        if isinstance(algorithms, str):
-            algorithms = [a.strip() for a in algorithms.split(",") if a.strip()]
-        algorithms = [canonical_name("algorithm", a) for a in algorithms or []]
-        for a in algorithms:
-            validate(apply(RunConfig(), {"algorithm": a}))  # an unknown name: the closest names
+        algorithms = _algorithm_list(algorithms)
         names = list(algorithms) if algorithms else [base.algorithm]
         if len(set(names)) != len(names):
             raise ConfigError(f"algorithms: listed twice in {', '.join(names)}")
-        per_algorithm = {canonical_name("algorithm", k): v for k, v in (per_algorithm or {}).items()}
-        stray = sorted(set(per_algorithm) - set(names))
-        for k in [*rest, *(grid or {})]:
-            pre = algorithm_prefix(k)
-            if pre is not None and pre[0] not in names:
-                stray.append(f"{pre[0]} (in {k})")
-        if stray:
-            raise ConfigError(f"options given for {', '.join(stray)}, which is not among the algorithms "
-                              f"{', '.join(names)}")
-        seed_list = parse_seeds(seeds)
-        if len(set(seed_list)) != len(seed_list):
-            raise ConfigError(f"seeds: listed twice in {seed_list}")
-        grid = dict(grid or {})
-        if "algorithm" in grid:  # applied to a resolved config, it would inherit the first one's options
-            raise ConfigError("--grid algorithm=...: list algorithms with `compare --algorithms A,B` (or "
-                              "fedfuse.compare), so each starts from its own option defaults")
+        per_algorithm = _per_algorithm(per_algorithm, names, [*rest, *(grid or {})])
+        seed_list = _unique_seeds(seeds)
+        grid = _checked_grid(grid)
         used: set[str] = set()
         points: list[Point] = []
         for name in names:
             start = base.to_dict()
             if algorithms:  # a new algorithm starts from its own option defaults
                 start = {**start, "algorithm": name, "algorithm_options": {}}
-            cfg = apply(RunConfig(), start)
-            for k, v in rest.items():
-                if _accepts(cfg, k, v):
-                    cfg = apply(cfg, {k: v})
-                    used.add(k)
+            cfg = _with_accepted(apply(RunConfig(), start), rest, used)
             cfg = validate(apply(cfg, dict(per_algorithm.get(name, {}))))
-            keys = [k for k in grid if _accepts(cfg, k, grid[k][0])]
-            used.update(keys)
-            for combo in expand_grid({k: grid[k] for k in keys}):
-                c = cfg
-                for k, v in combo.items():
-                    c = apply(c, {k: v})
-                c = validate(c)
-                parts = [name] if (len(names) > 1 or not combo) else []
-                parts += [f"{_short_key(k)}={_fmt_value(v)}" for k, v in combo.items()]
-                points.append(Point(" ".join(parts), c))
+            points += _grid_points(name, cfg, grid, used, named=len(names) > 1)
         for k in [*rest, *grid]:
             if k not in used:
                 _raise_unused(k, names, base, "--grid" if k in grid else "--set")
@@ -198,57 +166,157 @@ class Sweep:
         """
         self.out = Path(out) if out else None
         store_dir = Path(store) if store else (self.out / "runs" if self.out else None)
-        todo: list[tuple[int, str, RunConfig, bool]] = []  # (index, label, cfg, resume)
-        done: dict[int, Result] = {}
         plan = self.configs()
-        for i, (label, cfg) in enumerate(plan):
-            if store_dir is None:
-                todo.append((i, label, cfg, False))
-                continue
-            run_dir = store_dir / run_dir_name(cfg)
-            cfg.out = str(run_dir)
-            status = _status(run_dir, cfg)
-            if rerun and status != "empty":
-                shutil.rmtree(run_dir)
-                status = "empty"
-            if status == "done":
-                res = load(run_dir)
-                res.cached = True
-                done[i] = res
-            else:
-                todo.append((i, label, cfg, status == "partial"))
+        todo, done = _split_stored(plan, store_dir, rerun)
+        parallel = jobs > 1 and len(todo) > 1
         if verbose:
             print(f"{len(plan)} runs: {len(done)} cached, {len(todo)} to run"
-                  + (f" in {jobs} processes" if jobs > 1 and len(todo) > 1 else ""), file=sys.stderr)
-        if jobs > 1 and len(todo) > 1:
+                  + (f" in {jobs} processes" if parallel else ""), file=sys.stderr)
+        if parallel:
             done.update(_run_parallel(todo, jobs, list(log), list(callbacks), verbose))
         else:
-            from fedfuse.config import resolve_device
-            from fedfuse.engine.loop import build_federation
-
-            fed_key, fed = None, None  # runs are ordered seed-major: consecutive runs share one federation
-            for i, label, cfg, resume in todo:
-                if _federation_key(cfg) != fed_key:
-                    fed = None  # free the previous one first
-                    fed_key, fed = _federation_key(cfg), build_federation(cfg, resolve_device(cfg.device))
-                res = _run_job(cfg, resume, progress, list(log), list(callbacks), fed=fed)
-                if verbose:
-                    print(f"  done: {label} seed {cfg.seed}", file=sys.stderr)
-                done[i] = res
+            done.update(_run_serial(todo, progress, list(log), list(callbacks), verbose))
         self.results = {p.label: [] for p in self.points}
         for i, (label, _) in enumerate(plan):
             self.results[label].append(done[i])
         if self.out:
-            self.out.mkdir(parents=True, exist_ok=True)
-            entries = [{"label": label, "seed": cfg.seed, "hash": config_hash(cfg),
-                        "dir": str(Path(done[i].out).resolve()) if done[i].out else None}
-                       for i, (label, cfg) in enumerate(plan)]
-            (self.out / "sweep.json").write_text(json.dumps({"labels": [p.label for p in self.points],
-                                                             "seeds": self.seeds, "runs": entries}, indent=2))
+            self._write_index(self.out, plan, done)
         return self
+
+    def _write_index(self, out: Path, plan: list[tuple[str, RunConfig]], done: Mapping[int, Result]) -> None:
+        """``out/sweep.json``: the labels, the seeds and every run (label, seed, config hash, directory)."""
+        out.mkdir(parents=True, exist_ok=True)
+        entries = [{"label": label, "seed": cfg.seed, "hash": config_hash(cfg),
+                    "dir": str(Path(done[i].out).resolve()) if done[i].out else None}
+                   for i, (label, cfg) in enumerate(plan)]
+        (out / "sweep.json").write_text(json.dumps({"labels": [p.label for p in self.points],
+                                                    "seeds": self.seeds, "runs": entries}, indent=2))
 
     def table(self, **kwargs: Any) -> ResultTable:
         return ResultTable(self.results, **kwargs)
+
+
+def _algorithm_list(algorithms: Sequence[str] | str | None) -> list[str]:
+    """The algorithms of a sweep (a list or ``"a,b"``) as the registry spells them; an unknown name raises
+    with the closest names."""
+    from fedfuse.config import canonical_name
+
+    if isinstance(algorithms, str):
+        algorithms = [a.strip() for a in algorithms.split(",") if a.strip()]
+    names = [canonical_name("algorithm", a) for a in algorithms or []]
+    for a in names:
+        validate(apply(RunConfig(), {"algorithm": a}))  # an unknown name: the closest names
+    return names
+
+
+def _per_algorithm(per_algorithm: Mapping[str, Mapping[str, Any]] | None, names: list[str],
+                   keys: list[str]) -> dict[str, Mapping[str, Any]]:
+    """``per_algorithm`` by canonical name; raises when it or an ``ALGO.option`` key among ``keys`` names an
+    algorithm outside ``names``."""
+    from fedfuse.config import algorithm_prefix, canonical_name
+
+    per = {canonical_name("algorithm", k): v for k, v in (per_algorithm or {}).items()}
+    stray = sorted(set(per) - set(names))
+    for k in keys:
+        pre = algorithm_prefix(k)
+        if pre is not None and pre[0] not in names:
+            stray.append(f"{pre[0]} (in {k})")
+    if stray:
+        raise ConfigError(f"options given for {', '.join(stray)}, which is not among the algorithms "
+                          f"{', '.join(names)}")
+    return per
+
+
+def _unique_seeds(seeds: int | str | Sequence[int]) -> list[int]:
+    seed_list = parse_seeds(seeds)
+    if len(set(seed_list)) != len(seed_list):
+        raise ConfigError(f"seeds: listed twice in {seed_list}")
+    return seed_list
+
+
+def _checked_grid(grid: Mapping[str, Sequence[Any]] | None) -> dict[str, Sequence[Any]]:
+    grid = dict(grid or {})
+    if "algorithm" in grid:  # applied to a resolved config, it would inherit the first one's options
+        raise ConfigError("--grid algorithm=...: list algorithms with `compare --algorithms A,B` (or "
+                          "fedfuse.compare), so each starts from its own option defaults")
+    return grid
+
+
+def _with_accepted(cfg: RunConfig, options: Mapping[str, Any], used: set[str]) -> RunConfig:
+    """``cfg`` with those ``options`` it has applied; their keys are added to ``used``."""
+    for k, v in options.items():
+        if _accepts(cfg, k, v):
+            cfg = apply(cfg, {k: v})
+            used.add(k)
+    return cfg
+
+
+def _grid_points(name: str, cfg: RunConfig, grid: Mapping[str, Sequence[Any]], used: set[str], *,
+                 named: bool) -> list[Point]:
+    """One validated point per combination of the grid keys ``cfg`` has (added to ``used``); the label names
+    the algorithm when ``named`` or when there is no combination, then each grid value."""
+    keys = [k for k in grid if _accepts(cfg, k, grid[k][0])]
+    used.update(keys)
+    points = []
+    for combo in expand_grid({k: grid[k] for k in keys}):
+        c = cfg
+        for k, v in combo.items():
+            c = apply(c, {k: v})
+        c = validate(c)
+        parts = [name] if (named or not combo) else []
+        parts += [f"{_short_key(k)}={_fmt_value(v)}" for k, v in combo.items()]
+        points.append(Point(" ".join(parts), c))
+    return points
+
+
+Job = tuple[int, str, RunConfig, bool]  # (index in the plan, label, config, resume)
+
+
+def _split_stored(plan: list[tuple[str, RunConfig]], store_dir: Path | None,
+                  rerun: bool) -> tuple[list[Job], dict[int, Result]]:
+    """The runs still to do, and the finished ones loaded from ``store_dir`` (by plan index).  Each config's
+    ``out`` becomes its directory in the store; with ``rerun`` stored runs are deleted first."""
+    todo: list[Job] = []
+    done: dict[int, Result] = {}
+    for i, (label, cfg) in enumerate(plan):
+        if store_dir is None:
+            todo.append((i, label, cfg, False))
+            continue
+        run_dir = store_dir / run_dir_name(cfg)
+        cfg.out = str(run_dir)
+        status = _status(run_dir, cfg)
+        if rerun and status != "empty":
+            shutil.rmtree(run_dir)
+            status = "empty"
+        if status == "done":
+            done[i] = _load_cached(run_dir)
+        else:
+            todo.append((i, label, cfg, status == "partial"))
+    return todo, done
+
+
+def _load_cached(run_dir: Path) -> Result:
+    res = load(run_dir)
+    res.cached = True
+    return res
+
+
+def _run_serial(todo: list[Job], progress: bool, log: list[str], callbacks: list[Any],
+                verbose: bool) -> dict[int, Result]:
+    """Run ``todo`` in this process; consecutive runs with the same federation share it."""
+    from fedfuse.config import resolve_device
+    from fedfuse.engine.loop import build_federation
+
+    out: dict[int, Result] = {}
+    fed_key, fed = None, None  # runs are ordered seed-major: consecutive runs share one federation
+    for i, label, cfg, resume in todo:
+        if _federation_key(cfg) != fed_key:
+            fed = None  # free the previous one first
+            fed_key, fed = _federation_key(cfg), build_federation(cfg, resolve_device(cfg.device))
+        out[i] = _run_job(cfg, resume, progress, log, callbacks, fed=fed)
+        if verbose:
+            print(f"  done: {label} seed {cfg.seed}", file=sys.stderr)
+    return out
 
 
 def run_dir_name(cfg: RunConfig) -> str:
@@ -273,9 +341,7 @@ def run_cached(cfg: RunConfig, *, progress: bool = False, fed: Any = None) -> Re
     run_dir = Path(cfg.out)
     status = _status(run_dir, cfg, strict=False)
     if status == "done":
-        res = load(run_dir)
-        res.cached = True
-        return res
+        return _load_cached(run_dir)
     return _run_job(cfg, status == "partial", progress, [], [], fed=fed)
 
 
@@ -374,7 +440,7 @@ def _worker(args: tuple[dict[str, Any], bool, list[str], list[Any]]) -> Result:
     return _run_job(cfg, resume, False, log, callbacks)
 
 
-def _run_parallel(todo: list[tuple[int, str, RunConfig, bool]], jobs: int, log: list[str],
+def _run_parallel(todo: list[Job], jobs: int, log: list[str],
                   callbacks: list[Any], verbose: bool) -> dict[int, Result]:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -434,20 +500,7 @@ class ResultTable:
         self.results = {k: list(v) for k, v in results.items()}
         if not self.results:
             raise ValueError("ResultTable: no results")
-        if metric == "auto":
-            every = [r for rs in self.results.values() for r in rs]
-            metric = "global_accuracy" if all(r.final("global_accuracy") is not None for r in every) \
-                else "personal_accuracy"
-        every = [r for rs in self.results.values() for r in rs]
-        if not any(h.get(metric) is not None for r in every for h in r.history):
-            measured = sorted({k for r in every for h in r.history for k, v in h.items()
-                               if isinstance(v, int | float) and not isinstance(v, bool)})
-            from fedfuse.names import did_you_mean
-
-            hint = did_you_mean(metric, measured)
-            listed = f"; {hint}" if hint else (f"; measured: {', '.join(measured)}" if len(measured) <= 16 else
-                                               " (the measured metrics are the columns of metrics.jsonl)")
-            raise ConfigError(f"metric {metric!r} was not measured by any run{listed}")
+        metric = _measured_metric([r for rs in self.results.values() for r in rs], metric)
         if test not in ("t", "wilcoxon"):
             raise ConfigError(f"test: choose t or wilcoxon, got {test!r}")
         self.metric, self.last, self.test, self.alpha = metric, last, test, alpha
@@ -466,27 +519,34 @@ class ResultTable:
     def _values(self, label: str) -> dict[int, float | None]:
         return {r.seed: r.final(self.metric, self.last) for r in self.results[label]}
 
+    def _vs_baseline(self, label: str) -> Any:
+        """The paired test of ``label`` against the baseline over the seeds both have; None for the baseline."""
+        if label == self.baseline:
+            return None
+        a, b = self._values(label), self._values(self.baseline)
+        common = sorted(set(a) & set(b))
+        return paired_test([a[s] for s in common], [b[s] for s in common], self.test)
+
+    def _cost_to_target(self, rs: list[Result], cost: str) -> MeanStd:
+        """Mean ± std of the ``cost`` column when each run first reached the target."""
+        t = self.target
+        return mean_std([cost_to_target(r.history, t, self.metric, cost, self.lower) if t is not None else None
+                         for r in rs])
+
     def _row(self, label: str, rs: list[Result]) -> Row:
         m, t = self.metric, self.target
         rounds = [rounds_to_target(r.history, t, m, self.lower) if t is not None else None for r in rs]
-        vs = None
-        if label != self.baseline:
-            a, b = self._values(label), self._values(self.baseline)
-            common = sorted(set(a) & set(b))
-            vs = paired_test([a[s] for s in common], [b[s] for s in common], self.test)
         return Row(
             label=label, seeds=[r.seed for r in rs],
             final=mean_std([r.final(m, self.last) for r in rs]),
             best=mean_std([best_value(r.history, m, self.lower) for r in rs]),
             rounds_to_target=mean_std(rounds), reached=sum(x is not None for x in rounds),
-            bytes_to_target=mean_std([cost_to_target(r.history, t, m, "total_bytes", self.lower)
-                                      if t is not None else None for r in rs]),
-            flops_to_target=mean_std([cost_to_target(r.history, t, m, "total_client_flops", self.lower)
-                                      if t is not None else None for r in rs]),
-            total_bytes=mean_std([r.history[-1].get("total_bytes") if r.history else None for r in rs]),
-            total_flops=mean_std([r.history[-1].get("total_client_flops") if r.history else None for r in rs]),
-            seconds=mean_std([r.history[-1].get("wall_seconds") if r.history else None for r in rs]),
-            vs_baseline=vs,
+            bytes_to_target=self._cost_to_target(rs, "total_bytes"),
+            flops_to_target=self._cost_to_target(rs, "total_client_flops"),
+            total_bytes=_mean_last(rs, "total_bytes"),
+            total_flops=_mean_last(rs, "total_client_flops"),
+            seconds=_mean_last(rs, "wall_seconds"),
+            vs_baseline=self._vs_baseline(label),
         )
 
     # -- views --
@@ -612,6 +672,29 @@ class ResultTable:
         return pd.DataFrame(self.display_rows()).to_html(index=False) + f"<p><small>{note}</small></p>"
 
 
+def _measured_metric(runs: list[Result], metric: str) -> str:
+    """``metric``, ``auto`` resolved (``global_accuracy`` when every run has a global model, else
+    ``personal_accuracy``); raises when no run measured it, naming the closest measured metrics."""
+    if metric == "auto":
+        metric = "global_accuracy" if all(r.final("global_accuracy") is not None for r in runs) \
+            else "personal_accuracy"
+    if any(h.get(metric) is not None for r in runs for h in r.history):
+        return metric
+    from fedfuse.names import did_you_mean
+
+    measured = sorted({k for r in runs for h in r.history for k, v in h.items()
+                       if isinstance(v, int | float) and not isinstance(v, bool)})
+    hint = did_you_mean(metric, measured)
+    listed = f"; {hint}" if hint else (f"; measured: {', '.join(measured)}" if len(measured) <= 16 else
+                                       " (the measured metrics are the columns of metrics.jsonl)")
+    raise ConfigError(f"metric {metric!r} was not measured by any run{listed}")
+
+
+def _mean_last(rs: list[Result], key: str) -> MeanStd:
+    """Mean ± std of ``key`` in each run's last history entry (a running total or the wall time)."""
+    return mean_std([r.history[-1].get(key) if r.history else None for r in rs])
+
+
 def _default_target(finals: list[float], lower: bool, accuracy: bool) -> float | None:
     """The worst mean final value among the labels, rounded towards "easier" (a whole percent for accuracies,
     3 significant digits otherwise), so every label reaches it on average."""
@@ -635,24 +718,34 @@ def load_sweep(path: str | Path) -> dict[str, list[Result]]:
 
     root = Path(path)
     if (root / "sweep.json").exists():
-        meta = json.loads((root / "sweep.json").read_text())
-        out: dict[str, list[Result]] = {label: [] for label in meta["labels"]}
-        for e in meta["runs"]:
-            d = Path(e["dir"])
-            if not d.is_absolute() and not d.exists():
-                d = root / d
-            out[e["label"]].append(load(d))
-        return out
+        return _load_index(root)
     if is_run_dir(root):
         r = load(root)
         return {r.config.algorithm: [r]}
     dirs = sorted({p.parent for p in root.rglob("metrics.jsonl") if is_run_dir(p.parent)})
     if not dirs:
         raise FileNotFoundError(f"{root}: no run directories (config.yaml + metrics.jsonl) below it")
+    return _label_groups([load(d) for d in dirs])
+
+
+def _load_index(root: Path) -> dict[str, list[Result]]:
+    """The runs a sweep's ``sweep.json`` lists, by label (a relative directory is taken below ``root``)."""
+    meta = json.loads((root / "sweep.json").read_text())
+    out: dict[str, list[Result]] = {label: [] for label in meta["labels"]}
+    for e in meta["runs"]:
+        d = Path(e["dir"])
+        if not d.is_absolute() and not d.exists():
+            d = root / d
+        out[e["label"]].append(load(d))
+    return out
+
+
+def _label_groups(runs: list[Result]) -> dict[str, list[Result]]:
+    """Runs grouped by their config without seed and directory, each group labelled by its algorithm and the
+    options in which the groups differ; runs in seed order."""
     groups: dict[str, list[Result]] = {}
     keys: dict[str, dict[str, Any]] = {}
-    for d in dirs:
-        r = load(d)
+    for r in runs:
         k = {**r.config.to_dict(), "seed": None, "out": None}
         h = json.dumps(k, sort_keys=True, default=str)
         groups.setdefault(h, []).append(r)
