@@ -402,33 +402,60 @@ def cmd_results(args: argparse.Namespace) -> int:
 
     root = Path(args.root) if args.root else records.repo_root()
     if args.action == "render":
-        changed = records.render(root, check=args.check)
-        for p in changed:
-            print(f"{'differs' if args.check else 'rendered'}: {p}")
-        if args.check and changed:
-            print("fedfuse results render --check: tables differ from their records; run `fedfuse results "
-                  "render`", file=sys.stderr)
-            return 1
-        return 0
+        return _results_render(args, root)
     if args.action == "record":
-        cell = {k: _typed(v) for k, v in _cell_arg(args.cell).items()}
-        fed = json.loads(args.federation) if args.federation else None
-        for d in args.run_dirs:
-            rec = records.make_record(d, args.table, cell, args.commit, fed)
-            print(records.write_record(root, rec))
-        return 0
+        return _results_record(args, root)
     if args.action == "list":
-        for p in sorted((root / "results" / "tables").glob("*.json")):
-            recs = records.load_records(root, p.stem)
-            stale = sum(1 for r in recs if records.stale_reason(r))
-            print(f"{p.stem}: {len(recs)} records, {stale} stale")
-        return 0
-    # verify
+        return _results_list(root)
+    return _results_verify(args, root)
+
+
+def _results_render(args: argparse.Namespace, root: Path) -> int:
+    """``results render [--check]``: regenerate (or compare) every results table from its records."""
+    from fedfuse import records
+
+    changed = records.render(root, check=args.check)
+    for p in changed:
+        print(f"{'differs' if args.check else 'rendered'}: {p}")
+    if args.check and changed:
+        print("fedfuse results render --check: tables differ from their records; run `fedfuse results "
+              "render`", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _results_record(args: argparse.Namespace, root: Path) -> int:
+    """``results record``: one record per finished run directory."""
+    from fedfuse import records
+
+    cell = {k: _typed(v) for k, v in _cell_arg(args.cell).items()}
+    fed = json.loads(args.federation) if args.federation else None
+    for d in args.run_dirs:
+        rec = records.make_record(d, args.table, cell, args.commit, fed)
+        print(records.write_record(root, rec))
+    return 0
+
+
+def _results_list(root: Path) -> int:
+    """``results list``: every table with its record and stale counts."""
+    from fedfuse import records
+
+    for p in sorted((root / "results" / "tables").glob("*.json")):
+        recs = records.load_records(root, p.stem)
+        stale = sum(1 for r in recs if records.stale_reason(r))
+        print(f"{p.stem}: {len(recs)} records, {stale} stale")
+    return 0
+
+
+def _results_verify(args: argparse.Namespace, root: Path) -> int:
+    """``results verify``: re-run one record and print recorded against now; 1 when not reproduced."""
+    from fedfuse import records
+
     pick = args.random if args.random is not None else None
     path, rec = records.choose(root, args.table, _cell_arg(args.cell or ""), args.seed, pick)
+    stale = records.stale_reason(rec)
     print(f"verifying {path} (table {rec['table']}, cell {rec['cell']}, seed {rec['seed']}, recorded on commit "
-          f"{rec['commit'][:12]}{'; ' + records.stale_reason(rec) if records.stale_reason(rec) else ''})",
-          flush=True)
+          f"{rec['commit'][:12]}{'; ' + stale if stale else ''})", flush=True)
     ok, rows = records.verify(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
     wanted = [r for r in rows if records.is_table_metric(r[0])]
     for name, a, b, d in (rows if args.all_metrics else wanted):
