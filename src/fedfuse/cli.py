@@ -18,11 +18,10 @@ from fedfuse.config import (
     apply,
     config_file,
     parse_value,
-    prepare_run_dir,
-    resume_config,
     validate,
 )
 from fedfuse.errors import UserError, run_guarded
+from fedfuse.rundir import prepare_run_dir, resume_config
 
 
 def _flag_help(key: str, fallback: str) -> str:

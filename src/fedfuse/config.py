@@ -7,6 +7,10 @@ that belongs to exactly one namespace (``mu=0.1``).  In a sweep over several alg
 ``algorithm_options.`` option applies to every algorithm that has it (:meth:`fedfuse.sweep.Sweep.plan`).
 Registry names (algorithm, dataset, partition, model) are matched ignoring case when one name matches; every
 unknown name is reported with the closest known names (:mod:`fedfuse.names`).
+
+Beside it, in the same layer: :mod:`fedfuse.coerce` (a value converted to its declared type),
+:mod:`fedfuse.configfile` (a config as a YAML file) and :mod:`fedfuse.rundir` (run directories and resume).
+``load_yaml``, ``dump_yaml``, ``parse_value`` and ``parse_threads`` are importable from here too.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import UnionType
 from typing import Any
 
-import yaml
-
-from fedfuse.errors import UserError
+from fedfuse.coerce import coerce, coerce_option, parse_threads, plain
+from fedfuse.coerce import parse_value as parse_value
+from fedfuse.configfile import config_file
+from fedfuse.configfile import dump_yaml as dump_yaml
+from fedfuse.configfile import load_yaml as load_yaml
+from fedfuse.errors import ConfigError, UnknownKeyError, UserError
 from fedfuse.options import check_value, opt
 
 NAMESPACES = ("algorithm_options", "model_options", "partition_options", "dataset_options")
@@ -56,33 +62,6 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--memory-format": ("memory_format", str, "layout of conv models in training: auto, contiguous, channels_last"),
     "--executor": ("executor", str, "where client work runs: sequential, batched, processes or auto"),
 }
-
-
-def parse_threads(value: object) -> int | str:
-    """A ``threads`` setting: ``"auto"`` or a non-negative integer (0 = PyTorch's own default); raises
-    ``ValueError`` otherwise."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    if isinstance(value, bool):
-        raise ValueError(f"expected auto or a non-negative integer, got {value!r}")
-    try:
-        n = int(str(value).strip())
-    except ValueError:
-        raise ValueError(f"expected auto or a non-negative integer, got {value!r}") from None
-    if n < 0:
-        raise ValueError(f"expected auto or a non-negative integer, got {value!r}")
-    return n
-
-
-class ConfigError(UserError):
-    """A bad key or value in a run configuration; the message names it and the valid choices."""
-
-
-class UnknownKeyError(ConfigError):
-    """A key or option name that the configuration (with its chosen algorithm, model, ...) does not have.
-
-    A sweep over several algorithms applies an option to those that have it and skips the others on this error.
-    """
 
 
 #: where the full list of names of each registry is shown
@@ -298,125 +277,6 @@ def resolved_model(cfg: RunConfig) -> str:
     return default_model(cfg.dataset)
 
 
-def parse_value(text: str) -> Any:
-    """YAML scalar/list parsing for ``--set`` values (``0.1`` → float, ``[6,5,8]`` → list, ``none`` → None)."""
-    if text.strip().lower() in ("none", "null"):
-        return None
-    return yaml.safe_load(text)
-
-
-def _unwrap_optional(typ: Any) -> tuple[Any, bool]:
-    """``(T, True)`` for ``T | None`` (``Optional[T]``), else ``(typ, False)``."""
-    args = typing.get_args(typ)
-    if typing.get_origin(typ) in (typing.Union, UnionType) and type(None) in args:
-        return next(a for a in args if a is not type(None)), True
-    return typ, False
-
-
-def _coerce_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-        return value.lower() in ("true", "yes", "1")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ConfigError(f"{key}: expected true/false, got {value!r}")
-
-
-def _coerce_int(key: str, value: Any) -> int:
-    """An int, or a string/float holding a whole finite number; never a bool."""
-    if isinstance(value, bool) or not isinstance(value, int | str | float):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    try:
-        f = float(value)
-    except ValueError:
-        raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if not math.isfinite(f) or not f.is_integer():
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    return int(f)
-
-
-def _coerce_float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-
-
-def _coerce_str(key: str, value: Any) -> str:
-    if isinstance(value, dict | list | tuple):
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    return str(value)
-
-
-def _coerce_list(key: str, value: Any, elem: Any) -> list[Any]:
-    """A list, each element coerced to ``elem`` (naming ``key[i]``) unless ``elem`` is None or Any."""
-    if not isinstance(value, list | tuple):
-        raise ConfigError(f"{key}: expected a list, got {value!r}")
-    if elem is None or elem is Any:
-        return list(value)
-    return [_coerce(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
-
-
-def _coerce_dict(key: str, value: Any) -> dict[Any, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-    return dict(value)
-
-
-_SCALAR_COERCIONS: dict[type, Callable[[str, Any], Any]] = {
-    bool: _coerce_bool, int: _coerce_int, float: _coerce_float, str: _coerce_str}
-
-
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """``value`` converted to ``typ`` (bool, int, float, str, list[...], dict, optional); errors name ``key``."""
-    typ, optional = _unwrap_optional(typ)
-    if optional and value is None:
-        return None
-    if typ in _SCALAR_COERCIONS:
-        return _SCALAR_COERCIONS[typ](key, value)
-    origin, args = typing.get_origin(typ), typing.get_args(typ)
-    if origin in (list, tuple) or typ in (list, tuple):
-        return _coerce_list(key, value, args[0] if args else None)
-    if origin is dict or typ is dict:
-        return _coerce_dict(key, value)
-    return value
-
-
-def _coerce_option(key: str, value: Any, default: Any, hint: Any = None) -> Any:
-    """Coerce an option value to its declared type (``hint``), else to the type of its default.
-
-    List elements are checked too (``widths=[a]`` names ``widths[0]``)."""
-    if value is None:
-        return value
-    if hint is not None and hint is not Any:
-        return _coerce(key, value, hint)
-    if default is None:
-        return value
-    if isinstance(default, bool):
-        return _coerce(key, value, bool)
-    if isinstance(default, int):
-        return _coerce(key, value, int)
-    if isinstance(default, float):
-        return _coerce(key, value, float)
-    if isinstance(default, str):
-        return _coerce(key, value, str)
-    if isinstance(default, list | tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        kinds = {type(d) for d in default if d is not None}
-        if len(kinds) == 1:
-            kind = kinds.pop()
-            if kind in (bool, int, float, str):
-                return [_coerce(f"{key}[{i}]", v, kind) for i, v in enumerate(value)]
-        return list(value)
-    return value
-
-
 def _option_hints(cfg: RunConfig, ns: str) -> tuple[type | None, dict[str, Any]]:
     """The declaring dataclass of a namespace (algorithm Options) and its field types, when there is one."""
     if ns != "algorithm_options":
@@ -443,7 +303,7 @@ def apply(cfg: RunConfig, updates: dict[str, Any]) -> RunConfig:
                 for k, v in value.items():
                     pending.append((f"{key}.{k}", v))
                 continue
-            values[key] = canonical_name(key, _coerce(key, value, types[key]))
+            values[key] = canonical_name(key, coerce(key, value, types[key]))
         else:
             pending.append((key, value))
     cfg = RunConfig(**values)
@@ -529,7 +389,7 @@ def _apply_namespaced(cfg: RunConfig, ns: str, name: str, value: Any) -> RunConf
     if name not in defaults:
         raise UnknownKeyError(_unknown_namespaced(cfg, ns, name, defaults))
     _, hints = _option_hints(cfg, ns)
-    getattr(cfg, ns)[name] = _coerce_option(key, value, defaults[name], hints.get(name))
+    getattr(cfg, ns)[name] = coerce_option(key, value, defaults[name], hints.get(name))
     return cfg
 
 
@@ -619,7 +479,7 @@ def _checked_fields(cfg: RunConfig) -> RunConfig:
             if not isinstance(v, dict):
                 raise ConfigError(f"{f.name}: expected a mapping of option: value, got {v!r}")
         else:
-            v = _checked_field(f, _coerce(f.name, v, types[f.name]))
+            v = _checked_field(f, coerce(f.name, v, types[f.name]))
         values[f.name] = v
     return RunConfig(**values)
 
@@ -675,13 +535,13 @@ def _resolved_options(cfg: RunConfig, ns: str) -> dict[str, Any]:
     declared, hints = _option_hints(cfg, ns)
     merged = {}
     for k, default in defaults.items():
-        v = _coerce_option(f"{ns}.{k}", given[k], default, hints.get(k)) if k in given else default
+        v = coerce_option(f"{ns}.{k}", given[k], default, hints.get(k)) if k in given else default
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{ns}.{k}: must be a finite number, got {v!r}")
         problem = check_value(declared, k, v) if declared is not None else None
         if problem:
             raise ConfigError(f"{ns}.{k}: {problem} ({what} {getattr(cfg, what)!r})")
-        merged[k] = _plain(v)
+        merged[k] = plain(v)
     return merged
 
 
@@ -774,133 +634,12 @@ def check_device(name: str) -> None:
     raise ConfigError(f"device: unknown value {name!r}; choose auto, cpu, cuda, cuda:N or mps")
 
 
-def _plain(value: Any) -> Any:
-    """Tuples become lists so the resolved config round-trips through YAML."""
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    return value
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML config file; a missing, unreadable or malformed file is a :class:`ConfigError`."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"--config {path}: no such file")
-    if path.is_dir():
-        raise ConfigError(f"--config {path}: is a directory, expected a YAML file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config {path}: cannot read it ({e})") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"--config {path}: invalid YAML{where}: {problem}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of key: value at top level, got {type(data).__name__}")
-    return data
-
-
-def config_file(path: str | Path) -> dict[str, Any]:
-    """The keys of a ``--config`` YAML file.  A run's own ``config.yaml`` names the run's directory as ``out``;
-    that entry is dropped, so re-running the file starts a new run in a new directory (``--out`` chooses it)
-    instead of colliding with the run it came from."""
-    data = load_yaml(path)
-    out = data.get("out")
-    if isinstance(out, str) and Path(out).resolve() == Path(path).resolve().parent:
-        data = {k: v for k, v in data.items() if k != "out"}
-    return data
-
-
-def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
 def resolve_device(name: str) -> Any:
     import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-# ---- run directories ---------------------------------------------------------------------------------
-
-RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "config.yaml")
-
-
-def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
-    """Check that a fresh run may write into ``out``: not a file, writable, and not an earlier run's directory
-    unless ``overwrite`` (then the earlier run's files are removed).  Creates nothing: the run makes its
-    directory once its data and model are built, so a run that fails before leaves no empty folder.
-    Raises :class:`ConfigError`."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--out {path}: is a file, not a directory; choose another --out")
-    earlier = [f for f in RUN_FILES if (path / f).exists()]
-    if earlier and not overwrite:
-        raise ConfigError(f"--out {path}: already holds a run ({', '.join(earlier)}); pass --overwrite to replace "
-                          f"it, --resume {path} to continue it, or choose another --out")
-    import os
-
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"--out {path}: cannot write there ({existing} is a file); choose another --out")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {path}: cannot write there ({existing} is not writable)")
-    if earlier:
-        for name in (*RUN_FILES, "checkpoint.pt.tmp", "model_best.pt", "model_final.pt", "fedfuse.log"):
-            (path / name).unlink(missing_ok=True)
-    return path
-
-
-#: fields that must agree between a checkpoint and the run resuming it (everything that shapes the model,
-#: the data or the algorithm's state); rounds may grow, device/threads/plots/eval settings may change
-RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "clients_per_round", "seed", "val_fraction",
-                "local_epochs", "batch_size", "lr", "momentum", "weight_decay", "optimizer", "grad_clip",
-                "algorithm_options", "model_options", "partition_options", "dataset_options", "dropout",
-                "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients", "dp", "secagg",
-                "dp_noise", "dp_clip", "dp_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_accountant",
-                "precision", "memory_format", "fp32_matmul", "secagg_threshold", "secagg_neighbors",
-                "secagg_frac_bits")
-
-
-def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source: str) -> None:
-    """Raise :class:`ConfigError` unless a checkpoint's config ``saved`` belongs to run ``cfg`` (same algorithm,
-    model, data, ...) and ``cfg.rounds`` is at least the ``done_rounds`` already completed."""
-    new = cfg.to_dict()
-    for key in RESUME_FIXED:
-        if key in saved and key in new and _plain(saved[key]) != _plain(new[key]):
-            raise ConfigError(f"--resume: {source} was written with {key}={saved[key]!r} but this run has "
-                              f"{key}={new[key]!r}; a checkpoint resumes only the run that wrote it")
-    if cfg.rounds < done_rounds:
-        raise ConfigError(f"rounds: {cfg.rounds} is fewer than the {done_rounds} rounds the checkpoint already "
-                          f"completed; give --rounds >= {done_rounds}")
-
-
-def resume_config(args: Any, build: Any) -> RunConfig:
-    """The configuration to resume run directory ``args.resume``: its ``config.yaml``, then the flags given now
-    (only ``rounds`` and run-time settings such as ``device`` may differ; the checkpoint check enforces it)."""
-    out = Path(args.resume)
-    if not (out / "checkpoint.pt").is_file():
-        raise ConfigError(f"--resume {out}: no checkpoint.pt there (nothing to resume)")
-    if not (out / "config.yaml").is_file():
-        raise ConfigError(f"--resume {out}: no config.yaml there; it is not a fedfuse run directory")
-    if getattr(args, "config", None):
-        raise ConfigError("--resume takes the run's own config.yaml; drop --config (change rounds with --rounds)")
-    if getattr(args, "out", None) and Path(args.out).resolve() != out.resolve():
-        raise ConfigError(f"--out {args.out}: a resumed run writes into its own directory {out}; drop --out")
-    if getattr(args, "overwrite", False):
-        raise ConfigError("--overwrite and --resume contradict each other; choose one")
-    args.config = str(out / "config.yaml")
-    cfg = build(args)
-    cfg.out = str(out)
-    return cfg
 
 
 # ---- building a config from what a user gives ------------------------------------------------------------------

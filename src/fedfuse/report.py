@@ -1,7 +1,7 @@
 """``fedfuse report DIR``: one Markdown and one HTML page for a run, a sweep or any tree of runs.
 
 The page holds the configuration (the first run's in full, and what differs between labels), the statistics
-table (:class:`fedfuse.sweep.ResultTable`), one figure per metric (mean line with a ±std band over seeds; loss
+table (:class:`fedfuse.result_table.ResultTable`), one figure per metric (mean line with a ±std band over seeds; loss
 and perplexity on a log scale; accuracy against cumulative communication), the partition plot and the
 algorithm's own diagnostic images found in the run directories (merge heat-maps, similarity curves, ...).
 Figures go to ``DIR/report/``; the pages are ``DIR/report.md`` and ``DIR/report.html``.
@@ -21,7 +21,8 @@ import yaml
 from fedfuse.config import RunConfig
 from fedfuse.plots import available_metrics, plot_metric
 from fedfuse.result import Result
-from fedfuse.sweep import ResultTable, _flatten, load_sweep
+from fedfuse.result_table import ResultTable
+from fedfuse.sweep import _flatten, load_sweep
 from fedfuse.tables import cell
 
 CURVE_METRICS = ("global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "val_accuracy", "loss",
