@@ -18,11 +18,10 @@ from fedfuse.config import (
     apply,
     config_file,
     parse_value,
-    prepare_run_dir,
-    resume_config,
     validate,
 )
 from fedfuse.errors import UserError, run_guarded
+from fedfuse.rundir import prepare_run_dir, resume_config
 
 
 def _flag_help(key: str, fallback: str) -> str:
@@ -131,47 +130,41 @@ def _fmt(v: Any, pct: bool = False) -> str:
 EVALUATED = ("global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "loss", "val_loss", "perplexity")
 
 
+#: the rows of the ``fedfuse run`` table: (label, summary key, shown in %)
+RESULT_ROWS = (
+    ("global accuracy (%)", "global_accuracy", True),
+    ("personalised accuracy, mean over clients (%)", "personal_accuracy", True),
+    ("personalised accuracy, sample-weighted (%)", "personal_accuracy_weighted", True),
+    ("test loss", "loss", False),
+    ("validation loss", "val_loss", False),
+    ("perplexity", "perplexity", False),
+    ("MB down (total)", "bytes_down", False),
+    ("MB up (total)", "bytes_up", False),
+    ("client GFLOPs (total)", "client_flops", False),
+    ("server parameters", "server_parameters", False),
+    ("clients without test data (not in the means)", "clients_without_test", False),
+    ("updates quarantined (total)", "total_quarantined", False),
+    ("replies lost to dropout (total)", "total_dropped", False),
+    ("replies after the deadline (total)", "total_late", False),
+)
+
+
 def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None = None, last: int = 5) -> str:
     """The table ``fedfuse run`` prints: final (the same statistic as compare, the API and reports: the mean of
     the last ``last`` evaluations), the last evaluation, and the evaluation with the best validation loss."""
-    from fedfuse.stats import evaluations, final_mean, final_note
+    from fedfuse.stats import final_note
 
-    rows = [
-        ("global accuracy (%)", "global_accuracy", True),
-        ("personalised accuracy, mean over clients (%)", "personal_accuracy", True),
-        ("personalised accuracy, sample-weighted (%)", "personal_accuracy_weighted", True),
-        ("test loss", "loss", False),
-        ("validation loss", "val_loss", False),
-        ("perplexity", "perplexity", False),
-        ("MB down (total)", "bytes_down", False),
-        ("MB up (total)", "bytes_up", False),
-        ("client GFLOPs (total)", "client_flops", False),
-        ("server parameters", "server_parameters", False),
-        ("clients without test data (not in the means)", "clients_without_test", False),
-        ("updates quarantined (total)", "total_quarantined", False),
-        ("replies lost to dropout (total)", "total_dropped", False),
-        ("replies after the deadline (total)", "total_late", False),
-    ]
     history = history or []
     at = summary["final"].get("round")
     last_head = f"round {at}" if at is not None else "last"
     best_at = summary["best"].get("round")
     best_head = f"best val (r{best_at})" if best_at is not None else "best (val)"
     lines = [f"{'metric':<46} {'final':>10} {last_head:>12} {best_head:>16}", "-" * 87]
-    counts: list[int] = []
-    for label, key, pct in rows:
-        f, b = summary["final"].get(key), summary["best"].get(key)
-        if (f is None and b is None) or (key.startswith(("total_", "clients_without")) and not f):
-            continue
-        m = final_mean(history, key, last) if key in EVALUATED else None
-        if key in EVALUATED and m is not None:
-            counts.append(len(evaluations(history, key)))
-        if key.startswith("bytes"):
-            f, b = (None if x is None else x / 1e6 for x in (f, b))
-        if key == "client_flops":
-            f, b = (None if x is None else x / 1e9 for x in (f, b))
-        shown = _fmt(m, pct) if key in EVALUATED else ""
-        lines.append(f"{label:<46} {shown:>10} {_fmt(f, pct):>12} {_fmt(b, pct):>16}")
+    counts: list[int] = []  # evaluations behind each "final" mean
+    for label, key, pct in RESULT_ROWS:
+        line = _results_line(summary, history, last, label, key, pct, counts)
+        if line is not None:
+            lines.append(line)
     n = summary["rounds_completed"]
     lines.append(f"wall time: {summary['wall_seconds']:.1f} s over {n} round{'s' if n != 1 else ''}")
     if counts:
@@ -180,6 +173,25 @@ def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None 
         threads = summary.get("threads")
         lines.append(f"precision: {summary['precision']}" + (f", torch threads: {threads}" if threads else ""))
     return "\n".join(lines)
+
+
+def _results_line(summary: dict[str, Any], history: list[dict[str, Any]], last: int, label: str, key: str,
+                  pct: bool, counts: list[int]) -> str | None:
+    """One row of :func:`results_table` (None when the run has no such value, or a zero count); an evaluated
+    metric's number of evaluations is appended to ``counts``."""
+    from fedfuse.stats import evaluations, final_mean
+
+    f, b = summary["final"].get(key), summary["best"].get(key)
+    if (f is None and b is None) or (key.startswith(("total_", "clients_without")) and not f):
+        return None
+    m = final_mean(history, key, last) if key in EVALUATED else None
+    if key in EVALUATED and m is not None:
+        counts.append(len(evaluations(history, key)))
+    scale = 1e6 if key.startswith("bytes") else 1e9 if key == "client_flops" else None
+    if scale is not None:
+        f, b = (None if x is None else x / scale for x in (f, b))
+    shown = _fmt(m, pct) if key in EVALUATED else ""
+    return f"{label:<46} {shown:>10} {_fmt(f, pct):>12} {_fmt(b, pct):>16}"
 
 
 def _logs(args: argparse.Namespace) -> list[str]:
@@ -402,33 +414,60 @@ def cmd_results(args: argparse.Namespace) -> int:
 
     root = Path(args.root) if args.root else records.repo_root()
     if args.action == "render":
-        changed = records.render(root, check=args.check)
-        for p in changed:
-            print(f"{'differs' if args.check else 'rendered'}: {p}")
-        if args.check and changed:
-            print("fedfuse results render --check: tables differ from their records; run `fedfuse results "
-                  "render`", file=sys.stderr)
-            return 1
-        return 0
+        return _results_render(args, root)
     if args.action == "record":
-        cell = {k: _typed(v) for k, v in _cell_arg(args.cell).items()}
-        fed = json.loads(args.federation) if args.federation else None
-        for d in args.run_dirs:
-            rec = records.make_record(d, args.table, cell, args.commit, fed)
-            print(records.write_record(root, rec))
-        return 0
+        return _results_record(args, root)
     if args.action == "list":
-        for p in sorted((root / "results" / "tables").glob("*.json")):
-            recs = records.load_records(root, p.stem)
-            stale = sum(1 for r in recs if records.stale_reason(r))
-            print(f"{p.stem}: {len(recs)} records, {stale} stale")
-        return 0
-    # verify
+        return _results_list(root)
+    return _results_verify(args, root)
+
+
+def _results_render(args: argparse.Namespace, root: Path) -> int:
+    """``results render [--check]``: regenerate (or compare) every results table from its records."""
+    from fedfuse import records
+
+    changed = records.render(root, check=args.check)
+    for p in changed:
+        print(f"{'differs' if args.check else 'rendered'}: {p}")
+    if args.check and changed:
+        print("fedfuse results render --check: tables differ from their records; run `fedfuse results "
+              "render`", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _results_record(args: argparse.Namespace, root: Path) -> int:
+    """``results record``: one record per finished run directory."""
+    from fedfuse import records
+
+    cell = {k: _typed(v) for k, v in _cell_arg(args.cell).items()}
+    fed = json.loads(args.federation) if args.federation else None
+    for d in args.run_dirs:
+        rec = records.make_record(d, args.table, cell, args.commit, fed)
+        print(records.write_record(root, rec))
+    return 0
+
+
+def _results_list(root: Path) -> int:
+    """``results list``: every table with its record and stale counts."""
+    from fedfuse import records
+
+    for p in sorted((root / "results" / "tables").glob("*.json")):
+        recs = records.load_records(root, p.stem)
+        stale = sum(1 for r in recs if records.stale_reason(r))
+        print(f"{p.stem}: {len(recs)} records, {stale} stale")
+    return 0
+
+
+def _results_verify(args: argparse.Namespace, root: Path) -> int:
+    """``results verify``: re-run one record and print recorded against now; 1 when not reproduced."""
+    from fedfuse import records
+
     pick = args.random if args.random is not None else None
     path, rec = records.choose(root, args.table, _cell_arg(args.cell or ""), args.seed, pick)
+    stale = records.stale_reason(rec)
     print(f"verifying {path} (table {rec['table']}, cell {rec['cell']}, seed {rec['seed']}, recorded on commit "
-          f"{rec['commit'][:12]}{'; ' + records.stale_reason(rec) if records.stale_reason(rec) else ''})",
-          flush=True)
+          f"{rec['commit'][:12]}{'; ' + stale if stale else ''})", flush=True)
     ok, rows = records.verify(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
     wanted = [r for r in rows if records.is_table_metric(r[0])]
     for name, a, b, d in (rows if args.all_metrics else wanted):

@@ -7,6 +7,10 @@ that belongs to exactly one namespace (``mu=0.1``).  In a sweep over several alg
 ``algorithm_options.`` option applies to every algorithm that has it (:meth:`fedfuse.sweep.Sweep.plan`).
 Registry names (algorithm, dataset, partition, model) are matched ignoring case when one name matches; every
 unknown name is reported with the closest known names (:mod:`fedfuse.names`).
+
+Beside it, in the same layer: :mod:`fedfuse.coerce` (a value converted to its declared type),
+:mod:`fedfuse.configfile` (a config as a YAML file) and :mod:`fedfuse.rundir` (run directories and resume).
+``load_yaml``, ``dump_yaml``, ``parse_value`` and ``parse_threads`` are importable from here too.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from fedfuse.errors import UserError
+from fedfuse.coerce import coerce, coerce_option, parse_threads, plain
+from fedfuse.coerce import parse_value as parse_value
+from fedfuse.configfile import config_file
+from fedfuse.configfile import dump_yaml as dump_yaml
+from fedfuse.configfile import load_yaml as load_yaml
+from fedfuse.errors import ConfigError, UnknownKeyError, UserError
 from fedfuse.options import check_value, opt
 
 NAMESPACES = ("algorithm_options", "model_options", "partition_options", "dataset_options")
@@ -55,33 +62,6 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--memory-format": ("memory_format", str, "layout of conv models in training: auto, contiguous, channels_last"),
     "--executor": ("executor", str, "where client work runs: sequential, batched, processes or auto"),
 }
-
-
-def parse_threads(value: object) -> int | str:
-    """A ``threads`` setting: ``"auto"`` or a non-negative integer (0 = PyTorch's own default); raises
-    ``ValueError`` otherwise."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    if isinstance(value, bool):
-        raise ValueError(f"expected auto or a non-negative integer, got {value!r}")
-    try:
-        n = int(str(value).strip())
-    except ValueError:
-        raise ValueError(f"expected auto or a non-negative integer, got {value!r}") from None
-    if n < 0:
-        raise ValueError(f"expected auto or a non-negative integer, got {value!r}")
-    return n
-
-
-class ConfigError(UserError):
-    """A bad key or value in a run configuration; the message names it and the valid choices."""
-
-
-class UnknownKeyError(ConfigError):
-    """A key or option name that the configuration (with its chosen algorithm, model, ...) does not have.
-
-    A sweep over several algorithms applies an option to those that have it and skips the others on this error.
-    """
 
 
 #: where the full list of names of each registry is shown
@@ -297,97 +277,6 @@ def resolved_model(cfg: RunConfig) -> str:
     return default_model(cfg.dataset)
 
 
-def parse_value(text: str) -> Any:
-    """YAML scalar/list parsing for ``--set`` values (``0.1`` → float, ``[6,5,8]`` → list, ``none`` → None)."""
-    if text.strip().lower() in ("none", "null"):
-        return None
-    return yaml.safe_load(text)
-
-
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """``value`` converted to ``typ`` (bool, int, float, str, list[...], dict, optional); errors name ``key``."""
-    origin = typing.get_origin(typ)
-    args = typing.get_args(typ)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
-        if value is None:
-            return None
-        typ = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(typ), typing.get_args(typ)
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, int | str | float):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        try:
-            f = float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if not math.isfinite(f) or not f.is_integer():
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return int(f)
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    if typ is str:
-        if isinstance(value, dict | list | tuple):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    if origin in (list, tuple) or typ in (list, tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        elem = args[0] if args else None
-        if elem is None or elem is Any:
-            return list(value)
-        return [_coerce(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
-    if origin is dict or typ is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    return value
-
-
-def _coerce_option(key: str, value: Any, default: Any, hint: Any = None) -> Any:
-    """Coerce an option value to its declared type (``hint``), else to the type of its default.
-
-    List elements are checked too (``widths=[a]`` names ``widths[0]``)."""
-    if value is None:
-        return value
-    if hint is not None and hint is not Any:
-        return _coerce(key, value, hint)
-    if default is None:
-        return value
-    if isinstance(default, bool):
-        return _coerce(key, value, bool)
-    if isinstance(default, int):
-        return _coerce(key, value, int)
-    if isinstance(default, float):
-        return _coerce(key, value, float)
-    if isinstance(default, str):
-        return _coerce(key, value, str)
-    if isinstance(default, list | tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        kinds = {type(d) for d in default if d is not None}
-        if len(kinds) == 1:
-            kind = kinds.pop()
-            if kind in (bool, int, float, str):
-                return [_coerce(f"{key}[{i}]", v, kind) for i, v in enumerate(value)]
-        return list(value)
-    return value
-
-
 def _option_hints(cfg: RunConfig, ns: str) -> tuple[type | None, dict[str, Any]]:
     """The declaring dataclass of a namespace (algorithm Options) and its field types, when there is one."""
     if ns != "algorithm_options":
@@ -414,7 +303,7 @@ def apply(cfg: RunConfig, updates: dict[str, Any]) -> RunConfig:
                 for k, v in value.items():
                     pending.append((f"{key}.{k}", v))
                 continue
-            values[key] = canonical_name(key, _coerce(key, value, types[key]))
+            values[key] = canonical_name(key, coerce(key, value, types[key]))
         else:
             pending.append((key, value))
     cfg = RunConfig(**values)
@@ -461,43 +350,79 @@ def _all_algorithm_options() -> list[str]:
     return sorted({k for cls in registered_algorithms().values() for k in cls.option_defaults()})
 
 
-def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
-    from fedfuse.names import closest, did_you_mean
+def few_names(names: list[str], n: int = 5) -> str:
+    """The first ``n`` of ``names``, comma-separated, with ``, ...`` when there are more."""
+    return f"{', '.join(names[:n])}{', ...' if len(names) > n else ''}"
 
+
+def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
+    """Set one option given as ``ALGO.name``, ``namespace.name`` or a bare ``name`` (see :func:`apply`)."""
     prefixed = algorithm_prefix(key)
     if prefixed is not None:
-        algo, name = prefixed
-        if algo != cfg.algorithm:
-            raise UnknownKeyError(
-                f"{key}: an option of {algo}, but this run's algorithm is {cfg.algorithm}; run it with "
-                f"--algorithm {algo} --set {algo}.{name}=..., or compare both: fedfuse compare --algorithms "
-                f"{cfg.algorithm},{algo} --set {algo}.{name}=...")
-        key = f"algorithm_options.{name}"
+        return _apply_namespaced(cfg, "algorithm_options", _own_algorithm_option(cfg, key, *prefixed), value)
     if "." in key:
         ns, name = key.split(".", 1)
-        if ns not in NAMESPACES:
-            head = ns
-            hint = did_you_mean(head, [*NAMESPACES, *registered_algorithms()])
-            raise UnknownKeyError(f"unknown key {key!r}: {head!r} is neither an option namespace "
-                                  f"({', '.join(NAMESPACES)}) nor an algorithm" + (f"; {hint}" if hint else ""))
-        defaults = namespace_defaults(cfg, ns)
-        if name not in defaults:
-            what = ns.replace("_options", "")
-            owner = resolved_model(cfg) if what == "model" else getattr(cfg, what)
-            msg = _unknown_option(name, what, owner, defaults)
-            others = algorithms_with_option(name) if ns == "algorithm_options" else []
-            if others and not did_you_mean(name, defaults):
-                msg += (f"; {name} is an option of {', '.join(others[:5])}{', ...' if len(others) > 5 else ''} "
-                        f"(e.g. --algorithm {others[0]} --set {others[0]}.{name}=...)")
-            raise UnknownKeyError(msg)
-        _, hints = _option_hints(cfg, ns)
-        getattr(cfg, ns)[name] = _coerce_option(key, value, defaults[name], hints.get(name))
-        return cfg
+        return _apply_namespaced(cfg, ns, name, value)
+    return _apply_bare(cfg, key, value)
+
+
+def _own_algorithm_option(cfg: RunConfig, key: str, algo: str, name: str) -> str:
+    """``name`` of ``ALGO.name`` when ``ALGO`` is the run's algorithm; otherwise how to run that option."""
+    if algo != cfg.algorithm:
+        raise UnknownKeyError(
+            f"{key}: an option of {algo}, but this run's algorithm is {cfg.algorithm}; run it with "
+            f"--algorithm {algo} --set {algo}.{name}=..., or compare both: fedfuse compare --algorithms "
+            f"{cfg.algorithm},{algo} --set {algo}.{name}=...")
+    return name
+
+
+def _apply_namespaced(cfg: RunConfig, ns: str, name: str, value: Any) -> RunConfig:
+    """Set option ``name`` of namespace ``ns`` (coerced to its declared type or its default's)."""
+    from fedfuse.names import did_you_mean
+
+    key = f"{ns}.{name}"
+    if ns not in NAMESPACES:
+        hint = did_you_mean(ns, [*NAMESPACES, *registered_algorithms()])
+        raise UnknownKeyError(f"unknown key {key!r}: {ns!r} is neither an option namespace "
+                              f"({', '.join(NAMESPACES)}) nor an algorithm" + (f"; {hint}" if hint else ""))
+    defaults = namespace_defaults(cfg, ns)
+    if name not in defaults:
+        raise UnknownKeyError(_unknown_namespaced(cfg, ns, name, defaults))
+    _, hints = _option_hints(cfg, ns)
+    getattr(cfg, ns)[name] = coerce_option(key, value, defaults[name], hints.get(name))
+    return cfg
+
+
+def _unknown_namespaced(cfg: RunConfig, ns: str, name: str, defaults: Mapping[str, Any]) -> str:
+    """The message for an option ``ns.name`` the run's algorithm/model/... lacks, with the algorithms that have
+    an algorithm option of that name."""
+    from fedfuse.names import did_you_mean
+
+    what = ns.replace("_options", "")
+    owner = resolved_model(cfg) if what == "model" else getattr(cfg, what)
+    msg = _unknown_option(name, what, owner, defaults)
+    others = algorithms_with_option(name) if ns == "algorithm_options" else []
+    if others and not did_you_mean(name, defaults):
+        msg += (f"; {name} is an option of {few_names(others)} "
+                f"(e.g. --algorithm {others[0]} --set {others[0]}.{name}=...)")
+    return msg
+
+
+def _apply_bare(cfg: RunConfig, key: str, value: Any) -> RunConfig:
+    """Set an option named without its namespace: the one namespace that has it."""
     owners = [ns for ns in NAMESPACES if key in _options_of(cfg, ns)]
     if len(owners) == 1:
-        return _apply_option(cfg, f"{owners[0]}.{key}", value)
+        return _apply_namespaced(cfg, owners[0], key, value)
     if len(owners) > 1:
         raise ConfigError(f"option {key!r} is ambiguous: say one of {', '.join(f'{o}.{key}' for o in owners)}")
+    raise UnknownKeyError(_unknown_key(cfg, key))
+
+
+def _unknown_key(cfg: RunConfig, key: str) -> str:
+    """The message for a key that is no field and no option of ``cfg``: the closest names, or the algorithms
+    that have an option of that (or a close) name."""
+    from fedfuse.names import closest, did_you_mean
+
     valid = list(_field_types())
     for ns in NAMESPACES:
         valid += list(_options_of(cfg, ns))
@@ -506,40 +431,74 @@ def _apply_option(cfg: RunConfig, key: str, value: Any) -> RunConfig:
     near = [key] if algorithms_with_option(key) else [] if hint else closest(key, _all_algorithm_options(), 1, 0.75)
     if near:
         others = algorithms_with_option(near[0])
-        owners = f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}"
         what = f"{key} is" if near[0] == key else f"did you mean {near[0]}? It is"
-        msg += (f"; {what} an option of {owners}, not of {cfg.algorithm}: e.g. --algorithm {others[0]} "
+        msg += (f"; {what} an option of {few_names(others)}, not of {cfg.algorithm}: e.g. --algorithm {others[0]} "
                 f"--set {near[0]}=...")
     elif not hint:
         msg += f" (keys: fedfuse show config; options of {cfg.algorithm}: fedfuse show {cfg.algorithm})"
-    raise UnknownKeyError(msg)
+    return msg
 
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Check every field and option (type, range, choices, cross-field rules); return the config with ``model``
     resolved.  Raises :class:`ConfigError` naming the field, the value and what is allowed."""
+    cfg = _checked_fields(cfg)
+    cfg = dataclasses.replace(cfg, **{k: canonical_name(k, getattr(cfg, k)) for k in _REGISTRY_KEYS})
+    for key in _REGISTRY_KEYS:
+        _check_choice(key, getattr(cfg, key))
+    _check_client_counts(cfg)
+    check_device(cfg.device)
+    try:
+        cfg = dataclasses.replace(cfg, threads=str(parse_threads(cfg.threads)))
+    except ValueError as e:
+        raise ConfigError(f"threads: {e}") from None
+    _check_late_replies(cfg)
+    cfg = dataclasses.replace(cfg, model=resolved_model(cfg))
+    resolved = {ns: _resolved_options(cfg, ns) for ns in NAMESPACES}
+    _check_namespace_rules(cfg, resolved)
+    check_privacy(cfg.algorithm, resolved["algorithm_options"], cfg.dp, cfg.secagg)
+    if cfg.secagg:
+        _check_secagg(cfg)
+    if cfg.dp == "central":
+        _check_central_dp(cfg)
+    return dataclasses.replace(cfg, **resolved)
+
+
+#: the fields naming a registry entry or a fixed choice: matched ignoring case, then checked
+_REGISTRY_KEYS = ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling")
+
+
+def _checked_fields(cfg: RunConfig) -> RunConfig:
+    """Every top-level field coerced to its type and checked against its declared range and choices; every
+    namespace a mapping."""
     types = _field_types()
     values = {}
     for f in dataclasses.fields(RunConfig):
         v = getattr(cfg, f.name)
-        if f.name not in NAMESPACES:
-            v = _coerce(f.name, v, types[f.name])
-            if isinstance(v, float) and not math.isfinite(v) and not (f.name == "deadline" and v == math.inf):
-                raise ConfigError(f"{f.name}: must be a finite number, got {v!r}")
-            problem = check_value(RunConfig, f.name, v)
-            if problem:
-                choices = f.metadata.get("choices")
-                if choices:
-                    problem = f"unknown value {v!r}; choose one of: {', '.join(map(str, choices))}"
-                raise ConfigError(f"{f.name}: {problem}")
-        elif not isinstance(v, dict):
-            raise ConfigError(f"{f.name}: expected a mapping of option: value, got {v!r}")
+        if f.name in NAMESPACES:
+            if not isinstance(v, dict):
+                raise ConfigError(f"{f.name}: expected a mapping of option: value, got {v!r}")
+        else:
+            v = _checked_field(f, coerce(f.name, v, types[f.name]))
         values[f.name] = v
-    cfg = RunConfig(**values)
-    keys = ("algorithm", "dataset", "partition", "model", "optimizer", "executor", "sampling")
-    cfg = dataclasses.replace(cfg, **{k: canonical_name(k, getattr(cfg, k)) for k in keys})
-    for key in keys:
-        _check_choice(key, getattr(cfg, key))
+    return RunConfig(**values)
+
+
+def _checked_field(f: dataclasses.Field, v: Any) -> Any:
+    """``v`` unless it is non-finite (``deadline`` may be inf) or outside field ``f``'s range or choices."""
+    if isinstance(v, float) and not math.isfinite(v) and not (f.name == "deadline" and v == math.inf):
+        raise ConfigError(f"{f.name}: must be a finite number, got {v!r}")
+    problem = check_value(RunConfig, f.name, v)
+    if problem:
+        choices = f.metadata.get("choices")
+        if choices:
+            problem = f"unknown value {v!r}; choose one of: {', '.join(map(str, choices))}"
+        raise ConfigError(f"{f.name}: {problem}")
+    return v
+
+
+def _check_client_counts(cfg: RunConfig) -> None:
+    """clients_per_round, quorum and corrupt_clients within the number of clients."""
     if cfg.clients_per_round > cfg.clients:
         raise ConfigError(
             f"clients_per_round: {cfg.clients_per_round} exceeds clients ({cfg.clients}); choose 1..{cfg.clients}"
@@ -551,62 +510,67 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"corrupt_clients: client id(s) {bad} out of range; choose ids in 0..{cfg.clients - 1}")
     if cfg.corrupt != "none" and not cfg.corrupt_clients:
         raise ConfigError(f"corrupt: {cfg.corrupt!r} needs corrupt_clients (e.g. --set corrupt_clients=[0])")
-    check_device(cfg.device)
-    try:
-        cfg = dataclasses.replace(cfg, threads=str(parse_threads(cfg.threads)))
-    except ValueError as e:
-        raise ConfigError(f"threads: {e}") from None
+
+
+def _check_late_replies(cfg: RunConfig) -> None:
+    """``late_replies=next-round`` only for an algorithm that accepts stale replies."""
+    if cfg.late_replies != "next-round":
+        return
+    registry = registered_algorithms()
+    if not registry[cfg.algorithm].accepts_late:
+        late = sorted(n for n, c in registry.items() if c.accepts_late)
+        raise ConfigError(f"late_replies: {cfg.algorithm!r} cannot fuse a reply from an earlier round; "
+                          f"next-round works with {', '.join(late)}")
+
+
+def _resolved_options(cfg: RunConfig, ns: str) -> dict[str, Any]:
+    """Namespace ``ns`` in full: every option of the chosen algorithm/model/... at its given value (coerced and
+    range-checked) or its default; an unknown given option raises :class:`UnknownKeyError`."""
+    defaults = namespace_defaults(cfg, ns)
+    given = getattr(cfg, ns)
+    what = ns.replace("_options", "")
+    for k in given:
+        if k not in defaults:
+            raise UnknownKeyError(_unknown_option(k, what, getattr(cfg, what), defaults))
+    declared, hints = _option_hints(cfg, ns)
+    merged = {}
+    for k, default in defaults.items():
+        v = coerce_option(f"{ns}.{k}", given[k], default, hints.get(k)) if k in given else default
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{ns}.{k}: must be a finite number, got {v!r}")
+        problem = check_value(declared, k, v) if declared is not None else None
+        if problem:
+            raise ConfigError(f"{ns}.{k}: {problem} ({what} {getattr(cfg, what)!r})")
+        merged[k] = plain(v)
+    return merged
+
+
+def _check_secagg(cfg: RunConfig) -> None:
+    """What simulated secure aggregation cannot be combined with."""
     if cfg.late_replies == "next-round":
-        registry = registered_algorithms()
-        if not registry[cfg.algorithm].accepts_late:
-            late = sorted(n for n, c in registry.items() if c.accepts_late)
-            raise ConfigError(f"late_replies: {cfg.algorithm!r} cannot fuse a reply from an earlier round; "
-                              f"next-round works with {', '.join(late)}")
-    cfg = dataclasses.replace(cfg, model=resolved_model(cfg))
-    resolved: dict[str, dict[str, Any]] = {}
-    for ns in NAMESPACES:
-        defaults = namespace_defaults(cfg, ns)
-        given = getattr(cfg, ns)
-        what = ns.replace("_options", "")
-        for k in given:
-            if k not in defaults:
-                raise UnknownKeyError(_unknown_option(k, what, getattr(cfg, what), defaults))
-        declared, hints = _option_hints(cfg, ns)
-        merged = {}
-        for k, default in defaults.items():
-            v = _coerce_option(f"{ns}.{k}", given[k], default, hints.get(k)) if k in given else default
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{ns}.{k}: must be a finite number, got {v!r}")
-            problem = check_value(declared, k, v) if declared is not None else None
-            if problem:
-                raise ConfigError(f"{ns}.{k}: {problem} ({what} {getattr(cfg, what)!r})")
-            merged[k] = _plain(v)
-        resolved[ns] = merged
-    _check_namespace_rules(cfg, resolved)
-    check_privacy(cfg.algorithm, resolved["algorithm_options"], cfg.dp, cfg.secagg)
-    if cfg.secagg:
-        if cfg.late_replies == "next-round":
-            raise ConfigError("late_replies: a straggler's reply cannot join a later round's masked sum under "
-                              "secagg=true (its masks belong to its own round); use late_replies=drop")
-        if cfg.sampling in ("clustered",):
-            raise ConfigError("sampling: clustered sampling reads every client's update, which secagg=true hides; "
-                              "choose uniform, poisson, size-weighted or clustered-size")
-        if cfg.executor == "flower":
-            raise ConfigError("secagg: the simulated protocol runs in-process; with executor=flower use Flower's "
-                              "own SecAgg+ (docs/privacy.md)")
-    if cfg.dp == "central":
-        if cfg.sampling not in ("auto", "uniform", "poisson"):
-            raise ConfigError(f"sampling: central DP is accounted for sampling=poisson or uniform, not "
-                              f"{cfg.sampling!r}")
-        if cfg.dp_accountant == "pld" and cfg.sampling != "poisson":
-            raise ConfigError("dp_accountant: pld covers Poisson sampling only; add --set sampling=poisson or use rdp")
-        if cfg.dp_quantile > 0 and cfg.dp_noise > 0:
-            sigma_b = cfg.dp_count_noise or cfg.clients_per_round / 20
-            if 2 * sigma_b <= cfg.dp_noise:
-                raise ConfigError(f"dp_count_noise: adaptive clipping splits the noise z={cfg.dp_noise:g} between the "
-                                  f"update and the clipped count, which needs 2σ_b > z (σ_b={sigma_b:g}); raise "
-                                  "dp_count_noise or clients_per_round, or lower dp_noise")
-    return dataclasses.replace(cfg, **resolved)
+        raise ConfigError("late_replies: a straggler's reply cannot join a later round's masked sum under "
+                          "secagg=true (its masks belong to its own round); use late_replies=drop")
+    if cfg.sampling in ("clustered",):
+        raise ConfigError("sampling: clustered sampling reads every client's update, which secagg=true hides; "
+                          "choose uniform, poisson, size-weighted or clustered-size")
+    if cfg.executor == "flower":
+        raise ConfigError("secagg: the simulated protocol runs in-process; with executor=flower use Flower's "
+                          "own SecAgg+ (docs/privacy.md)")
+
+
+def _check_central_dp(cfg: RunConfig) -> None:
+    """The sampling central DP is accounted for, and the noise split of adaptive clipping."""
+    if cfg.sampling not in ("auto", "uniform", "poisson"):
+        raise ConfigError(f"sampling: central DP is accounted for sampling=poisson or uniform, not "
+                          f"{cfg.sampling!r}")
+    if cfg.dp_accountant == "pld" and cfg.sampling != "poisson":
+        raise ConfigError("dp_accountant: pld covers Poisson sampling only; add --set sampling=poisson or use rdp")
+    if cfg.dp_quantile > 0 and cfg.dp_noise > 0:
+        sigma_b = cfg.dp_count_noise or cfg.clients_per_round / 20
+        if 2 * sigma_b <= cfg.dp_noise:
+            raise ConfigError(f"dp_count_noise: adaptive clipping splits the noise z={cfg.dp_noise:g} between the "
+                              f"update and the clipped count, which needs 2σ_b > z (σ_b={sigma_b:g}); raise "
+                              "dp_count_noise or clients_per_round, or lower dp_noise")
 
 
 #: the run options that request each privacy mechanism of :class:`fedfuse.types.Privacy`
@@ -670,133 +634,12 @@ def check_device(name: str) -> None:
     raise ConfigError(f"device: unknown value {name!r}; choose auto, cpu, cuda, cuda:N or mps")
 
 
-def _plain(value: Any) -> Any:
-    """Tuples become lists so the resolved config round-trips through YAML."""
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    return value
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML config file; a missing, unreadable or malformed file is a :class:`ConfigError`."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"--config {path}: no such file")
-    if path.is_dir():
-        raise ConfigError(f"--config {path}: is a directory, expected a YAML file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config {path}: cannot read it ({e})") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"--config {path}: invalid YAML{where}: {problem}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of key: value at top level, got {type(data).__name__}")
-    return data
-
-
-def config_file(path: str | Path) -> dict[str, Any]:
-    """The keys of a ``--config`` YAML file.  A run's own ``config.yaml`` names the run's directory as ``out``;
-    that entry is dropped, so re-running the file starts a new run in a new directory (``--out`` chooses it)
-    instead of colliding with the run it came from."""
-    data = load_yaml(path)
-    out = data.get("out")
-    if isinstance(out, str) and Path(out).resolve() == Path(path).resolve().parent:
-        data = {k: v for k, v in data.items() if k != "out"}
-    return data
-
-
-def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
 def resolve_device(name: str) -> Any:
     import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-# ---- run directories ---------------------------------------------------------------------------------
-
-RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "config.yaml")
-
-
-def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
-    """Check that a fresh run may write into ``out``: not a file, writable, and not an earlier run's directory
-    unless ``overwrite`` (then the earlier run's files are removed).  Creates nothing: the run makes its
-    directory once its data and model are built, so a run that fails before leaves no empty folder.
-    Raises :class:`ConfigError`."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--out {path}: is a file, not a directory; choose another --out")
-    earlier = [f for f in RUN_FILES if (path / f).exists()]
-    if earlier and not overwrite:
-        raise ConfigError(f"--out {path}: already holds a run ({', '.join(earlier)}); pass --overwrite to replace "
-                          f"it, --resume {path} to continue it, or choose another --out")
-    import os
-
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"--out {path}: cannot write there ({existing} is a file); choose another --out")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {path}: cannot write there ({existing} is not writable)")
-    if earlier:
-        for name in (*RUN_FILES, "checkpoint.pt.tmp", "model_best.pt", "model_final.pt", "fedfuse.log"):
-            (path / name).unlink(missing_ok=True)
-    return path
-
-
-#: fields that must agree between a checkpoint and the run resuming it (everything that shapes the model,
-#: the data or the algorithm's state); rounds may grow, device/threads/plots/eval settings may change
-RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "clients_per_round", "seed", "val_fraction",
-                "local_epochs", "batch_size", "lr", "momentum", "weight_decay", "optimizer", "grad_clip",
-                "algorithm_options", "model_options", "partition_options", "dataset_options", "dropout",
-                "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients", "dp", "secagg",
-                "dp_noise", "dp_clip", "dp_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_accountant",
-                "precision", "memory_format", "fp32_matmul", "secagg_threshold", "secagg_neighbors",
-                "secagg_frac_bits")
-
-
-def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source: str) -> None:
-    """Raise :class:`ConfigError` unless a checkpoint's config ``saved`` belongs to run ``cfg`` (same algorithm,
-    model, data, ...) and ``cfg.rounds`` is at least the ``done_rounds`` already completed."""
-    new = cfg.to_dict()
-    for key in RESUME_FIXED:
-        if key in saved and key in new and _plain(saved[key]) != _plain(new[key]):
-            raise ConfigError(f"--resume: {source} was written with {key}={saved[key]!r} but this run has "
-                              f"{key}={new[key]!r}; a checkpoint resumes only the run that wrote it")
-    if cfg.rounds < done_rounds:
-        raise ConfigError(f"rounds: {cfg.rounds} is fewer than the {done_rounds} rounds the checkpoint already "
-                          f"completed; give --rounds >= {done_rounds}")
-
-
-def resume_config(args: Any, build: Any) -> RunConfig:
-    """The configuration to resume run directory ``args.resume``: its ``config.yaml``, then the flags given now
-    (only ``rounds`` and run-time settings such as ``device`` may differ; the checkpoint check enforces it)."""
-    out = Path(args.resume)
-    if not (out / "checkpoint.pt").is_file():
-        raise ConfigError(f"--resume {out}: no checkpoint.pt there (nothing to resume)")
-    if not (out / "config.yaml").is_file():
-        raise ConfigError(f"--resume {out}: no config.yaml there; it is not a fedfuse run directory")
-    if getattr(args, "config", None):
-        raise ConfigError("--resume takes the run's own config.yaml; drop --config (change rounds with --rounds)")
-    if getattr(args, "out", None) and Path(args.out).resolve() != out.resolve():
-        raise ConfigError(f"--out {args.out}: a resumed run writes into its own directory {out}; drop --out")
-    if getattr(args, "overwrite", False):
-        raise ConfigError("--overwrite and --resume contradict each other; choose one")
-    args.config = str(out / "config.yaml")
-    cfg = build(args)
-    cfg.out = str(out)
-    return cfg
 
 
 # ---- building a config from what a user gives ------------------------------------------------------------------

@@ -22,13 +22,24 @@ from collections.abc import Callable
 
 class UserError(ValueError):
     """A mistake in what the user asked for (a bad option, value, file or combination): the message says what
-    and how to fix it; the command line prints it as one line and exits with 2.  :class:`fedfuse.config.ConfigError`
+    and how to fix it; the command line prints it as one line and exits with 2.  :class:`ConfigError`
     and :class:`fedfuse.data.dataset.DatasetNotFoundError` are user errors."""
 
 
 class UnsupportedModel(UserError, TypeError):
     """A model that does not declare what an algorithm or operator needs (e.g. ``unit_groups()`` for width
     slicing): the user chose a model the algorithm cannot work with."""
+
+
+class ConfigError(UserError):
+    """A bad key or value in a run configuration; the message names it and the valid choices."""
+
+
+class UnknownKeyError(ConfigError):
+    """A key or option name that the configuration (with its chosen algorithm, model, ...) does not have.
+
+    A sweep over several algorithms applies an option to those that have it and skips the others on this error.
+    """
 
 
 class DivergenceError(RuntimeError):

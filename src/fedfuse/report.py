@@ -1,7 +1,7 @@
 """``fedfuse report DIR``: one Markdown and one HTML page for a run, a sweep or any tree of runs.
 
 The page holds the configuration (the first run's in full, and what differs between labels), the statistics
-table (:class:`fedfuse.sweep.ResultTable`), one figure per metric (mean line with a ±std band over seeds; loss
+table (:class:`fedfuse.result_table.ResultTable`), one figure per metric (mean line with a ±std band over seeds; loss
 and perplexity on a log scale; accuracy against cumulative communication), the partition plot and the
 algorithm's own diagnostic images found in the run directories (merge heat-maps, similarity curves, ...).
 Figures go to ``DIR/report/``; the pages are ``DIR/report.md`` and ``DIR/report.html``.
@@ -18,9 +18,11 @@ from typing import Any
 
 import yaml
 
+from fedfuse.config import RunConfig
 from fedfuse.plots import available_metrics, plot_metric
 from fedfuse.result import Result
-from fedfuse.sweep import ResultTable, _flatten, load_sweep
+from fedfuse.result_table import ResultTable
+from fedfuse.sweep import _flatten, load_sweep
 from fedfuse.tables import cell
 
 CURVE_METRICS = ("global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "val_accuracy", "loss",
@@ -68,52 +70,65 @@ class _Page:
         return "\n\n".join(out) + "\n"
 
     def html(self, title: str) -> str:
-        e = html.escape
-        out = [f"<!doctype html><html><head><meta charset='utf-8'>"
-               "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-               f"<title>{e(title)}</title><style>"
-               "body{font-family:system-ui,sans-serif;max-width:1500px;margin:2em auto;padding:0 1em}"
-               "table{border-collapse:collapse;font-size:14px;display:block;overflow-x:auto;max-width:100%}"
-               "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right;white-space:nowrap}"
-               "td:first-child,th:first-child{text-align:left}pre{background:#f6f6f6;padding:8px;overflow:auto}"
-               "code{background:#f3f3f3;padding:0 3px}img{max-width:100%;height:auto}"
-               ".note{color:#555;font-size:13px}"
-               ".grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,440px),1fr));gap:12px}"
-               ".grid figure{margin:0}.grid figcaption{font-size:13px;color:#555;text-align:center}"
-               "</style></head><body>"]
+        out = [_html_head(title)]
         in_grid = False
         for kind, v in self.blocks:
-            if kind != "img" and in_grid:
-                out.append("</div>")
-                in_grid = False
-            if kind == "h":
-                out.append(f"<h{v[0]}>{e(v[1])}</h{v[0]}>")
-            elif kind == "p":
-                out.append(f"<p>{inline_html(v)}</p>")
-            elif kind == "code":
-                out.append(f"<pre>{e(v)}</pre>")
-            elif kind == "table":
-                rows, note = v
-                if rows:
-                    cols: list[str] = []
-                    for r in rows:
-                        cols += [c for c in r if c not in cols]
-                    out.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
-                    for r in rows:
-                        out.append("<tr>" + "".join(f"<td>{e(cell(r.get(c)))}</td>" for c in cols) + "</tr>")
-                    out.append("</table>")
-                if note:
-                    out.append(f"<p class='note'>{inline_html(note)}</p>")
-            elif kind == "img":
-                if not in_grid:  # consecutive figures share a responsive grid
-                    out.append("<div class='grid'>")
-                    in_grid = True
-                out.append(f"<figure><img src='{e(v[0])}' alt='{e(v[1])}'><figcaption>{e(v[1])}</figcaption>"
-                           "</figure>")
+            if in_grid != (kind == "img"):  # consecutive figures share a responsive grid
+                out.append("<div class='grid'>" if kind == "img" else "</div>")
+                in_grid = kind == "img"
+            out += _html_block(kind, v)
         if in_grid:
             out.append("</div>")
         out.append("</body></html>")
         return "\n".join(out)
+
+
+def _html_head(title: str) -> str:
+    return (f"<!doctype html><html><head><meta charset='utf-8'>"
+            "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+            f"<title>{html.escape(title)}</title><style>"
+            "body{font-family:system-ui,sans-serif;max-width:1500px;margin:2em auto;padding:0 1em}"
+            "table{border-collapse:collapse;font-size:14px;display:block;overflow-x:auto;max-width:100%}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right;white-space:nowrap}"
+            "td:first-child,th:first-child{text-align:left}pre{background:#f6f6f6;padding:8px;overflow:auto}"
+            "code{background:#f3f3f3;padding:0 3px}img{max-width:100%;height:auto}"
+            ".note{color:#555;font-size:13px}"
+            ".grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,440px),1fr));gap:12px}"
+            ".grid figure{margin:0}.grid figcaption{font-size:13px;color:#555;text-align:center}"
+            "</style></head><body>")
+
+
+def _html_block(kind: str, v: Any) -> list[str]:
+    """The HTML lines of one block of a :class:`_Page`."""
+    e = html.escape
+    if kind == "h":
+        return [f"<h{v[0]}>{e(v[1])}</h{v[0]}>"]
+    if kind == "p":
+        return [f"<p>{inline_html(v)}</p>"]
+    if kind == "code":
+        return [f"<pre>{e(v)}</pre>"]
+    if kind == "table":
+        return _html_table(*v)
+    if kind == "img":
+        return [f"<figure><img src='{e(v[0])}' alt='{e(v[1])}'><figcaption>{e(v[1])}</figcaption></figure>"]
+    return []
+
+
+def _html_table(rows: list[dict[str, Any]], note: str) -> list[str]:
+    """A table's HTML lines (the columns of every row, in first-seen order) and its note."""
+    e = html.escape
+    out = []
+    if rows:
+        cols: list[str] = []
+        for r in rows:
+            cols += [c for c in r if c not in cols]
+        out.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in cols) + "</tr>")
+        for r in rows:
+            out.append("<tr>" + "".join(f"<td>{e(cell(r.get(c)))}</td>" for c in cols) + "</tr>")
+        out.append("</table>")
+    if note:
+        out.append(f"<p class='note'>{inline_html(note)}</p>")
+    return out
 
 
 def inline_html(text: str) -> str:
@@ -184,22 +199,42 @@ def write_report(path: str | Path, *, metric: str = "auto", last: int = 5, targe
     results = {k: v for k, v in load_sweep(root).items() if v}
     table = ResultTable(results, metric=metric, last=last, target=target, baseline=baseline, test=test)
     first = next(iter(results.values()))[0]
-    cfg = first.config
     figdir = root / "report"
     if figdir.exists():
         shutil.rmtree(figdir)
     figdir.mkdir(parents=True)
     page = _Page()
-    nseeds = sorted({len(v) for v in results.values()})
-    head = title or f"{', '.join(results)} on {cfg.dataset}"
+    head = title or f"{', '.join(results)} on {first.config.dataset}"
     page.h(1, head)
-    page.p(f"{cfg.dataset} · partition {cfg.partition} ({options_text(cfg.partition_options)}) · model {cfg.model} · "
-           f"{cfg.clients} clients, {cfg.clients_per_round} per round · {cfg.rounds} rounds · "
-           f"seeds per label: {'/'.join(map(str, nseeds))}.")
+    page.p(_setup_line(first.config, results))
+    _results_section(page, table)
+    _curves_section(page, table, figdir, metrics)
+    _partition_section(page, results, figdir, first.seed)
+    _diagnostics_section(page, results, figdir)
+    _configuration_section(page, results, first)
+    _runs_section(page, table)
+    (root / "report.md").write_text(page.markdown())
+    (root / "report.html").write_text(page.html(head))
+    return root / "report.md"
+
+
+def _setup_line(cfg: RunConfig, results: dict[str, list[Result]]) -> str:
+    """Dataset, partition, model, clients, rounds and seeds per label, in one line."""
+    nseeds = sorted({len(v) for v in results.values()})
+    return (f"{cfg.dataset} · partition {cfg.partition} ({options_text(cfg.partition_options)}) · model "
+            f"{cfg.model} · {cfg.clients} clients, {cfg.clients_per_round} per round · {cfg.rounds} rounds · "
+            f"seeds per label: {'/'.join(map(str, nseeds))}.")
+
+
+def _results_section(page: _Page, table: ResultTable) -> None:
     page.h(2, "Results")
-    rows = table.display_rows()
     md = table.to_markdown()
-    page.table(rows, md.split("\n\n", 1)[1] if "\n\n" in md else "")
+    page.table(table.display_rows(), md.split("\n\n", 1)[1] if "\n\n" in md else "")
+
+
+def _curves_section(page: _Page, table: ResultTable, figdir: Path, metrics: Sequence[str] | None) -> None:
+    """One figure per metric (``metrics``, or every curve metric the runs measured), then the table's metric
+    against communication."""
     histories = table.histories()
     every = [h for hs in histories.values() for h in hs]
     keys = list(metrics) if metrics else available_metrics(every, CURVE_METRICS)
@@ -212,26 +247,39 @@ def write_report(path: str | Path, *, metric: str = "auto", last: int = 5, targe
     p = plot_metric(histories, acc, figdir / f"{acc}_vs_bytes.png", x="total_bytes")
     if p is not None:
         page.img(f"report/{p.name}", f"{acc} against communication")
+
+
+def _partition_section(page: _Page, results: dict[str, list[Result]], figdir: Path, seed: int) -> None:
+    """The first run's partition plot, when a run wrote one."""
     part = [r.out / "partition.png" for rs in results.values() for r in rs if r.out]
     part = [p for p in part if p.exists()]
-    if part:
-        page.h(2, "Partition")
-        shutil.copy(part[0], figdir / "partition.png")
-        page.p(f"Per-client label histograms of seed {first.seed}'s partition (every label shares it for that "
-               "seed).")
-        page.img("report/partition.png", "partition")
+    if not part:
+        return
+    page.h(2, "Partition")
+    shutil.copy(part[0], figdir / "partition.png")
+    page.p(f"Per-client label histograms of seed {seed}'s partition (every label shares it for that seed).")
+    page.img("report/partition.png", "partition")
+
+
+def _diagnostics_section(page: _Page, results: dict[str, list[Result]], figdir: Path) -> None:
+    """The algorithms' own PNGs from each label's first run, copied under a name that says whose."""
     diag: list[tuple[str, Path]] = []
     for label, rs in results.items():
         r = rs[0]
         if r.out and r.out.is_dir():
             diag += [(label, f) for f in _diagnostic_pngs(r.out)]
-    if diag:
-        page.h(2, "Diagnostics")
-        page.p("The algorithms' own figures, from each label's first seed.")
-        for label, f in diag:
-            safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{label}_{f.name}")
-            shutil.copy(f, figdir / safe)
-            page.img(f"report/{safe}", f"{label}: {f.stem}")
+    if not diag:
+        return
+    page.h(2, "Diagnostics")
+    page.p("The algorithms' own figures, from each label's first seed.")
+    for label, f in diag:
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{label}_{f.name}")
+        shutil.copy(f, figdir / safe)
+        page.img(f"report/{safe}", f"{label}: {f.stem}")
+
+
+def _configuration_section(page: _Page, results: dict[str, list[Result]], first: Result) -> None:
+    """What differs between labels, and the first run's resolved configuration."""
     page.h(2, "Configuration")
     diffs = _config_diffs(results)
     if diffs:
@@ -239,11 +287,12 @@ def write_report(path: str | Path, *, metric: str = "auto", last: int = 5, targe
         page.table(diffs)
     page.p(f"Resolved configuration of {next(iter(results))} (seed {first.seed}); rerun with "
            "`fedfuse run --config config.yaml`:")
-    page.code(yaml.safe_dump({**cfg.to_dict(), "out": None}, sort_keys=False))
+    page.code(yaml.safe_dump({**first.config.to_dict(), "out": None}, sort_keys=False))
+
+
+def _runs_section(page: _Page, table: ResultTable) -> None:
+    """Final and best value of every run."""
     seeds_rows = table.per_seed().to_dict("records")
     page.h(2, "Runs")
     page.table([{k: (f"{100 * v:.2f}" if k in ("final", "best") and v is not None else v) for k, v in r.items()}
                 for r in seeds_rows], f"final / best {table.metric} (%) of every run.")
-    (root / "report.md").write_text(page.markdown())
-    (root / "report.html").write_text(page.html(head))
-    return root / "report.md"

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.config import ConfigError, RunConfig, check_resume, dump_yaml, resolve_device, validate
+from fedfuse.config import ConfigError, RunConfig, dump_yaml, resolve_device, validate
 from fedfuse.engine.callbacks import Callback, CallbackList
 from fedfuse.engine.checkpoint import CHECKPOINT, checkpoint_round, load_checkpoint, save_checkpoint
 from fedfuse.engine.client import TrainConfig, evaluate_model
@@ -36,6 +36,7 @@ from fedfuse.engine.threads import apply_threads, worker_threads
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError, UserError
 from fedfuse.rng import numpy_rng
+from fedfuse.rundir import check_resume
 from fedfuse.types import Federation, Message
 
 TIMING_KEYS = ("seconds", "wall_seconds")

@@ -1,0 +1,158 @@
+"""Runs executed against a *store* of run directories, each named by its config's hash: a finished run is
+loaded instead of run again, an interrupted one resumes from its checkpoint; many runs go serially (sharing a
+federation between consecutive runs) or in worker processes.  :meth:`fedfuse.sweep.Sweep.execute` and
+``fedfuse reproduce --reuse`` use it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedfuse.config import ConfigError, RunConfig, config_hash
+from fedfuse.result import Result, load
+
+Job = tuple[int, str, RunConfig, bool]  # (index in the plan, label, config, resume)
+
+
+def split_stored(plan: list[tuple[str, RunConfig]], store_dir: Path | None,
+                 rerun: bool) -> tuple[list[Job], dict[int, Result]]:
+    """The runs still to do, and the finished ones loaded from ``store_dir`` (by plan index).  Each config's
+    ``out`` becomes its directory in the store; with ``rerun`` stored runs are deleted first."""
+    todo: list[Job] = []
+    done: dict[int, Result] = {}
+    for i, (label, cfg) in enumerate(plan):
+        if store_dir is None:
+            todo.append((i, label, cfg, False))
+            continue
+        run_dir = store_dir / run_dir_name(cfg)
+        cfg.out = str(run_dir)
+        status = _status(run_dir, cfg)
+        if rerun and status != "empty":
+            shutil.rmtree(run_dir)
+            status = "empty"
+        if status == "done":
+            done[i] = _load_cached(run_dir)
+        else:
+            todo.append((i, label, cfg, status == "partial"))
+    return todo, done
+
+
+def _load_cached(run_dir: Path) -> Result:
+    res = load(run_dir)
+    res.cached = True
+    return res
+
+
+def run_serial(todo: list[Job], progress: bool, log: list[str], callbacks: list[Any],
+               verbose: bool) -> dict[int, Result]:
+    """Run ``todo`` in this process; consecutive runs with the same federation share it."""
+    from fedfuse.config import resolve_device
+    from fedfuse.engine.loop import build_federation
+
+    out: dict[int, Result] = {}
+    fed_key, fed = None, None  # runs are ordered seed-major: consecutive runs share one federation
+    for i, label, cfg, resume in todo:
+        if _federation_key(cfg) != fed_key:
+            fed = None  # free the previous one first
+            fed_key, fed = _federation_key(cfg), build_federation(cfg, resolve_device(cfg.device))
+        out[i] = _run_job(cfg, resume, progress, log, callbacks, fed=fed)
+        if verbose:
+            print(f"  done: {label} seed {cfg.seed}", file=sys.stderr)
+    return out
+
+
+def run_dir_name(cfg: RunConfig) -> str:
+    """``<algorithm>-<dataset>-s<seed>-<first 12 hex digits of the config hash>``."""
+    from fedfuse.data.flower_datasets import dataset_label
+
+    return f"{cfg.algorithm}-{dataset_label(cfg.dataset)}-s{cfg.seed}-{config_hash(cfg)[:12]}"
+
+
+def _federation_key(cfg: RunConfig) -> str:
+    """Everything that shapes a federation: runs with equal keys can share one."""
+    return json.dumps([cfg.dataset, cfg.data_dir, cfg.partition, cfg.clients, cfg.seed, cfg.val_fraction,
+                       cfg.partition_options, cfg.dataset_options, cfg.device], sort_keys=True, default=str)
+
+
+def run_cached(cfg: RunConfig, *, progress: bool = False, fed: Any = None) -> Result:
+    """Run ``cfg`` into ``cfg.out`` unless that directory already holds it: a finished run with the same config
+    hash is loaded (``Result.cached``), an interrupted one resumes from its checkpoint, anything else (another
+    config, no checkpoint) is run afresh.  Used by ``fedfuse reproduce --reuse``."""
+    if not cfg.out:
+        raise ValueError("run_cached: the config needs an out directory")
+    run_dir = Path(cfg.out)
+    status = _status(run_dir, cfg, strict=False)
+    if status == "done":
+        return _load_cached(run_dir)
+    return _run_job(cfg, status == "partial", progress, [], [], fed=fed)
+
+
+def _status(run_dir: Path, cfg: RunConfig, strict: bool = True) -> str:
+    """``done`` (finished, same config), ``partial`` (a checkpoint to resume), ``empty`` (nothing usable).
+
+    A directory holding another configuration is an error when ``strict`` (store directories are named by
+    their hash), otherwise ``empty``."""
+    if not (run_dir / "config.yaml").exists():
+        return "empty"
+    try:
+        old = load(run_dir).config
+    except Exception:  # unreadable leftovers: start again
+        return "empty"
+    if config_hash(old) != config_hash(cfg):
+        if not strict:
+            return "empty"
+        raise ConfigError(f"{run_dir} holds a different configuration than its name says; delete it")
+    if (run_dir / "summary.json").exists():
+        return "done"
+    return "partial" if (run_dir / "checkpoint.pt").exists() else "empty"
+
+
+def _run_job(cfg: RunConfig, resume: bool, progress: bool, log: list[str], callbacks: list[Any],
+             fed: Any = None) -> Result:
+    from fedfuse.runner import execute
+
+    if cfg.out and not resume and Path(cfg.out).exists():
+        shutil.rmtree(cfg.out)  # an incomplete run without a checkpoint: start it again
+    return execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume, fed=fed)
+
+
+def _worker(args: tuple[dict[str, Any], bool, list[str], list[Any]]) -> Result:
+    import torch
+
+    from fedfuse.engine.threads import worker_threads
+
+    cfg_dict, resume, log, callbacks = args
+    cfg = RunConfig(**cfg_dict)
+    # one process per core: no oversubscription (an explicit count is kept; auto and 0 mean 1 per worker)
+    cfg = dataclasses.replace(cfg, threads=str(worker_threads(cfg.threads)))
+    torch.set_num_threads(int(cfg.threads))
+    return _run_job(cfg, resume, False, log, callbacks)
+
+
+def run_parallel(todo: list[Job], jobs: int, log: list[str],
+                 callbacks: list[Any], verbose: bool) -> dict[int, Result]:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # Workers fork from a clean server process that imported fedfuse once (never from this process, which may
+    # already run torch threads); spawn where forkserver does not exist.
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["fedfuse.cached_runs", "fedfuse.engine.loop", "fedfuse.runner",
+                                    "fedfuse.algorithms"])
+    else:
+        ctx = mp.get_context("spawn")
+    out: dict[int, Result] = {}
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx) as pool:
+        futs = {pool.submit(_worker, (cfg.to_dict(), resume, log, callbacks)): (i, label, cfg.seed)
+                for i, label, cfg, resume in todo}
+        for fut in as_completed(futs):
+            i, label, seed = futs[fut]
+            out[i] = fut.result()
+            if verbose:
+                print(f"  done: {label} seed {seed}", file=sys.stderr)
+    return out
