@@ -13,13 +13,13 @@ from torch import nn
 from fedfuse.algorithms.dispfl import MASK, masked_gradients
 from fedfuse.algorithms.heterofl import masked_cross_entropy
 from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
-from fedfuse.engine.auto import AutoExecutor
-from fedfuse.engine.batched import BatchedExecutor, batch_coupled, unbatchable_reason
 from fedfuse.engine.client import TrainConfig, train_local
 from fedfuse.engine.executor import Job, SequentialExecutor, job_generator
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.loop import strip_timing
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm, cross_entropy, run_program
+from fedfuse.executors.auto import AutoExecutor
+from fedfuse.executors.batched import BatchedExecutor, batch_coupled, unbatchable_reason
 from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Message, Split
 
