@@ -45,11 +45,11 @@ import torch
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import train_flops_per_sample
 from fedfuse.engine.executors import make_executor
-from fedfuse.engine.precision import train_autocast, train_layout, use_precision
-from fedfuse.engine.processes import ProcessExecutor
+from fedfuse.executors.processes import ProcessExecutor
 from fedfuse.models import build_model
 from fedfuse.rng import numpy_rng
 from fedfuse.runner import experiment
+from fedfuse.runtime.precision import train_autocast, train_layout, use_precision
 from fedfuse.types import ClientData, Federation, Split
 
 N_CLIENTS, PER_CLIENT, PER_ROUND, BATCH, LR = 100, 600, 10, 50, 0.05

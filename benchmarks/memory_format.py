@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from fedfuse.engine.precision import train_autocast, use_precision
 from fedfuse.models import build_model
+from fedfuse.runtime.precision import train_autocast, use_precision
 
 #: model → (input shape, classes)
 SHAPES = {

@@ -24,8 +24,8 @@ import pytest
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
-from fedfuse.engine.batched import BatchedExecutor
 from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.executors.batched import BatchedExecutor
 from fedfuse.runner import experiment
 from fedfuse.types import Federation
 from golden.make_golden import lora_base, token_federation

@@ -15,11 +15,11 @@ from fedfuse.algorithms import ALGORITHMS
 from fedfuse.algorithms.base import Algorithm as Base
 from fedfuse.config import RunConfig
 from fedfuse.engine import contract
-from fedfuse.engine.auto import AutoExecutor
-from fedfuse.engine.batched import BatchedExecutor
 from fedfuse.engine.context import RoundInfo
 from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.engine.processes import ProcessExecutor
+from fedfuse.executors.auto import AutoExecutor
+from fedfuse.executors.batched import BatchedExecutor
+from fedfuse.executors.processes import ProcessExecutor
 from fedfuse.types import Message
 
 SRC = Path(fedfuse.__file__).parent

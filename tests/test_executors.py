@@ -13,13 +13,13 @@ from torch import nn
 from fedfuse.algorithms.dispfl import MASK, masked_gradients
 from fedfuse.algorithms.heterofl import masked_cross_entropy
 from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
-from fedfuse.engine.auto import AutoExecutor
-from fedfuse.engine.batched import BatchedExecutor, batch_coupled, unbatchable_reason
 from fedfuse.engine.client import TrainConfig, train_local
 from fedfuse.engine.executor import Job, SequentialExecutor, job_generator
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.loop import strip_timing
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm, cross_entropy, run_program
+from fedfuse.executors.auto import AutoExecutor
+from fedfuse.executors.batched import BatchedExecutor, batch_coupled, unbatchable_reason
 from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Message, Split
 
@@ -360,6 +360,26 @@ def test_executor_is_a_validated_config_key():
         validate(apply(RunConfig(), {"executor": "gpu-magic"}))
     with pytest.raises(ValueError, match="unknown executor"):
         make_executor("nope", [], 0)
+
+
+def test_the_engine_registers_only_the_reference_and_fedfuse_executors_adds_the_rest():
+    """In a fresh interpreter the engine's registry holds ``sequential`` alone and names who registers
+    ``batched``; importing :mod:`fedfuse.executors` (as the runner does) registers batched, processes and auto."""
+    import subprocess
+    import sys
+
+    code = ("from fedfuse.engine import executors as e\n"
+            "from fedfuse.errors import UserError\n"
+            "print(e.executor_names())\n"
+            "try:\n    e.make_executor('batched', [], 0)\nexcept UserError as err:\n    print(err)\n"
+            "import fedfuse.executors\n"
+            "print(e.executor_names())\n"
+            "print(type(e.make_executor('batched', [], 0)).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "('sequential',)"
+    assert "registered by fedfuse.runner" in out[1] and "importing fedfuse.executors" in out[1]
+    assert out[2] == "('sequential', 'batched', 'processes', 'auto')"
+    assert out[3] == "BatchedExecutor"
 
 
 def test_a_subclass_with_a_custom_fit_does_not_inherit_its_parents_program():

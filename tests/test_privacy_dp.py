@@ -11,8 +11,8 @@ import torch
 
 from fedfuse.config import ConfigError, RunConfig, apply, validate
 from fedfuse.engine.loop import strip_timing
-from fedfuse.engine.privacy import central_epsilon, noise_for_epsilon
 from fedfuse.fusion.privacy import adapt_clip, dp_mean, update_noise_multiplier, update_norm
+from fedfuse.privacy.dp import central_epsilon, noise_for_epsilon
 from fedfuse.runner import experiment
 
 

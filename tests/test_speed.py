@@ -12,14 +12,14 @@ from torch import nn
 
 from fedfuse.config import ConfigError, RunConfig, apply, parse_threads, validate
 from fedfuse.engine.client import TrainConfig, train_local
-from fedfuse.engine.precision import (
+from fedfuse.runtime.precision import (
     current_precision,
     native_bf16,
     resolve_precision,
     train_autocast,
     use_precision,
 )
-from fedfuse.engine.threads import auto_threads, idle_cores, resolve_threads, worker_threads
+from fedfuse.runtime.threads import auto_threads, idle_cores, resolve_threads, worker_threads
 from fedfuse.types import Split
 
 
@@ -121,8 +121,8 @@ def test_fp32_context_is_a_no_op():
 
 
 def test_channels_last_trains_the_same_model_and_hands_back_contiguous_weights():
-    from fedfuse.engine.precision import training_memory_format
     from fedfuse.models import build_model
+    from fedfuse.runtime.precision import training_memory_format
 
     torch.manual_seed(0)
     model = build_model("cnn", (1, 28, 28), 10)

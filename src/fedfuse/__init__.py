@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 # OpenMP reads its wait policy once, when torch loads it: a passive policy keeps idle torch threads from spinning
-# against other work on a busy machine (fedfuse.engine.threads; a value the user set is kept).
+# against other work on a busy machine (fedfuse.runtime.threads; a value the user set is kept).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

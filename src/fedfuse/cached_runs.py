@@ -123,7 +123,7 @@ def _run_job(cfg: RunConfig, resume: bool, progress: bool, log: list[str], callb
 def _worker(args: tuple[dict[str, Any], bool, list[str], list[Any]]) -> Result:
     import torch
 
-    from fedfuse.engine.threads import worker_threads
+    from fedfuse.runtime.threads import worker_threads
 
     cfg_dict, resume, log, callbacks = args
     cfg = RunConfig(**cfg_dict)

@@ -5,8 +5,9 @@ This module binds them for fedfuse's own entry points (:mod:`fedfuse.api`, the c
 reproductions):
 
 - the algorithm: the class registered under ``cfg.algorithm`` (:func:`fedfuse.algorithms.get_algorithm`);
-- the executor ``flower`` (Flower's simulation runtime), registered with the engine's executor registry when
-  this module is imported;
+- the executors above the engine's sequential reference, registered with the engine's executor registry when
+  this module is imported: ``batched``, ``processes`` and ``auto`` (:mod:`fedfuse.executors`) and ``flower``
+  (Flower's simulation runtime);
 - the run directory's partition files and curves (:mod:`fedfuse.outputs`), as callbacks.
 
 Code that brings its own algorithm builds :class:`fedfuse.engine.loop.Experiment` with the class directly.
@@ -27,6 +28,7 @@ from fedfuse.engine.callbacks import Callback, make_loggers
 from fedfuse.engine.executors import register_executor
 from fedfuse.engine.loop import Experiment
 from fedfuse.errors import BUG, DivergenceError, UserError
+from fedfuse.executors import register as register_executors
 from fedfuse.outputs import output_callbacks
 from fedfuse.result import Result
 from fedfuse.types import ClientData, Federation
@@ -43,6 +45,7 @@ def _flower_executor(clients: Sequence[ClientData], seed: int, *, threads: int =
     return SimulationExecutor(config, seed, num_nodes=len(clients), threads=threads or 1)
 
 
+register_executors()  # batched, processes, auto
 register_executor("flower", _flower_executor)
 
 LOG = "fedfuse.log"  # the run's log: the traceback of an internal error

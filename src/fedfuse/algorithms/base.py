@@ -151,7 +151,7 @@ class Algorithm:
         defines it."""
         raise NotImplementedError
 
-    # ---- secure aggregation (secagg=true; fedfuse.engine.secure) -----------------------------------------------
+    # ---- secure aggregation (secagg=true; fedfuse.privacy.secure) -----------------------------------------------
     def secure_contribution(self, sent: Message, reply: Message) -> TensorDict:
         """**Client side** of secure aggregation: what this client adds to the round's masked sum, from the payload
         it was sent and its own reply (one layout for every client).  Defined by the algorithms whose privacy entry

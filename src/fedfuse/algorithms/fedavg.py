@@ -25,7 +25,7 @@ the server optimiser (``server_lr``; FedAvgM's, FedAdam's, ...) then steps on th
 The clip and what the mechanism did live in the server state (``state["dp"]``, checkpointed) and reach
 ``metrics.jsonl`` as ``dp_*``.
 
-Secure aggregation (``secagg=true``, :mod:`fedfuse.engine.secure`): each client contributes n_i·(θ_i − θ) and n_i
+Secure aggregation (``secagg=true``, :mod:`fedfuse.privacy.secure`): each client contributes n_i·(θ_i − θ) and n_i
 (under central DP: its clipped update and whether it was left unclipped) to a masked sum; the server's
 :meth:`FedAvg.aggregate_sum` sees only the decoded sums, then applies the same server optimiser.
 
@@ -183,7 +183,7 @@ class FedAvg(Algorithm):
             record["unclipped_fraction"] = frac
         return self._with_optimizer_state({**state, "global": avg, "dp": record}, opt_state)
 
-    # ---- secure aggregation (secagg=true; fedfuse.engine.secure) ----------------------------------------------
+    # ---- secure aggregation (secagg=true; fedfuse.privacy.secure) ----------------------------------------------
     def secure_contribution(self, sent: Message, reply: Message) -> TensorDict:
         """Client side: n_i·(θ_i − θ) and n_i (``weighting=uniform``: weight 1); under central DP the client's
         clipped update (at the clip the server sent) and whether it was left unclipped."""

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.engine.precision import train_autocast, train_layout
 from fedfuse.errors import UserError
+from fedfuse.runtime.precision import train_autocast, train_layout
 from fedfuse.types import ClientData, Split
 
 #: ``loss(model, x, y) -> (minimised, reported)``: a batch loss that replaces the cross-entropy.
@@ -148,7 +148,7 @@ def train_local(
     before clipping and the optimiser step; it may replace the gradients (SAM's second pass, a gradient
     transform).  ``stats.generator`` is ``generator`` where training left it.
     """
-    with train_layout(model, data.x):  # the run's memory format (fedfuse.engine.precision); NCHW by default
+    with train_layout(model, data.x):  # the run's memory format (fedfuse.runtime.precision); NCHW by default
         return _train_steps(model, data, cfg, generator, loss=loss, params=params, epochs=epochs, lr=lr,
                             before_step=before_step)
 
@@ -170,7 +170,7 @@ def _train_steps(model: nn.Module, data: Split, cfg: TrainConfig, generator: tor
         for start in range(0, n, bs):
             idx = perm[start : start + bs]
             x, y = data.x[idx], data.y[idx]
-            with train_autocast(x.device):  # the run's precision (fedfuse.engine.precision); no-op at fp32
+            with train_autocast(x.device):  # the run's precision (fedfuse.runtime.precision); no-op at fp32
                 if loss is None:
                     total = reported = task_loss(model(x), y)
                 else:

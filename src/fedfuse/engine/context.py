@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from fedfuse.engine.client import TrainConfig
-from fedfuse.engine.privacy import DPSettings
 from fedfuse.errors import UserError
+from fedfuse.privacy.dp import DPSettings
 from fedfuse.rng import derive_seed
 from fedfuse.types import TensorDict
 
@@ -58,7 +58,7 @@ class RunContext:
     eval_batch_size: int = 512
     out_dir: Path | None = None  # where the run writes (diagnostic plots); None when not writing
     eval_every: int = 1  # the loop evaluates every this many rounds (and at the last round)
-    dp: DPSettings = field(default_factory=DPSettings)  # the run's differential privacy (engine/privacy.py)
+    dp: DPSettings = field(default_factory=DPSettings)  # the run's differential privacy (privacy/dp.py)
     _cache: dict[str, nn.Module] = field(default_factory=dict, repr=False)
 
     def build(self, overrides: Mapping[str, Any] | None = None) -> nn.Module:

@@ -1,13 +1,14 @@
 """Executors by name: the registry the round loop builds its executor from (``executor`` key / ``--executor``).
 
 - ``sequential`` — one client after another in this process (the reference, ``engine/executor.py``);
-- ``batched`` — clients of a declared program trained together with ``torch.func`` (``engine/batched.py``);
-- ``processes`` — a pool of worker processes (``engine/processes.py``);
-- ``auto`` — a short probe picks one of the above (``engine/auto.py``);
+- ``batched`` — clients of a declared program trained together with ``torch.func`` (``executors/batched.py``);
+- ``processes`` — a pool of worker processes (``executors/processes.py``);
+- ``auto`` — a short probe picks one of the above (``executors/auto.py``);
 - ``flower`` — Flower's simulation runtime, one message per job (``fedfuse/flower/``, ``pip install fedfuse[flower]``).
 
-The engine registers its own four.  An executor that lives above the engine (Flower's) is registered by the
-composition root (:mod:`fedfuse.runner`) with :func:`register_executor`; the engine never imports it.
+The engine registers only its reference, ``sequential``.  The executors above the engine are registered by the
+composition root (:mod:`fedfuse.runner`) with :func:`register_executor`: ``batched``, ``processes`` and ``auto``
+when :mod:`fedfuse.executors` is imported, ``flower`` by the runner itself; the engine never imports them.
 """
 
 from __future__ import annotations
@@ -15,11 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fedfuse.engine.auto import AutoExecutor
-from fedfuse.engine.batched import BatchedExecutor
 from fedfuse.engine.contract import Executor
 from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.engine.processes import ProcessExecutor
 from fedfuse.errors import UserError
 from fedfuse.types import ClientData
 
@@ -29,13 +27,17 @@ ExecutorFactory = Callable[..., Executor]
 
 _FACTORIES: dict[str, ExecutorFactory] = {
     "sequential": lambda clients, seed, threads=0, config=None: SequentialExecutor(clients, seed),
-    "batched": lambda clients, seed, threads=0, config=None: BatchedExecutor(clients, seed),
-    "processes": lambda clients, seed, threads=0, config=None: ProcessExecutor(clients, seed, threads=threads or 1),
-    "auto": lambda clients, seed, threads=0, config=None: AutoExecutor(clients, seed, threads=threads or 1),
 }
+_ABOVE = ("executor {!r} is registered by fedfuse.runner (fedfuse.run, the fedfuse command); code that builds "
+          "an Experiment itself registers it by importing fedfuse.executors")
 #: executors a composition root may register, with what the user must do when one is missing
-_KNOWN_ELSEWHERE = {"flower": "executor 'flower' is registered by fedfuse.runner (fedfuse.run, the fedfuse "
-                              "command); it needs Flower: pip install 'fedfuse[flower]'"}
+_KNOWN_ELSEWHERE = {
+    "batched": _ABOVE.format("batched"),
+    "processes": _ABOVE.format("processes"),
+    "auto": _ABOVE.format("auto"),
+    "flower": "executor 'flower' is registered by fedfuse.runner (fedfuse.run, the fedfuse command); it needs "
+              "Flower: pip install 'fedfuse[flower]'",
+}
 
 
 def register_executor(name: str, factory: ExecutorFactory) -> None:

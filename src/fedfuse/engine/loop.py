@@ -27,16 +27,16 @@ from fedfuse.engine.contract import Algorithm, Executor, Job
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
 from fedfuse.engine.local_dp import local_epsilon, sample_rate
-from fedfuse.engine.precision import resolve_precision, use_precision
-from fedfuse.engine.privacy import DP_SAMPLINGS, DPSettings, central_epsilon
 from fedfuse.engine.round import Collected, RoundLedger
 from fedfuse.engine.sampling import make_sampler
-from fedfuse.engine.secure import SecAggAbort, SecAggSettings, secure_round
-from fedfuse.engine.threads import apply_threads, worker_threads
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError, UserError
+from fedfuse.privacy.dp import DP_SAMPLINGS, DPSettings, central_epsilon
+from fedfuse.privacy.secure import SecAggAbort, SecAggSettings, secure_round
 from fedfuse.rng import numpy_rng
 from fedfuse.rundir import check_resume
+from fedfuse.runtime.precision import resolve_precision, use_precision
+from fedfuse.runtime.threads import apply_threads, worker_threads
 from fedfuse.types import Federation, Message
 
 TIMING_KEYS = ("seconds", "wall_seconds")
@@ -171,7 +171,7 @@ class Experiment:
         self.cfg = validate(cfg)
         self.device = resolve_device(self.cfg.device)
         self.threads = apply_threads(self.cfg.threads)
-        self.precision = resolve_precision(self.cfg.precision, self.device)  # fp32 | bf16 (engine/precision.py)
+        self.precision = resolve_precision(self.cfg.precision, self.device)  # fp32 | bf16 (runtime/precision.py)
         self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, algorithm, fed=fed)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
@@ -474,7 +474,7 @@ class Experiment:
               start_state: ServerState, sent: dict[int, Message] | None = None) -> bool:
         """The algorithm's exchange and server update; with fewer replies than the quorum the round leaves the
         server as it was before its first stage (returns False: no further stage).  Under ``secagg`` the server
-        update is :func:`~fedfuse.engine.secure.secure_round` (the algorithm's ``aggregate_sum`` of a masked sum);
+        update is :func:`~fedfuse.privacy.secure.secure_round` (the algorithm's ``aggregate_sum`` of a masked sum);
         a protocol abort leaves the server as it was, like a missed quorum."""
         if len(results) < max(self.cfg.quorum, 1):
             self.state = start_state

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fedfuse.engine.client import GradHook, task_loss
-from fedfuse.engine.precision import train_autocast
+from fedfuse.runtime.precision import train_autocast
 
 TWO_PASS = ("", "sam", "asam")
 

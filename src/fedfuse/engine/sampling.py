@@ -19,7 +19,7 @@ The run option ``sampling`` picks the policy; every algorithm that leaves partic
   cluster's total weight would exceed 1/m, the m heaviest clusters each seed a distribution, and the clients
   of the remaining clusters fill the distributions' leftover mass in a random order.  With no gradient
   information (all zeros, round 0) the tree degenerates and the result is still a valid set of distributions.
-* ``poisson`` — every client independently with probability m/N (DP-FedAvg's sampling, :mod:`fedfuse.engine.privacy`).
+* ``poisson`` — every client independently with probability m/N (DP-FedAvg's sampling, :mod:`fedfuse.privacy.dp`).
 * ``clustered-size`` — Fraboni's Algorithm 1 (clusters by sample size only): clients sorted by p_i fill the
   m distributions in order.
 

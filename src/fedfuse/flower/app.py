@@ -33,11 +33,11 @@ from fedfuse.config import make_config, resolve_device
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
 from fedfuse.engine.loop import Experiment, assemble
-from fedfuse.engine.precision import resolve_precision, use_precision
-from fedfuse.engine.threads import apply_threads
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
+from fedfuse.runtime.precision import resolve_precision, use_precision
+from fedfuse.runtime.threads import apply_threads
 from fedfuse.types import Message as FedfuseMessage
 
 try:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.engine.executor import ClientFn, Job
-from fedfuse.engine.processes import available_cores
+from fedfuse.executors.processes import available_cores
 from fedfuse.flower.executor import METHODS, FlowerExecutor
 
 log = logging.getLogger("fedfuse")

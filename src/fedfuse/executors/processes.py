@@ -30,7 +30,7 @@ import torch
 
 from fedfuse.engine.contract import Algorithm, ClientFn, Job
 from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
-from fedfuse.engine.precision import current_settings, use_precision
+from fedfuse.runtime.precision import current_settings, use_precision
 from fedfuse.types import ClientData, Message
 
 

@@ -38,9 +38,9 @@ from torch.func import grad_and_value, vmap
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.contract import Algorithm, Job
 from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
-from fedfuse.engine.precision import train_autocast
 from fedfuse.engine.program import ClientProgram, run_program, step_loss
 from fedfuse.engine.sam import stacked_perturbation
+from fedfuse.runtime.precision import train_autocast
 from fedfuse.types import ClientData
 
 
@@ -284,7 +284,7 @@ class _GroupStep:
 
     def loss(self, params: dict, buffers: dict, refs: dict, x: torch.Tensor, y: torch.Tensor,
              m: torch.Tensor | None, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with train_autocast(x.device):  # the run's precision (fedfuse.engine.precision); no-op at fp32
+        with train_autocast(x.device):  # the run's precision (fedfuse.runtime.precision); no-op at fp32
             return step_loss(self.program, params, buffers, refs, x, y, m, t, frozen=self.base)
 
     def split_loss(self, opt_params: dict, fixed: dict, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:

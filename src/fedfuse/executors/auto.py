@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from fedfuse.engine.batched import BatchedExecutor, unbatchable_reason
 from fedfuse.engine.context import RunContext
 from fedfuse.engine.contract import Algorithm, ClientFn, Executor, Job
 from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
-from fedfuse.engine.processes import ProcessExecutor, available_cores
+from fedfuse.executors.batched import BatchedExecutor, unbatchable_reason
+from fedfuse.executors.processes import ProcessExecutor, available_cores
 from fedfuse.types import ClientData
 
 
