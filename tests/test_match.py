@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedfuse.fusion.match import (
-    align_to,
-    bbp_cost,
-    bbp_map,
-    class_weighted_average,
-    hungarian,
-    match_group,
-    match_network,
-)
+from fedfuse.fusion.align import align_to
+from fedfuse.fusion.bbp import bbp_cost, bbp_map
+from fedfuse.fusion.match import class_weighted_average, hungarian, match_group, match_network
 from fedfuse.fusion.permute import Member, PermGroup, chain_spec, permute_all, random_permutations, transformer_spec
 from fedfuse.models import build_model
 
@@ -235,7 +229,7 @@ def test_bbp_certified_assignments_equal_the_solver():
 
 
 def test_certified_assignment_hand_cases():
-    from fedfuse.fusion.match import _certified_assignment
+    from fedfuse.fusion.bbp import _certified_assignment
 
     c = np.array([0.0, -1.0, -2.0])  # new-atom column offsets (decreasing)
     score = np.array([[5.0, 1.0], [1.0, 4.0], [0.0, 0.5]])

@@ -97,22 +97,32 @@ def check_partition_options(name: str, options: dict[str, Any]) -> None:
     if unknown:
         raise UserError(f"unknown option(s) {unknown} for partition {name!r}; valid: {', '.join(_OPTIONS[name])}")
     for key, v in options.items():
-        if key in _BOUNDS and v is not None:
-            kind, lo, inclusive = _BOUNDS[key]
-            ok_type = not isinstance(v, bool) and isinstance(v, int | float)
-            ok_type = ok_type and (kind is float or float(v).is_integer())
-            if not ok_type or not math.isfinite(float(v)) or (v < lo if inclusive else v <= lo):
-                what = "an integer" if kind is int else "a number"
-                raise UserError(f"{key} must be {what} {'>=' if inclusive else '>'} {lo}, got {v!r}")
-        if key in _CHOICES and v not in _CHOICES[key]:
-            raise UserError(f"{key} must be one of {', '.join(map(str, _CHOICES[key]))}, got {v!r}")
-        if key in ("balance", "overlapping") and not isinstance(v, bool):
-            raise UserError(f"{key} must be true or false, got {v!r}")
-        if key == "group_sizes" and v is not None and (
-            not isinstance(v, list | tuple) or not v
-            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v)
-        ):
-            raise UserError(f"group_sizes must be a list of positive integers (or none), got {v!r}")
+        _check_option(key, v)
+
+
+def _check_option(key: str, v: Any) -> None:
+    """Raise UserError when one option's value is outside its declared type, range or choices."""
+    if key in _BOUNDS and v is not None:
+        _check_bound(key, v)
+    if key in _CHOICES and v not in _CHOICES[key]:
+        raise UserError(f"{key} must be one of {', '.join(map(str, _CHOICES[key]))}, got {v!r}")
+    if key in ("balance", "overlapping") and not isinstance(v, bool):
+        raise UserError(f"{key} must be true or false, got {v!r}")
+    if key == "group_sizes" and v is not None and (
+        not isinstance(v, list | tuple) or not v
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v)
+    ):
+        raise UserError(f"group_sizes must be a list of positive integers (or none), got {v!r}")
+
+
+def _check_bound(key: str, v: Any) -> None:
+    """Raise UserError unless ``v`` is a finite number of the option's kind above its lower bound."""
+    kind, lo, inclusive = _BOUNDS[key]
+    ok_type = not isinstance(v, bool) and isinstance(v, int | float)
+    ok_type = ok_type and (kind is float or float(v).is_integer())
+    if not ok_type or not math.isfinite(float(v)) or (v < lo if inclusive else v <= lo):
+        what = "an integer" if kind is int else "a number"
+        raise UserError(f"{key} must be {what} {'>=' if inclusive else '>'} {lo}, got {v!r}")
 
 
 def partition_options(name: str) -> dict[str, object]:
