@@ -44,10 +44,10 @@ import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState, state_of
 from fedfuse.engine.client import TrainConfig, TrainStats, class_counts, retrain_config
-from fedfuse.engine.context import client_initial_state
+from fedfuse.engine.context import client_initial_state, seeded_state
 from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.match import MatchingOptions, class_weighted_average, match_group
-from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather
+from fedfuse.fusion.permute import PermGroup, chain_spec, gather, scatter_units
 from fedfuse.models.base import layer_index
 from fedfuse.models.registry import width_options
 from fedfuse.options import opt
@@ -98,9 +98,7 @@ class FedMA(Algorithm):
     # ---- server ------------------------------------------------------------------------------------
     def init_state(self) -> ServerState:
         sizes = base_sizes(self.ctx)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ctx.seed)
-            glob = state_of(self.ctx.build())
+        glob = seeded_state(self.ctx, self.ctx.seed)
         return {"global": glob, "sizes": sizes, "partial": {}, "partial_sizes": [], "assign": {}}
 
     def num_stages(self, state: ServerState, info: RoundInfo) -> int:
@@ -208,7 +206,7 @@ class FedMA(Algorithm):
             sizes = list(client_state["sizes"])
             cur = client_state["model"]
             g = chain_spec(self.ctx.model(self._opts(sizes)))[s - 1]
-            start = expand(cur, g, payload.meta["assign"], int(payload.meta["size"]), roles=("out",))
+            start = scatter_units(cur, g, payload.meta["assign"], int(payload.meta["size"]), roles=("out",))
             start.update(payload.tensors)
             sizes[s - 1] = int(payload.meta["size"])
             model = self.ctx.model(self._opts(sizes))

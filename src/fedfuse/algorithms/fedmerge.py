@@ -62,9 +62,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import TrainStats
-from fedfuse.engine.context import init_states, model_params
+from fedfuse.engine.context import init_states, model_params, seeded_state
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.errors import UserError
 from fedfuse.fusion.average import delta
@@ -86,9 +86,7 @@ SHARED_LOGIT_STD = 0.1
 
 def shared_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
     """``count`` copies of one initialised full model state (seeded from the run seed)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(ctx.seed, purpose, "shared"))
-        base = state_of(ctx.build())
+    base = seeded_state(ctx, derive_seed(ctx.seed, purpose, "shared"))
     return [{k: v.clone() for k, v in base.items()} for _ in range(count)]
 
 

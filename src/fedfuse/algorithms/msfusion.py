@@ -62,7 +62,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits
 from fedfuse.engine.client import (
     CYCLIC_MIN_RATIO,
     LR_SCHEDULES,
@@ -71,6 +71,7 @@ from fedfuse.engine.client import (
     evaluate_model,
     scheduled_lr,
 )
+from fedfuse.engine.context import seeded_state
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.errors import UserError
@@ -287,9 +288,7 @@ class MSfusion(Algorithm):
     def initial_state(self) -> TensorDict:
         """W⁰: the common initial full model (same seed as :meth:`init_state`)."""
         if self._w0 is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.ctx.seed)
-                self._w0 = state_of(self.ctx.build())
+            self._w0 = seeded_state(self.ctx, self.ctx.seed)
         return self._w0
 
     # ---- server-side bookkeeping -----------------------------------------------------------------

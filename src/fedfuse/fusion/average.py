@@ -128,6 +128,12 @@ def clone_state(state: Mapping[str, torch.Tensor]) -> TensorDict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
+def flat_vector(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> torch.Tensor:
+    """The float64 concatenation of ``state[k]`` for ``keys`` (in the given order; no keys: an empty vector)."""
+    parts = [state[k].detach().reshape(-1).to(torch.float64) for k in keys]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
 # ---- robust fusion (for studying faulty or poisoned clients) -------------------------------------------
 
 RobustRule = Literal["mean", "median", "trimmed-mean"]

@@ -34,7 +34,7 @@ from scipy.optimize import linear_sum_assignment
 
 from fedfuse.errors import UserError
 from fedfuse.fusion.bbp import bbp_map
-from fedfuse.fusion.permute import PermGroup, expand
+from fedfuse.fusion.permute import PermGroup, scatter_units
 from fedfuse.options import opt
 from fedfuse.types import TensorDict
 
@@ -256,7 +256,7 @@ def match_network(
     """One-shot matched averaging of whole networks (no retraining), layer by layer, input to output.
 
     Each group is matched (:func:`match_group`), then every client's next layer is patched to the global
-    width (:func:`~fedfuse.fusion.permute.expand` of the ``out`` members).  The head is class-weighted
+    width (:func:`~fedfuse.fusion.permute.scatter_units` of the ``out`` members).  The head is class-weighted
     (``class_counts``) or, without counts, weighted by ``weights``.  Keys in no group and not in the head are
     averaged with ``weights``; integer tensors (``num_batches_tracked``) take the maximum.
     Returns (global state, global widths, assignments per group and client).
@@ -271,7 +271,7 @@ def match_network(
         out.update(gm.tensors)
         sizes.append(gm.size)
         assigns.append(gm.assign)
-        cur = [expand(s, g, a, gm.size, roles=("out",)) for s, a in zip(cur, gm.assign)]
+        cur = [scatter_units(s, g, a, gm.size, roles=("out",)) for s, a in zip(cur, gm.assign)]
     if class_counts is not None:
         out.update(class_weighted_average(cur, list(head_keys), class_counts, w))
     for k in cur[0]:
