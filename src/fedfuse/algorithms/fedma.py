@@ -28,9 +28,8 @@ not count round 0 (local training from distinct initialisations + the first laye
 momentum 0.9 at ``retrain_lr`` for ``retrain_epochs`` epochs — both for the layer-wise stages and for the full
 retraining at the start of rounds ≥ 1 (``fedma_comm``) — and, when only the head remains, lr/10, weight decay
 1e-4 and 3× the epochs.  ``"run"`` reuses the run's optimiser (e.g. Adam) and, in rounds ≥ 1, ``local_epochs``
-for the full retraining (the head schedule then follows ``last_layer_schedule``).  Measured on MNIST/SimpleMLP
-with 10 clients (``docs/fedma.md``): with 1 retraining epoch the frozen-layer stages cannot recover and FedMA
-falls to chance; the report's 7 epochs with the code schedule do not.
+for the full retraining (the head schedule then follows ``last_layer_schedule``).  Too few retraining epochs
+leave the frozen-layer stages unable to recover (measured in ``docs/fedma.md``).
 Models: ``mlp``, ``simple-mlp``, ``cnn``, ``cnn-cifar`` (chains with per-layer width options).
 """
 

@@ -367,10 +367,6 @@ class LocalFederation:
                 raise FederationError(f"run {run_id} not finished after {timeout}s (status {status})")
             time.sleep(2.0)
 
-    def logs_of(self, run_id: int) -> str:
-        """The run's ServerApp log as the SuperLink stored it (``flwr log RUN --show``)."""
-        return self.flwr("log", str(run_id), self.connection, "--show")
-
 
 def _tree(pid: int) -> list[int]:
     """``pid`` and its live descendants (from ``/proc``; just ``[pid]`` where there is none)."""

@@ -119,10 +119,6 @@ def dim_indices(spec: SliceSpec, sel: Mapping[str, torch.Tensor], key: str, full
     return [global_indices(d, sel, int(s)) for d, s in zip(spec.dims[key], full_shape)]
 
 
-def full_shapes(spec: SliceSpec, full: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in full.items()}
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Pure operators on named tensors
 
