@@ -523,6 +523,6 @@ _PARTITIONERS: dict[str, Callable[[Dataset, Any, int, dict[str, Any]], Partition
 }
 
 # Flower Datasets' partitioners as partitions flwr:NAME (flwr-datasets is imported only when one is used).
-from fedfuse.data.flower_datasets import register_partitions  # noqa: E402
+from fedfuse.data.flower_partitions import register_partitions  # noqa: E402
 
 register_partitions(PARTITIONS, _OPTIONS, _PARTITIONERS, _BOUNDS, _CHOICES)

@@ -133,7 +133,7 @@ def _read_bundle(path: Path) -> NodeData:
 
 
 def _open_table(path: Path) -> dict[str, Any]:
-    from fedfuse.data.flower_datasets import _need, _open_splits
+    from fedfuse.data.flower_datasets import _need, open_splits
 
     hf = _need("datasets")
     if path.is_file() and path.suffix == ".csv":
@@ -151,7 +151,7 @@ def _open_table(path: Path) -> dict[str, Any]:
                     labels.append(k)
         feats = hf.Features({"image": hf.Image(), "label": hf.ClassLabel(names=[d.name for d in classes])})
         return {"train": hf.Dataset.from_dict({"image": files, "label": labels}, features=feats)}
-    return _open_splits(path)
+    return open_splits(path)
 
 
 @dataclass(frozen=True)
@@ -166,29 +166,29 @@ class _TableColumns:
 
     def arrays(self, ds: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Inputs, integer labels and (when the table has the column) the client id of every row of ``ds``."""
-        from fedfuse.data.flower_datasets import GROUP_COLUMN, _column, _inputs
+        from fedfuse.data.flower_datasets import GROUP_COLUMN, column_values, input_array
 
         if self.input == "*":
-            x = np.stack([_column(ds, c).astype(np.float32) for c in self.features], axis=1)
+            x = np.stack([column_values(ds, c).astype(np.float32) for c in self.features], axis=1)
         else:
-            x = _inputs(_column(ds, self.input), self.is_image)
-        y = _column(ds, self.label)
+            x = input_array(column_values(ds, self.input), self.is_image)
+        y = column_values(ds, self.label)
         if not np.issubdtype(y.dtype, np.integer):
             raise NodeDataError(f"node data {self.path}: labels in column {self.label!r} must be integer class ids "
                                 "or a ClassLabel (every node must number the classes alike)")
-        g = _column(ds, GROUP_COLUMN).astype(np.int64) if GROUP_COLUMN in ds.column_names else None
+        g = column_values(ds, GROUP_COLUMN).astype(np.int64) if GROUP_COLUMN in ds.column_names else None
         return x, y.astype(np.int64), g
 
 
 def _table_columns(path: Path, train: Any, opts: Mapping[str, Any]) -> _TableColumns:
     """The input and label columns: named in the node config, else found by their usual names or feature types."""
-    from fedfuse.data.flower_datasets import GROUP_COLUMN, INPUT_COLUMNS, LABEL_COLUMNS, _pick
+    from fedfuse.data.flower_datasets import GROUP_COLUMN, INPUT_COLUMNS, LABEL_COLUMNS, pick_column
 
     cols, feats = list(train.column_names), train.features
-    label_col = _pick(cols, opts.get("label-column"), LABEL_COLUMNS, "label", "label-column",
+    label_col = pick_column(cols, opts.get("label-column"), LABEL_COLUMNS, "label", "label-column",
                       lambda: next((c for c in cols if type(feats[c]).__name__ == "ClassLabel"), None))
     # no input column: every other column is a feature (a CSV/Parquet table of numbers)
-    input_col = _pick(cols, opts.get("input-column"), INPUT_COLUMNS, "input", "input-column",
+    input_col = pick_column(cols, opts.get("input-column"), INPUT_COLUMNS, "input", "input-column",
                       lambda: next((c for c in cols if type(feats[c]).__name__ in ("Image", "Array2D", "Array3D")),
                                    "*"))
     features = [c for c in cols if c not in (label_col, GROUP_COLUMN, "sample_id")]
@@ -234,10 +234,10 @@ def _split_clients(columns: _TableColumns, splits: Mapping[str, Any], opts: Mapp
 def _client_data(c: int, rows: _Rows, all_train: np.ndarray, mode: str, is_image: bool, seed: int,
                  val_fraction: float) -> ClientData:
     """One client's normalised train/validation/test splits (the validation rows a seeded fraction of its train)."""
-    from fedfuse.data.flower_datasets import _normalise
+    from fedfuse.data.flower_datasets import normalise_inputs
 
     xs, ys, xt, yt = rows
-    fx, ft, norm = _normalise(xs, xt, mode, is_image)
+    fx, ft, norm = normalise_inputs(xs, xt, mode, is_image)
     if "mean" in norm:  # the node's own statistics over all its clients' training rows
         fx, ft, norm = _node_standardise(all_train, xs, xt)
     n_val = round(len(ys) * val_fraction)
