@@ -379,26 +379,42 @@ def _label_cluster(dataset: Dataset, num_clients: int, seed: int, opts: dict[str
         raise UserError(f"cluster_alpha must be > 0, got {alpha}")
     rng = numpy_rng(seed, "partition", "label-cluster")
 
-    if overlapping:
-        per = opts["classes_per_cluster"]
-        per = num_classes * 3 // 10 if per is None else int(per)
-        per = max(per, 1)
-        if per > num_classes:
-            raise UserError(f"classes_per_cluster={per} exceeds the {num_classes} classes")
-        if per * k < num_classes:
-            raise UserError(
-                f"clusters × classes_per_cluster = {k}×{per} < {num_classes} classes: some classes would "
-                "belong to no cluster; raise classes_per_cluster or clusters"
-            )
-        clusters = _draw_with_refill(rng, num_classes, k, per)
-    else:
-        clusters = [sorted(int(c) for c in part) for part in np.array_split(rng.permutation(num_classes), k)]
-
+    clusters = _cluster_classes(rng, num_classes, k, overlapping, opts["classes_per_cluster"])
     client_groups = np.repeat(np.arange(k), sizes)
     holders: list[list[int]] = [[] for _ in range(num_classes)]
     for cid, g in enumerate(client_groups):
         for c in clusters[g]:
             holders[c].append(cid)
+    return Partition(
+        _spread_classes(labels, num_classes, holders, num_clients, within, alpha, rng),
+        client_groups=[int(g) for g in client_groups],
+        client_classes=[list(clusters[g]) for g in client_groups],
+        info={"clusters_classes": clusters, "group_sizes": sizes.tolist(), "within": within},
+    )
+
+
+def _cluster_classes(rng: np.random.Generator, num_classes: int, k: int, overlapping: bool,
+                     per: int | None) -> list[list[int]]:
+    """The classes of each of the ``k`` clusters: disjoint parts of a seeded permutation, or (overlapping)
+    ``per`` classes each (default 30 % of them) drawn from a pool refilled when exhausted."""
+    if not overlapping:
+        return [sorted(int(c) for c in part) for part in np.array_split(rng.permutation(num_classes), k)]
+    per = num_classes * 3 // 10 if per is None else int(per)
+    per = max(per, 1)
+    if per > num_classes:
+        raise UserError(f"classes_per_cluster={per} exceeds the {num_classes} classes")
+    if per * k < num_classes:
+        raise UserError(
+            f"clusters × classes_per_cluster = {k}×{per} < {num_classes} classes: some classes would "
+            "belong to no cluster; raise classes_per_cluster or clusters"
+        )
+    return _draw_with_refill(rng, num_classes, k, per)
+
+
+def _spread_classes(labels: np.ndarray, num_classes: int, holders: list[list[int]], num_clients: int, within: str,
+                    alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """Every client's samples: each class's samples split among the clients holding it, equally or with
+    Dir(``alpha``) proportions."""
     pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c, idx in enumerate(_class_indices(labels, num_classes)):
         h = len(holders[c])
@@ -412,12 +428,7 @@ def _label_cluster(dataset: Dataset, num_clients: int, seed: int, opts: dict[str
             _at_least_one(counts)
         for cid, part in zip(holders[c], _split_by_counts(idx, counts)):
             pieces[cid].append(part)
-    return Partition(
-        [_cat(p) for p in pieces],
-        client_groups=[int(g) for g in client_groups],
-        client_classes=[list(clusters[g]) for g in client_groups],
-        info={"clusters_classes": clusters, "group_sizes": sizes.tolist(), "within": within},
-    )
+    return [_cat(p) for p in pieces]
 
 
 def _draw_with_refill(rng: np.random.Generator, num_classes: int, k: int, per: int) -> list[list[int]]:
