@@ -60,7 +60,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
-from torch.utils.flop_counter import FlopCounterMode
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits
 from fedfuse.engine.client import (
@@ -69,6 +68,7 @@ from fedfuse.engine.client import (
     TrainStats,
     cyclic_lr,
     evaluate_model,
+    forward_flops_per_sample,
     scheduled_lr,
 )
 from fedfuse.engine.context import seeded_state
@@ -170,20 +170,6 @@ def neighbours(n: int, num: int, topology: str) -> list[int]:
     if topology == "ring":
         return sorted({(n - 1) % num, (n + 1) % num} - {n})
     raise UserError(f"topology={topology!r}; choose full or ring")
-
-
-_FWD_FLOPS: dict[tuple, float] = {}
-
-
-def forward_flops_per_sample(model: nn.Module, x: torch.Tensor) -> float:
-    """Forward FLOPs per sample (measured once per architecture and input shape)."""
-    xb = x[:4]
-    key = (type(model).__name__, tuple(xb.shape[1:]), sum(p.numel() for p in model.parameters()))
-    if key not in _FWD_FLOPS:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(xb)
-        _FWD_FLOPS[key] = counter.get_total_flops() / max(int(xb.shape[0]), 1)
-    return _FWD_FLOPS[key]
 
 
 class MSfusion(Algorithm):
