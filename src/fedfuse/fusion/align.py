@@ -10,23 +10,13 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from fedfuse.errors import UserError
-from fedfuse.fusion.match import atoms_of
+from fedfuse.fusion.match import atoms_of, pair_cost
 from fedfuse.fusion.permute import PermGroup, permute
 from fedfuse.types import TensorDict
 
 
-def _pair_cost(a: np.ndarray, b: np.ndarray, metric: str) -> np.ndarray:
-    ta, tb = torch.as_tensor(a), torch.as_tensor(b)
-    if metric == "l2":
-        return (torch.cdist(ta, tb, p=2.0) ** 2).numpy()
-    if metric == "l1":
-        return torch.cdist(ta, tb, p=1.0).numpy()
-    raise UserError(f"unknown metric {metric!r}; choose l1 or l2")
-
-
 def _within(a: np.ndarray, b: np.ndarray, metric: str) -> tuple[np.ndarray, float]:
-    cost = _pair_cost(a, b, metric)
+    cost = pair_cost(a, b, metric)
     rows, cols = linear_sum_assignment(cost)
     perm = np.empty(len(rows), dtype=np.int64)
     perm[rows] = cols

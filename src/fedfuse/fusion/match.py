@@ -88,22 +88,24 @@ def _write_atoms(atoms: np.ndarray, group: PermGroup, like: Mapping[str, torch.T
 # ------------------------------------------------------------------------------------------------- solvers
 
 
-def hungarian(ref: np.ndarray | torch.Tensor, other: np.ndarray | torch.Tensor, metric: str = "l2") -> np.ndarray:
-    """The permutation ``perm`` with ``other[perm]`` best aligned to ``ref`` (``ref[i]`` ↔ ``other[perm[i]]``).
-
-    ``metric``: ``"l2"`` (squared Euclidean distance, equivalently maximal inner product) or ``"l1"``.
-    """
+def pair_cost(ref: np.ndarray | torch.Tensor, other: np.ndarray | torch.Tensor, metric: str = "l2") -> np.ndarray:
+    """The (len(ref), len(other)) float64 matrix of distances between atoms: squared Euclidean (``"l2"``,
+    equivalently maximal inner product) or ``"l1"``."""
     a = torch.as_tensor(np.asarray(ref), dtype=torch.float64)
     b = torch.as_tensor(np.asarray(other), dtype=torch.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"hungarian needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
     if metric == "l2":
-        cost = torch.cdist(a, b, p=2.0) ** 2
-    elif metric == "l1":
-        cost = torch.cdist(a, b, p=1.0)
-    else:
-        raise UserError(f"unknown metric {metric!r}; choose l1 or l2")
-    rows, cols = linear_sum_assignment(cost.numpy())
+        return (torch.cdist(a, b, p=2.0) ** 2).numpy()
+    if metric == "l1":
+        return torch.cdist(a, b, p=1.0).numpy()
+    raise UserError(f"unknown metric {metric!r}; choose l1 or l2")
+
+
+def hungarian(ref: np.ndarray | torch.Tensor, other: np.ndarray | torch.Tensor, metric: str = "l2") -> np.ndarray:
+    """The permutation ``perm`` with ``other[perm]`` best aligned to ``ref`` (``ref[i]`` ↔ ``other[perm[i]]``)
+    under :func:`pair_cost`."""
+    if np.shape(ref) != np.shape(other):
+        raise ValueError(f"hungarian needs equal shapes, got {tuple(np.shape(ref))} and {tuple(np.shape(other))}")
+    rows, cols = linear_sum_assignment(pair_cost(ref, other, metric))
     perm = np.empty(len(rows), dtype=np.int64)
     perm[rows] = cols
     return perm
