@@ -41,7 +41,8 @@ def records(path: Path) -> list[dict[str, Any]]:
 def study(algorithm: str, args: Any, out: Path) -> bool:
     from fedfuse.config import dump_yaml, make_config
     from fedfuse.engine.loop import build_federation, strip_timing
-    from fedfuse.flower.deploy import LocalFederation, write_app
+    from fedfuse.flower.deploy import write_app
+    from fedfuse.flower.federation import LocalFederation
     from fedfuse.flower.node_data import write_node_bundles
     from fedfuse.runner import experiment
 

@@ -1,4 +1,4 @@
-"""BBP-MAP speed: fedfuse's :func:`~fedfuse.fusion.match.bbp_map` against a port of IBM/FedMA's matching.
+"""BBP-MAP speed: fedfuse's :func:`~fedfuse.fusion.bbp.bbp_map` against a port of IBM/FedMA's matching.
 
 ``ibm_match_layer`` below re-implements, computation for computation, ``match_layer``, ``matching_upd_j`` and
 ``compute_cost`` of ``IBM/FedMA`` (``matching/pfnm.py``, Apache-2.0; written here from a reading of that file,
@@ -139,7 +139,7 @@ def make_inputs(units: int, dim: int, clients: int, seed: int = 0) -> list[np.nd
 
 def run_case(units: int, dim: int, clients: int, repeat: int = 1, iters: int = 5) -> dict:
     """Time the IBM port and fedfuse (default, and with every pass computed) on the same inputs, interleaved."""
-    from fedfuse.fusion.match import bbp_map
+    from fedfuse.fusion.bbp import bbp_map
 
     atoms = make_inputs(units, dim, clients)
     mu0 = np.r_[np.zeros(dim - 1), 0.1]  # weights 0, bias 0.1 (the code's prior mean)

@@ -1,6 +1,6 @@
 """``benchmarks/peers.py --deploy``: a deployed FedAvg round on loopback, fedfuse vs a plain Flower app.
 
-Each variant starts its own federation (:class:`fedfuse.flower.deploy.LocalFederation`: a TLS SuperLink and
+Each variant starts its own federation (:class:`fedfuse.flower.federation.LocalFederation`: a TLS SuperLink and
 ``--nodes`` authenticated SuperNodes on 127.0.0.1), submits its app with ``flwr run`` and waits for the run:
 
 - ``fedfuse-warm`` / ``plain-warm``: SuperNodes in ``--isolation process`` mode, each served by a long-running
@@ -56,7 +56,8 @@ def run_variant(name: str, root: Path, *, data_dir: str, nodes: int, rounds: int
                 node_poll: float | None) -> dict[str, Any]:
     from fedfuse.config import dump_yaml, make_config
     from fedfuse.engine.loop import build_federation
-    from fedfuse.flower.deploy import LocalFederation, write_app
+    from fedfuse.flower.deploy import write_app
+    from fedfuse.flower.federation import LocalFederation
     from fedfuse.flower.node_data import write_node_bundles
 
     d = root / name

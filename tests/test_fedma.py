@@ -9,7 +9,7 @@ from fedfuse.algorithms.simple_fedma import SimpleFedMA
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.loop import strip_timing
-from fedfuse.fusion.permute import permute_all, random_permutations, transformer_spec
+from fedfuse.fusion.permute import permute_all, random_group_permutations, transformer_spec
 from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
 
@@ -120,7 +120,7 @@ def test_simple_fedma_averages_aligned_clients():
     torch.manual_seed(3)
     ref = {k: v.clone() for k, v in algo.ctx.build().state_dict().items()}
     spec = transformer_spec(algo.ctx.model())
-    other = permute_all(ref, spec, random_permutations(spec, torch.Generator().manual_seed(4)))
+    other = permute_all(ref, spec, random_group_permutations(spec, torch.Generator().manual_seed(4)))
     fit = FitStats(num_examples=5)
     new = algo.aggregate_fit(state, RoundInfo(0, 1), {0: Message(ref, stats=fit), 1: Message(other, stats=fit)})
     for k in ref:

@@ -18,7 +18,7 @@ from fedfuse.fusion.recombine import (
     any_pure,
     assemble,
     mean_pairwise_cosine,
-    random_permutations,
+    random_unit_permutations,
     recombine,
     secure_exchange,
     segment_units,
@@ -96,7 +96,7 @@ def test_multiset_invariant_with_bn_units(k):
     model = bn_net()
     units = units_from_layers([layer.keys for layer in model.layers()], "module")
     inputs = random_states(model, k, seed=k)
-    perms = random_permutations(len(units), k, np.random.default_rng(1))
+    perms = random_unit_permutations(len(units), k, np.random.default_rng(1))
     out = recombine(inputs, units, perms)
     for u, unit in enumerate(units):
         sources = [source_of(unit, o, inputs) for o in out]  # whole unit (BN stats incl.) from ONE model
@@ -115,7 +115,7 @@ def test_untrained_unit_stays_bit_identical():
     frozen = model.state_dict()["fc.weight"].clone()  # a parameter nobody trained: identical everywhere
     for s in inputs:
         s["fc.weight"] = frozen.clone()
-    out = recombine(inputs, units, random_permutations(len(units), 3, np.random.default_rng(0)))
+    out = recombine(inputs, units, random_unit_permutations(len(units), 3, np.random.default_rng(0)))
     for o in out:
         assert same(o["fc.weight"], frozen)
 
@@ -126,7 +126,7 @@ def test_key_granularity_splits_bn_statistics_from_affine():
     units = units_from_layers(layers, "key")
     assert all(len(u) == 1 for u in units) and len(units) == len(model.state_dict())
     inputs = random_states(model, 6)
-    out = recombine(inputs, units, random_permutations(len(units), 6, np.random.default_rng(3)))
+    out = recombine(inputs, units, random_unit_permutations(len(units), 6, np.random.default_rng(3)))
     split = 0
     for keys in layers:
         if len(keys) > 1:
@@ -147,7 +147,7 @@ def test_segments_hand_case_and_intact():
     segs = segment_units(layer_units, 3)
     assert [k for s in segs for k in s] == [k for u in layer_units for k in u]  # contiguous, in order
     inputs = random_states(model, 4)
-    out = recombine(inputs, segs, random_permutations(len(segs), 4, np.random.default_rng(2)))
+    out = recombine(inputs, segs, random_unit_permutations(len(segs), 4, np.random.default_rng(2)))
     for o in out:
         for seg in segs:
             source_of(seg, o, inputs)  # the whole segment comes from a single model
@@ -157,7 +157,7 @@ def test_one_segment_is_redispatch_only():
     model = bn_net()
     segs = segment_units(units_from_layers([layer.keys for layer in model.layers()]), 1)
     inputs = random_states(model, 4)
-    out = recombine(inputs, segs, random_permutations(1, 4, np.random.default_rng(7)))
+    out = recombine(inputs, segs, random_unit_permutations(1, 4, np.random.default_rng(7)))
     assert sorted(source_of(tuple(inputs[0]), o, inputs) for o in out) == [0, 1, 2, 3]
 
 
@@ -185,7 +185,7 @@ def test_secure_exchange_mixes_and_preserves_multiset(k, n_units):
 def test_secure_exchange_through_the_algorithm_hooks():
     """The three secure stages driven hook by hook on a BN model (units carry running stats and the 0-d
     ``num_batches_tracked``): the server's hands hold metadata, ciphertext and mixed models only."""
-    from fedfuse.algorithms.fedmr import ENVELOPE_OVERHEAD, new_key_pair
+    from fedfuse.fusion.envelopes import ENVELOPE_OVERHEAD, new_key_pair
 
     exp = experiment(cfg_for(clients=8, clients_per_round=5, algorithm_options={"secure": True}, **BN_MODEL))
     algo = exp.algo

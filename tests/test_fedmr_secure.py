@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from fedfuse.algorithms.base import RoundInfo
-from fedfuse.algorithms.fedmr import (
+from fedfuse.algorithms.fedmr import FedMR
+from fedfuse.config import validate
+from fedfuse.engine.executor import SequentialExecutor
+from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.fusion.envelopes import (
     ENVELOPE_OVERHEAD,
-    FedMR,
     envelope_aad,
     envelope_key,
     new_key_pair,
@@ -20,9 +23,6 @@ from fedfuse.algorithms.fedmr import (
     unit_plaintext,
     unseal,
 )
-from fedfuse.config import validate
-from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.fusion.recombine import assemble, secure_exchange, unit_bytes
 from fedfuse.rng import numpy_rng
 from fedfuse.runner import experiment

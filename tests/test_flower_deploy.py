@@ -23,7 +23,8 @@ import pytest
 pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[flower]'")
 
 import fedfuse
-from fedfuse.flower.deploy import LocalFederation, make_certificates, write_app
+from fedfuse.flower.deploy import make_certificates, write_app
+from fedfuse.flower.federation import LocalFederation
 
 CONFIG = """\
 algorithm: fedavg
@@ -156,7 +157,7 @@ def test_supernodes_with_an_unregistered_key_or_a_foreign_ca_are_refused(federat
     import shutil
     import subprocess
 
-    from fedfuse.flower.deploy import free_port
+    from fedfuse.flower.federation import free_port
 
     rogue = make_certificates(tmp_path / "rogue", nodes=1)
     assert federation.certs is not None

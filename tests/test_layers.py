@@ -83,6 +83,8 @@ ALLOWED_VARIANTS: dict[tuple[str, str], str] = {
     ("fedyogi", "fedavg"): "FedAvg",
     ("scaffold", "fedavg"): "FedAvg",
 }
+# Companion modules: one part of an algorithm kept in a file of its own; they belong to that algorithm.
+COMPANIONS: dict[str, str] = {"fedmr_secure": "fedmr"}
 # Modules of fedfuse.algorithms that are not algorithms: every algorithm may import them.  (The package itself is
 # the registry of every algorithm: importing it counts as importing another algorithm.)
 ALGORITHM_COMMONS = {"fedfuse.algorithms.base", "fedfuse.algorithms.lora_base"}
@@ -454,13 +456,13 @@ def test_a_user_model_declares_its_width_groups_and_fusion_slices_it():
 
 
 def test_a_user_model_declares_its_permutation_groups_and_a_permutation_keeps_its_function():
-    from fedfuse.fusion.permute import chain_spec, perm_spec, permute_all, random_permutations
+    from fedfuse.fusion.permute import chain_spec, perm_spec, permute_all, random_group_permutations
 
     torch.manual_seed(1)
     model = TwoTower()
     spec = perm_spec(model)
     assert [g.name for g in spec] == ["stream"]
-    perms = random_permutations(spec, torch.Generator().manual_seed(3))
+    perms = random_group_permutations(spec, torch.Generator().manual_seed(3))
     assert sorted(perms["stream"].tolist()) == list(range(8)) and perms["stream"].tolist() != list(range(8))
     moved = TwoTower()
     moved.load_state_dict(permute_all(model.state_dict(), spec, perms))
@@ -471,7 +473,7 @@ def test_a_user_model_declares_its_permutation_groups_and_a_permutation_keeps_it
     chain = chain_spec(model)
     assert [g.name for g in chain] == ["inp", "mid"]
     wrong = TwoTower()
-    chain_perms = random_permutations(chain, torch.Generator().manual_seed(3))
+    chain_perms = random_group_permutations(chain, torch.Generator().manual_seed(3))
     wrong.load_state_dict(permute_all(model.state_dict(), chain, chain_perms))
     assert not torch.allclose(wrong(x), model(x))
 
@@ -490,7 +492,10 @@ def _algorithm_of(module: str) -> str | None:
     """The algorithm module ``module`` belongs to (None for the package and its common modules)."""
     if not _under(module, "fedfuse.algorithms") or module in ALGORITHM_COMMONS:
         return None
-    return module.split(".")[2] if module != "fedfuse.algorithms" else "(the registry)"
+    if module == "fedfuse.algorithms":
+        return "(the registry)"
+    name = module.split(".")[2]
+    return COMPANIONS.get(name, name)
 
 
 def test_no_algorithm_borrows_from_another():

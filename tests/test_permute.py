@@ -1,4 +1,4 @@
-"""Permutation utilities: a permuted network computes the same function; expand/gather are inverse maps."""
+"""Permutation utilities: a permuted network computes the same function; scatter_units/gather are inverse maps."""
 
 import numpy as np
 import pytest
@@ -6,12 +6,12 @@ import torch
 
 from fedfuse.fusion.permute import (
     chain_spec,
-    expand,
     gather,
     head_structured,
     permute,
     permute_all,
-    random_permutations,
+    random_group_permutations,
+    scatter_units,
     transformer_spec,
 )
 from fedfuse.models import build_model, width_options
@@ -49,7 +49,7 @@ def test_permuted_chain_computes_the_same_function(name, shape, opts):
     ref = model(x)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     spec = chain_spec(model)
-    perms = random_permutations(spec, gen)
+    perms = random_group_permutations(spec, gen)
     assert any((p != np.arange(len(p))).any() for p in perms.values())
     permuted = permute_all(state, spec, perms)
     assert any(not torch.equal(permuted[k], state[k]) for k in state)
@@ -78,7 +78,7 @@ def test_permuted_transformer_computes_the_same_function(n_heads, norm_first, n_
     state = {k: v.clone() for k, v in model.state_dict().items()}
     spec = transformer_spec(model)
     assert spec[0].name == "residual"
-    perms = random_permutations(spec, gen)
+    perms = random_group_permutations(spec, gen)
     model.load_state_dict(permute_all(state, spec, perms))
     torch.testing.assert_close(model(x), ref, rtol=1e-4, atol=1e-5)
     # Q/K and V of a block must share the head order: a different head order for V changes the output
@@ -104,7 +104,7 @@ def test_expand_then_gather_is_identity_and_fills_absent_units():
     state = model.state_dict()
     g = chain_spec(model)[0]  # 4 channels: conv weight/bias, BN affine and stats, next conv input
     assign = [5, 0, 3, 6]
-    big = expand(state, g, assign, 8)
+    big = scatter_units(state, g, assign, 8)
     for m in g.members:
         assert big[m.key].shape[m.axis] == 8 * m.block
     rv = next(m.key for m in g.members if m.key.endswith("running_var"))
@@ -116,7 +116,7 @@ def test_expand_then_gather_is_identity_and_fills_absent_units():
     for k in state:
         assert torch.equal(back[k], state[k]), k
     with pytest.raises(ValueError):
-        expand(state, g, [0, 0, 1, 2], 8)
+        scatter_units(state, g, [0, 0, 1, 2], 8)
 
 
 def test_conv_to_linear_block_patching():
@@ -125,7 +125,7 @@ def test_conv_to_linear_block_patching():
     out = next(m for m in g.members if m.role == "out")
     assert out.key == "fc1.weight" and out.block == 4
     state = model.state_dict()
-    big = expand(state, g, [2, 0, 4], 5, roles=("out",))
+    big = scatter_units(state, g, [2, 0, 4], 5, roles=("out",))
     assert big["fc1.weight"].shape == (5, 20)
     assert torch.equal(big["fc1.weight"][:, 8:12], state["fc1.weight"][:, 0:4])  # channel 0 -> slot 2
     assert torch.equal(big["fc1.weight"][:, 4:8], torch.zeros(5, 4))  # slot 1 is nobody's

@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits
 from fedfuse.engine.client import TrainStats
+from fedfuse.engine.context import seeded_state
 from fedfuse.engine.peers import TOPOLOGIES, deliver, mail_of, own_tensors, peer_graph, route_peers, unpack_mail
 from fedfuse.engine.program import ClientProgram
 from fedfuse.errors import UserError
@@ -107,9 +108,7 @@ class DPSGD(Algorithm):
         return gossip_matrix(self.graph(r), self.opt.mixing)
 
     def initial_state(self) -> TensorDict:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ctx.seed)
-            return state_of(self.ctx.build())
+        return seeded_state(self.ctx, self.ctx.seed)
 
     # ---- server-side bookkeeping (simulation only: there is no server) --------------------------
     def init_state(self) -> ServerState:

@@ -209,28 +209,13 @@ class FedET(Algorithm):
             return state
         order = sorted(results)
         xp = self.public
-        server_flops = 0.0
         # 2-3: ensemble predictions on the public set
-        logps = []
-        with torch.no_grad():
-            for c in order:
-                m = self.small(int(results[c].meta["group"]))
-                m.load_state_dict(results[c].tensors)
-                m.eval()
-                logps.append(torch.cat([F.log_softmax(m(xp[i:i + 512]), 1) for i in range(0, len(xp), 512)]))
-                server_flops += forward_flops(m, xp) * len(xp)
-        labels, div, has = consensus_targets(torch.stack(logps))
+        logps, server_flops = self._ensemble(results, order, xp)
+        labels, div, has = consensus_targets(logps)
         # 4: server model, representation layer = mean of the small models' (shared layer)
         server = self.ctx.load(state["global"])
         if self.mode == "head":
-            heads = [{k: v for k, v in results[c].tensors.items()
-                      if k.startswith(self.small(int(results[c].meta["group"])).head_name + ".")} for c in order]
-            avg = {}
-            for key in self.server_head:
-                suffix = key.split(".", 1)[1]
-                avg[key] = torch.stack([next(v for k, v in h.items() if k.endswith("." + suffix)) for h in heads]
-                                       ).float().mean(0)
-            server.load_state_dict({**state["global"], **avg})
+            server.load_state_dict({**state["global"], **self._mean_head(results, order)})
         gen = torch_generator(self.ctx.seed, "fedet-server", info.index)
         server_flops += self._distill(server, xp, labels, div, has, int(self.opt.server_iters), gen)
         new_global = state_of(server)
@@ -238,22 +223,9 @@ class FedET(Algorithm):
         edge = list(state["edge"])
         for g in range(len(self.specs)):
             members = [c for c in order if int(results[c].meta["group"]) == g]
-            if members:
-                edge[g] = weighted_average([results[c].tensors for c in members],
-                                           [float(results[c].num_examples) for c in members],
-                                           base=edge[g])
-            if self.mode == "head":
-                head = {k: v for k, v in new_global.items() if k.startswith(self.head_name + ".")}
-                edge[g] = {**edge[g], **self._rename_head(head, g)}
-            elif self.opt.back_iters > 0:
-                m = self.small(g)
-                m.load_state_dict(edge[g])
-                with torch.no_grad():
-                    server.eval()
-                    teacher = torch.cat([F.log_softmax(server(xp[i:i + 512]), 1) for i in range(0, len(xp), 512)])
-                server_flops += forward_flops(server, xp) * len(xp)
-                server_flops += self._kd(m, xp, teacher, int(self.opt.back_iters), gen)
-                edge[g] = state_of(m)
+            edge[g], flops = self._edge_update(g, edge[g], [results[c] for c in members], server, new_global, gen)
+            for f in flops:  # added one by one, as they are spent
+                server_flops += f
         client = float(sum(results[c].stats.flops if results[c].stats is not None else 0.0 for c in order))
         diag = {
             "server_flops": server_flops,
@@ -265,6 +237,50 @@ class FedET(Algorithm):
                                                      for g in range(len(self.specs))])),
         }
         return {**state, "global": new_global, "edge": edge, "diag": diag}
+
+    def _ensemble(self, results: dict[int, Message], order: list[int], xp: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Every reply's log-probabilities on the public set, stacked (client, sample, class), and the FLOPs spent."""
+        logps, flops = [], 0.0
+        with torch.no_grad():
+            for c in order:
+                m = self.small(int(results[c].meta["group"]))
+                m.load_state_dict(results[c].tensors)
+                m.eval()
+                logps.append(torch.cat([F.log_softmax(m(xp[i:i + 512]), 1) for i in range(0, len(xp), 512)]))
+                flops += forward_flops(m, xp) * len(xp)
+        return torch.stack(logps), flops
+
+    def _mean_head(self, results: dict[int, Message], order: list[int]) -> TensorDict:
+        """The server's representation layer: the mean of the replies' shared layers (matched by key suffix)."""
+        heads = [{k: v for k, v in results[c].tensors.items()
+                  if k.startswith(self.small(int(results[c].meta["group"])).head_name + ".")} for c in order]
+        avg = {}
+        for key in self.server_head:
+            suffix = key.split(".", 1)[1]
+            avg[key] = torch.stack([next(v for k, v in h.items() if k.endswith("." + suffix)) for h in heads]
+                                   ).float().mean(0)
+        return avg
+
+    def _edge_update(self, g: int, edge: TensorDict, replies: list[Message], server: nn.Module,
+                     new_global: TensorDict, gen: torch.Generator) -> tuple[TensorDict, list[float]]:
+        """Group ``g``'s small model: its replies averaged, then the server's shared layer copied in ("head") or
+        distilled from the server ("back_iters" > 0); returns it and the FLOPs spent (forward, distillation)."""
+        if replies:
+            edge = weighted_average([r.tensors for r in replies], [float(r.num_examples) for r in replies],
+                                    base=edge)
+        if self.mode == "head":
+            head = {k: v for k, v in new_global.items() if k.startswith(self.head_name + ".")}
+            return {**edge, **self._rename_head(head, g)}, []
+        if self.opt.back_iters <= 0:
+            return edge, []
+        xp = self.public
+        m = self.small(g)
+        m.load_state_dict(edge)
+        with torch.no_grad():
+            server.eval()
+            teacher = torch.cat([F.log_softmax(server(xp[i:i + 512]), 1) for i in range(0, len(xp), 512)])
+        flops = [forward_flops(server, xp) * len(xp), self._kd(m, xp, teacher, int(self.opt.back_iters), gen)]
+        return state_of(m), flops
 
     def _distill(self, server: nn.Module, x: torch.Tensor, labels: torch.Tensor, div: torch.Tensor,
                  has: torch.Tensor, iters: int, gen: torch.Generator) -> float:

@@ -131,7 +131,6 @@ class FedGen(FedAvg):
         model = ctx.model({})
         self.head_name = model.head_name
         self.latent_dim = int(model.head.in_features)
-        self._gen = self._new_generator()
 
     def _new_generator(self) -> Generator:
         return Generator(self.ctx.num_classes, self.latent_dim, self.opt.noise_dim, self.opt.hidden_dim).to(

@@ -28,9 +28,8 @@ not count round 0 (local training from distinct initialisations + the first laye
 momentum 0.9 at ``retrain_lr`` for ``retrain_epochs`` epochs — both for the layer-wise stages and for the full
 retraining at the start of rounds ≥ 1 (``fedma_comm``) — and, when only the head remains, lr/10, weight decay
 1e-4 and 3× the epochs.  ``"run"`` reuses the run's optimiser (e.g. Adam) and, in rounds ≥ 1, ``local_epochs``
-for the full retraining (the head schedule then follows ``last_layer_schedule``).  Measured on MNIST/SimpleMLP
-with 10 clients (``docs/fedma.md``): with 1 retraining epoch the frozen-layer stages cannot recover and FedMA
-falls to chance; the report's 7 epochs with the code schedule do not.
+for the full retraining (the head schedule then follows ``last_layer_schedule``).  Too few retraining epochs
+leave the frozen-layer stages unable to recover (measured in ``docs/fedma.md``).
 Models: ``mlp``, ``simple-mlp``, ``cnn``, ``cnn-cifar`` (chains with per-layer width options).
 """
 
@@ -44,10 +43,10 @@ import torch
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, RunContext, ServerState, state_of
 from fedfuse.engine.client import TrainConfig, TrainStats, class_counts, retrain_config
-from fedfuse.engine.context import client_initial_state
+from fedfuse.engine.context import client_initial_state, seeded_state
 from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.match import MatchingOptions, class_weighted_average, match_group
-from fedfuse.fusion.permute import PermGroup, chain_spec, expand, gather
+from fedfuse.fusion.permute import PermGroup, chain_spec, gather, scatter_units
 from fedfuse.models.base import layer_index
 from fedfuse.models.registry import width_options
 from fedfuse.options import opt
@@ -98,9 +97,7 @@ class FedMA(Algorithm):
     # ---- server ------------------------------------------------------------------------------------
     def init_state(self) -> ServerState:
         sizes = base_sizes(self.ctx)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ctx.seed)
-            glob = state_of(self.ctx.build())
+        glob = seeded_state(self.ctx, self.ctx.seed)
         return {"global": glob, "sizes": sizes, "partial": {}, "partial_sizes": [], "assign": {}}
 
     def num_stages(self, state: ServerState, info: RoundInfo) -> int:
@@ -208,7 +205,7 @@ class FedMA(Algorithm):
             sizes = list(client_state["sizes"])
             cur = client_state["model"]
             g = chain_spec(self.ctx.model(self._opts(sizes)))[s - 1]
-            start = expand(cur, g, payload.meta["assign"], int(payload.meta["size"]), roles=("out",))
+            start = scatter_units(cur, g, payload.meta["assign"], int(payload.meta["size"]), roles=("out",))
             start.update(payload.tensors)
             sizes[s - 1] = int(payload.meta["size"])
             model = self.ctx.model(self._opts(sizes))

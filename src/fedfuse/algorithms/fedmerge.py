@@ -24,23 +24,21 @@ Round:
    ``weights_first=true`` is the code's order (update a first, then Θ with the *new* w).
    The author code therefore corresponds to ``weights_first=true prox_mu=0.01`` with every client sampled.
 
-Defaults chosen by measurement (``docs/fedmerge.md``; MNIST label-cluster, 20 clients, MLP, 15 rounds):
+Defaults chosen by measurement (the runs and their numbers are in ``docs/fedmerge.md``):
 
 * **Logit step: ``merge_step=0`` = auto** — ``merge_travel`` (5 = the code's 0.01 × 500 rounds with every client
   every round) divided by the number of times a client is expected to be sampled in the run.  The code's fixed
   0.01 per round lets a client's logits move by only 0.04 in a 15-round run with 5 of 20 clients sampled: the
   weights stay uniform, every client gets the same average of d models, and with d = 10 independently
-  initialised models that average is nearly input-independent (it collapsed to one class, 17 %).  With the auto
-  step the paper and the column-normalised forms both reach 98 % at d = 5 and d = 10 (FedAvg 60 %, IFCA 91 %).
-  ``merge_step=0.01`` is the code's value for its 500-round runs.
+  initialised models that average is nearly input-independent (it collapses to one class).  With the auto
+  step the paper and the column-normalised forms both learn the clusters.  ``merge_step=0.01`` is the code's
+  value for its 500-round runs.
 * **Θ update: column-normalised** (the code).  Eq. 8 leaves η_Θ free; η_Θ = 1 makes FedMerge's global models
   d× slower than FedAvg's; the code's column normalisation is what its authors ran.  Paper form is an option.
 * **Initialisation: ``init="independent"``** (the papers' text and the code), zero logits.  The collapse at
-  d = 10 came from the frozen weights, not from the initialisation: with the auto step the independent
-  initialisation reaches 98.2 / 98.8 / 98.8 % at d = 5 / 10 / 20 (one seed); ``init="shared"`` (one
-  initialisation copied d times, symmetry broken by random initial logits, ``logit_init_std`` auto 0.1) reaches
-  97.5 / 99.0 / 95.0 % and is an option.  ``init="shared"`` with ``logit_init_std=0`` is refused: all d models
-  would stay identical forever (FedAvg).
+  d = 10 came from the frozen weights, not from the initialisation; ``init="shared"`` (one initialisation
+  copied d times, symmetry broken by random initial logits, ``logit_init_std`` auto 0.1) is an option.
+  ``init="shared"`` with ``logit_init_std=0`` is refused: all d models would stay identical forever (FedAvg).
 
 ``fixed_k`` > 0 is the Fixed(k/d) ablation (FedMerge paper, Table 4): each client's weights are uniform over k randomly
 chosen global models and frozen.
@@ -62,9 +60,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, state_of
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState
 from fedfuse.engine.client import TrainStats
-from fedfuse.engine.context import init_states, model_params
+from fedfuse.engine.context import init_states, model_params, seeded_state
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.errors import UserError
 from fedfuse.fusion.average import delta
@@ -86,9 +84,7 @@ SHARED_LOGIT_STD = 0.1
 
 def shared_globals(ctx: Any, count: int, purpose: str) -> list[TensorDict]:
     """``count`` copies of one initialised full model state (seeded from the run seed)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(ctx.seed, purpose, "shared"))
-        base = state_of(ctx.build())
+    base = seeded_state(ctx, derive_seed(ctx.seed, purpose, "shared"))
     return [{k: v.clone() for k, v in base.items()} for _ in range(count)]
 
 

@@ -14,9 +14,9 @@ from fedfuse.algorithms.base import (
     RoundInfo,
     ServerState,
     evaluate_splits,
-    state_of,
 )
 from fedfuse.engine.client import TrainStats
+from fedfuse.engine.context import seeded_state
 from fedfuse.engine.program import ClientProgram
 from fedfuse.types import LOCAL_ONLY, ClientData, Message, TensorDict
 
@@ -39,10 +39,7 @@ class Local(Algorithm):
     def _own_model(self, client_state: ClientState) -> tuple[torch.nn.Module, bool]:
         if client_state is not None:
             return self.ctx.load(client_state["model"]), True
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ctx.seed)
-            init: TensorDict = state_of(self.ctx.build())
-        return self.ctx.load(init), False
+        return self.ctx.load(seeded_state(self.ctx, self.ctx.seed)), False
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         """Train the client's own model (the shared initial model the first time) with the run's local spec;

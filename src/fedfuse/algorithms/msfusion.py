@@ -11,10 +11,8 @@ Per round r, participant n (all N participants active, no central server):
    c = c0·(1 − (r/R)·p).  Input and output layers are never split (see :mod:`fedfuse.fusion.slicing`).
    **R defaults to the paper's 500 rounds** (``schedule_rounds``), so c follows the paper's schedule round by
    round whatever the run's length; ``schedule_rounds=0`` compresses the whole schedule into the run instead.
-   Measured on MNIST shards (``docs/msfusion.md``): compressed into 20 rounds, c drops from 1 to 0.625 at round
-   10, the windows jump and coverage falls to 0.69-0.81, and the final accuracy drops (μ = 0.125, H = 5,
-   seed 0: 77.8 % compressed vs 85.9 % on the paper's time scale); in the paper c has fallen only to 0.97 by
-   round 20.
+   Compressed into a short run, c falls early, the windows jump and coverage and accuracy drop (measured in
+   ``docs/msfusion.md``); on the paper's time scale c has fallen only to 0.97 by round 20.
 2. **Overlap aggregation** (Eq. 5): every element of its round-r sub-model becomes the average over itself and
    the *connected* peers (``topology`` full | ring) holding it.  Interpretation: "holding" = having a trained
    value for it, i.e. having held it in round r−1.  So each peer m sends n exactly the elements of its trained
@@ -62,20 +60,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
-from torch.utils.flop_counter import FlopCounterMode
 
-from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
+from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits
 from fedfuse.engine.client import (
     CYCLIC_MIN_RATIO,
     LR_SCHEDULES,
     TrainStats,
     cyclic_lr,
     evaluate_model,
+    forward_flops_per_sample,
     scheduled_lr,
 )
+from fedfuse.engine.context import seeded_state
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.errors import UserError
+from fedfuse.fusion.slice_stats import adjacent_overlap, coverage, holder_churn
 from fedfuse.fusion.slicing import (
     Selection,
     SliceSpec,
@@ -85,7 +85,6 @@ from fedfuse.fusion.slicing import (
     dss_indices,
     fill_unheld,
     intersect_selection,
-    overlap_fraction,
     overlap_part,
     slice_spec,
     slice_state,
@@ -171,20 +170,6 @@ def neighbours(n: int, num: int, topology: str) -> list[int]:
     if topology == "ring":
         return sorted({(n - 1) % num, (n + 1) % num} - {n})
     raise UserError(f"topology={topology!r}; choose full or ring")
-
-
-_FWD_FLOPS: dict[tuple, float] = {}
-
-
-def forward_flops_per_sample(model: nn.Module, x: torch.Tensor) -> float:
-    """Forward FLOPs per sample (measured once per architecture and input shape)."""
-    xb = x[:4]
-    key = (type(model).__name__, tuple(xb.shape[1:]), sum(p.numel() for p in model.parameters()))
-    if key not in _FWD_FLOPS:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(xb)
-        _FWD_FLOPS[key] = counter.get_total_flops() / max(int(xb.shape[0]), 1)
-    return _FWD_FLOPS[key]
 
 
 class MSfusion(Algorithm):
@@ -289,9 +274,7 @@ class MSfusion(Algorithm):
     def initial_state(self) -> TensorDict:
         """W⁰: the common initial full model (same seed as :meth:`init_state`)."""
         if self._w0 is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.ctx.seed)
-                self._w0 = state_of(self.ctx.build())
+            self._w0 = seeded_state(self.ctx, self.ctx.seed)
         return self._w0
 
     # ---- server-side bookkeeping -----------------------------------------------------------------
@@ -343,7 +326,6 @@ class MSfusion(Algorithm):
         return routed, moved + int(sum(m.meta.get("fallback_bytes", 0) for m in results.values()))
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
-        full_sel = self.spec.full_selection()
         subs, sels = [], {}
         mailbox: dict[int, TensorDict] = {}
         for c, msg in results.items():
@@ -352,34 +334,39 @@ class MSfusion(Algorithm):
                 subs.append((own_tensors(msg), sel))
             sels[c] = sel
             mailbox[c] = mail_of(msg)
-        extra: dict[str, Any] = {}
-        if not self.serverless:
-            latest, counts = combine(self.latest(state), full_sel, self.spec, self.shapes, subs)
-            ever = {k: state.get("ever", {}).get(k, torch.zeros(v.shape, dtype=torch.bool)) | (counts[k] > 0)
-                    for k, v in latest.items()}
-            glob = assemble(latest, counts, ever, self.initial_state(), self.opt.assembly)
-            extra = {"latest": latest, "ever": ever}
-            if self.opt.compare_assemblies:
-                extra["held"] = {k: v > 0 for k, v in counts.items()}
-        n = len(results)
+        glob, extra = (None, {}) if self.serverless else self._assembled(state, subs)
+        diag = self.round_diagnostics(info, results, sels)
+        if self.serverless:  # the relay only keeps the envelopes for their next delivery
+            return {"mailbox": mailbox, "diag": diag}
+        return {**state, "global": glob, **extra, "mailbox": mailbox, "diag": diag}
+
+    def _assembled(self, state: ServerState, subs: list[tuple[TensorDict, Selection]]
+                   ) -> tuple[TensorDict, dict[str, Any]]:
+        """The round's assembled full model (``assembly``) from the participants' sub-models, and the state it
+        carries to the next round (latest combined values, ever-held masks, this round's holders)."""
+        latest, counts = combine(self.latest(state), self.spec.full_selection(), self.spec, self.shapes, subs)
+        ever = {k: state.get("ever", {}).get(k, torch.zeros(v.shape, dtype=torch.bool)) | (counts[k] > 0)
+                for k, v in latest.items()}
+        glob = assemble(latest, counts, ever, self.initial_state(), self.opt.assembly)
+        extra: dict[str, Any] = {"latest": latest, "ever": ever}
+        if self.opt.compare_assemblies:
+            extra["held"] = {k: v > 0 for k, v in counts.items()}
+        return glob, extra
+
+    # ---- diagnostics ---------------------------------------------------------------------------------
+    def round_diagnostics(self, info: RoundInfo, results: dict[int, Message],
+                          sels: dict[int, Selection]) -> dict[str, Any]:
+        """The round's protocol diagnostics: overlap control, coverage, adjacent overlap, holder churn, traffic,
+        compute and trained parameters per participant, fallbacks and skipped contrastive terms."""
         order = sorted(results)
-        cover, adj = [], []
-        churn = self.holder_churn(info.index, info.total, order) if info.index > 0 else 0.0
-        for g, k in self.spec.groups.items():
-            held = torch.zeros(k, dtype=torch.bool)
-            for c in order:
-                held[sels[c][g]] = True
-            cover.append(float(held.float().mean()))
-            for i, c in enumerate(order):
-                if n > 1:
-                    adj.append(overlap_fraction(sels[c][g], sels[order[(i + 1) % n]][g]))
+        ordered = [sels[c] for c in order]
         metas = [results[c].meta for c in order]
         fits = [results[c].stats for c in order if results[c].stats is not None]
-        diag = {
+        return {
             "overlap_c": self.overlap_control(info.index, info.total),
-            "coverage": float(np.mean(cover)) if cover else 1.0,
-            "adjacent_overlap": float(np.mean(adj)) if adj else 0.0,
-            "holder_churn": churn,
+            "coverage": coverage(ordered, self.spec.groups),
+            "adjacent_overlap": adjacent_overlap(ordered, self.spec.groups),
+            "holder_churn": self.holder_churn(info.index, info.total, order) if info.index > 0 else 0.0,
             "peer_bytes_per_participant": float(np.mean([m["peer_bytes"] for m in metas])),
             "full_submodel_bytes_per_participant": float(np.mean([m["submodel_bytes"] for m in metas])),
             "flops_per_participant": float(np.mean([f.flops for f in fits])),
@@ -390,9 +377,6 @@ class MSfusion(Algorithm):
             "fallback_bytes_per_participant": float(np.mean([m.get("fallback_bytes", 0) for m in metas])),
             "contrastive_skipped": int(sum(m.get("contrastive_skipped", 0) for m in metas)),
         }
-        if self.serverless:  # the relay only keeps the envelopes for their next delivery
-            return {"mailbox": mailbox, "diag": diag}
-        return {**state, "global": glob, **extra, "mailbox": mailbox, "diag": diag}
 
     def holder_churn(self, r: int, total: int, participants: list[int]) -> float:
         """The fraction of hidden units whose set of holders differs between rounds r − 1 and r (mean over the
@@ -403,15 +387,7 @@ class MSfusion(Algorithm):
         ``docs/msfusion.md`` ties it to the accuracy dips on MNIST shards."""
         now = [self.selection(c, r, total) for c in participants]
         before = [self.selection(c, r - 1, total) for c in participants]
-        fracs = []
-        for g, k in self.spec.groups.items():
-            held_now = torch.zeros(len(participants), k, dtype=torch.bool)
-            held_before = torch.zeros_like(held_now)
-            for i in range(len(participants)):
-                held_now[i, now[i][g]] = True
-                held_before[i, before[i][g]] = True
-            fracs.append(float((held_now != held_before).any(dim=0).double().mean()))
-        return float(np.mean(fracs)) if fracs else 0.0
+        return holder_churn(now, before, self.spec.groups)
 
     def reply_shapes(self, cid: int, reply: Message) -> dict[str, tuple[int, ...]]:
         """The shapes of a participant's ``sim/own/`` sub-model implied by the selection in its metadata (for the

@@ -24,6 +24,7 @@ from torch import nn
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits, state_of
 from fedfuse.engine.client import TrainStats, train_flops_per_sample
+from fedfuse.engine.context import seeded_state
 from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.average import weighted_average
 from fedfuse.options import opt
@@ -112,9 +113,7 @@ class PFedMoE(Algorithm):
 
     # ---- server --------------------------------------------------------------------------------
     def init_state(self) -> ServerState:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ctx.seed)
-            return {"expert": self.expert_state(state_of(self.ctx.build()))}
+        return {"expert": self.expert_state(seeded_state(self.ctx, self.ctx.seed))}
 
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
         msg = Message(state["expert"])

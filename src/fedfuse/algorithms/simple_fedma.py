@@ -7,7 +7,7 @@ permutations (no growth, no retraining) and averages (``weighting="uniform"`` as
 samples).  Permutation groups and their order follow the report (the groups the transformer declares,
 :meth:`~fedfuse.models.transformer.TransformerModel.perm_groups`): residual stream (determined by the embedding
 columns), per block Q/K together, V, MLP hidden; the cost is the L1 distance between the determining rows (report's
-code) and the assignment is solved by ``linear_sum_assignment`` (:func:`~fedfuse.fusion.match.align_to`).
+code) and the assignment is solved by ``linear_sum_assignment`` (:func:`~fedfuse.fusion.align.align_to`).
 Extensions beyond the report: several heads (whole heads first, then within each head, Q/K and V sharing the
 head order), several blocks, N clients (all aligned to the reference), ``metric="l2"``.
 The residual stream can only be permuted when the positional table is in the state dict: build the model
@@ -27,8 +27,8 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.engine.context import client_initial_state
 from fedfuse.engine.program import ClientProgram
 from fedfuse.errors import UnsupportedModel, UserError
+from fedfuse.fusion.align import align_to
 from fedfuse.fusion.average import weighted_average
-from fedfuse.fusion.match import align_to
 from fedfuse.fusion.permute import PermGroup, perm_spec
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
@@ -102,7 +102,7 @@ def merge(
     states: Sequence[TensorDict], spec: Sequence[PermGroup], metric: str = "l1",
     weights: Sequence[float] | None = None, base: TensorDict | None = None,
 ) -> tuple[TensorDict, dict[str, int]]:
-    """Simple-FedMA's server step: align every state to ``states[0]`` (:func:`~fedfuse.fusion.match.align_to`),
+    """Simple-FedMA's server step: align every state to ``states[0]`` (:func:`~fedfuse.fusion.align.align_to`),
     then average with ``weights`` (default uniform, as in the report).
 
     Returns the merged state and, per permutation group, how many units moved (summed over clients).

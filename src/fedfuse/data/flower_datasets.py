@@ -1,46 +1,38 @@
-"""Data from the Flower ecosystem: local Hugging Face datasets in, Flower Datasets partitioners, partitions out.
+"""Data from the Flower ecosystem: local Hugging Face datasets in (Flower Datasets' partitioners are
+:mod:`fedfuse.data.flower_partitions`).
 
 * ``hf:PATH`` is a dataset: a local Hugging Face ``datasets`` directory (``save_to_disk`` of a ``DatasetDict`` or
   a ``Dataset``) or parquet files (one file, or a folder whose file names carry the split as on the Hub).
   Nothing is downloaded.  Options: the splits, the input (image) and label columns (auto-detected), an optional
   group column (``partition_id`` when present) for the ``natural`` partition, and how pixels are normalised.
-* ``flwr:NAME`` is a partition: Flower Datasets' partitioner ``NAME`` (``flwr:dirichlet`` =
-  ``DirichletPartitioner`` ...) applied to the training labels of *any* fedfuse dataset.  As
-  ``flwr_datasets.FederatedDataset(shuffle=True, seed=SEED)`` does, the training split is first shuffled with
-  ``Dataset.shuffle(seed=SEED)`` (option ``shuffle``), and the partitioner gets ``seed=SEED``: with the same
-  seed a Flower pipeline over the same data gets the same clients.
 * the way out, a fedfuse partition written for a Flower pipeline, is :mod:`fedfuse.data.export`.
 
-``datasets`` and ``flwr_datasets`` (extra ``fedfuse[flower]``) are imported only when used.
+``datasets`` (extra ``fedfuse[flower]``) is imported only when used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedfuse.data.dataset import Dataset, DatasetInfo, DatasetNotFoundError, Partition, cache_dir
+from fedfuse.data.dataset import Dataset, DatasetInfo, DatasetNotFoundError, cache_dir
 from fedfuse.errors import UserError
 from fedfuse.rng import numpy_rng
 
 __all__ = [
-    "FLWR_PARTITIONS",
     "HF_OPTIONS",
     "HF_PREFIX",
     "dataset_label",
     "hf_dataset_info",
     "is_hf_name",
     "load_hf",
-    "register_partitions",
 ]
 
 HF_PREFIX = "hf:"
-FLWR_PREFIX = "flwr:"
 HOLDOUT_SEED = 0  # seed of the held-out test split when the dataset has none (like every loader's fixed SEED)
 NORMALIZATIONS = ("auto", "standard", "none")
 LABEL_COLUMNS = ("label", "labels", "fine_label", "target", "y", "class")
@@ -127,7 +119,7 @@ def _resolve(path: str, root: Path | None) -> Path:
     return root / p
 
 
-def _open_splits(path: Path) -> dict[str, Any]:
+def open_splits(path: Path) -> dict[str, Any]:
     """split name -> ``datasets.Dataset`` of a save_to_disk directory, a parquet file or a parquet folder."""
     hf = _need("datasets")
     if path.is_file() and path.suffix == ".parquet":
@@ -148,7 +140,7 @@ def _open_splits(path: Path) -> dict[str, Any]:
     )
 
 
-def _pick(columns: Sequence[str], wanted: str | None, preferred: Sequence[str], what: str, option: str,
+def pick_column(columns: Sequence[str], wanted: str | None, preferred: Sequence[str], what: str, option: str,
           fallback: Callable[[], str | None]) -> str:
     if wanted is not None:
         if wanted not in columns:
@@ -160,7 +152,7 @@ def _pick(columns: Sequence[str], wanted: str | None, preferred: Sequence[str], 
     return found
 
 
-def _column(ds: Any, col: str) -> np.ndarray:
+def column_values(ds: Any, col: str) -> np.ndarray:
     """One column as an (N, ...) numpy array (images decoded)."""
     arr = ds.select_columns([col]).with_format("numpy")[:][col]
     if isinstance(arr, np.ndarray) and arr.dtype != object:
@@ -171,7 +163,7 @@ def _column(ds: Any, col: str) -> np.ndarray:
         raise UserError(f"column {col!r}: samples have different shapes ({e}); resize them to one shape") from None
 
 
-def _inputs(raw: np.ndarray, is_image: bool) -> np.ndarray:
+def input_array(raw: np.ndarray, is_image: bool) -> np.ndarray:
     """Per-sample layout fedfuse models expect: images (C, H, W), feature vectors (F,)."""
     if is_image:  # PIL: (N, H, W) grey or (N, H, W, C) colour
         return raw[:, None] if raw.ndim == 3 else np.moveaxis(raw, -1, 1)
@@ -180,7 +172,7 @@ def _inputs(raw: np.ndarray, is_image: bool) -> np.ndarray:
     return raw  # (N, F) features or (N, C, H, W) images already channels-first
 
 
-def _normalise(train: np.ndarray, test: np.ndarray, mode: str,
+def normalise_inputs(train: np.ndarray, test: np.ndarray, mode: str,
                is_image: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """``auto``: PIL/uint8 pixels standardised per channel with train statistics, floats kept, other integers kept
     as int64 (token ids); ``standard``: always standardised; ``none``: values as stored, as float32."""
@@ -216,7 +208,7 @@ def _labels(train: np.ndarray, test: np.ndarray, feature: Any) -> tuple[np.ndarr
 def _groups(ds: Any, col: str | None) -> tuple[np.ndarray | None, list[str] | None]:
     if col is None or col not in ds.column_names:
         return None, None
-    values = _column(ds, col)
+    values = column_values(ds, col)
     uniq, inverse = np.unique(values, return_inverse=True)
     return inverse.astype(np.int64), [str(u) for u in uniq.tolist()]
 
@@ -225,7 +217,7 @@ def load_hf(path: str, root: Path | None, opts: dict[str, Any]) -> Dataset:
     """Load ``hf:PATH`` (see the module docstring); ``opts`` as in :data:`HF_OPTIONS`."""
     check_hf_options(opts)
     where = _resolve(path, root)
-    splits = _open_splits(where)
+    splits = open_splits(where)
     name = f"{HF_PREFIX}{path}"
     tr_name, te_name = str(opts["train_split"]), str(opts["test_split"])
     if tr_name not in splits:
@@ -233,9 +225,9 @@ def load_hf(path: str, root: Path | None, opts: dict[str, Any]) -> Dataset:
     train = splits[tr_name]
     columns = list(train.column_names)
     features = train.features
-    label_col = _pick(columns, opts["label_column"], LABEL_COLUMNS, "label", "label_column",
+    label_col = pick_column(columns, opts["label_column"], LABEL_COLUMNS, "label", "label_column",
                       lambda: next((c for c in columns if type(features[c]).__name__ == "ClassLabel"), None))
-    image_col = _pick(
+    image_col = pick_column(
         columns, opts["image_column"], INPUT_COLUMNS, "input", "image_column",
         lambda: next((c for c in columns if type(features[c]).__name__ in ("Image", "Array2D", "Array3D")), None),
     )
@@ -244,15 +236,15 @@ def load_hf(path: str, root: Path | None, opts: dict[str, Any]) -> Dataset:
     if opts["group_column"] is not None and group_col not in columns:
         raise UserError(f"group column {group_col!r} (option group_column) not found; columns: {columns}")
 
-    x_tr, y_tr = _inputs(_column(train, image_col), is_image), _column(train, label_col)
+    x_tr, y_tr = input_array(column_values(train, image_col), is_image), column_values(train, label_col)
     groups, group_names = _groups(train, group_col)
     test_groups = None
     if te_name in splits:
         test = splits[te_name]
-        x_te, y_te = _inputs(_column(test, image_col), is_image), _column(test, label_col)
+        x_te, y_te = input_array(column_values(test, image_col), is_image), column_values(test, label_col)
         if group_names is not None and group_col in test.column_names:  # onto the train split's group ids
             index = {g: i for i, g in enumerate(group_names)}
-            test_groups = np.array([index.get(str(v), -1) for v in _column(test, group_col).tolist()], np.int64)
+            test_groups = np.array([index.get(str(v), -1) for v in column_values(test, group_col).tolist()], np.int64)
         test_info = f"split {te_name!r}"
     else:  # hold out a seeded fraction of the training split
         n = len(y_tr)
@@ -262,7 +254,7 @@ def load_hf(path: str, root: Path | None, opts: dict[str, Any]) -> Dataset:
         x_te, y_te, x_tr, y_tr = x_tr[te], y_tr[te], x_tr[tr], y_tr[tr]
         groups = None if groups is None else groups[tr]
         test_info = f"held out {n_test} of split {tr_name!r} (seed {HOLDOUT_SEED}; no split {te_name!r})"
-    train_x, test_x, norm = _normalise(x_tr, x_te, str(opts["normalization"]), is_image)
+    train_x, test_x, norm = normalise_inputs(x_tr, x_te, str(opts["normalization"]), is_image)
     ytr, yte, k, names = _labels(y_tr, y_te, features[label_col])
     return Dataset(
         name=name,
@@ -286,147 +278,3 @@ def load_hf(path: str, root: Path | None, opts: dict[str, Any]) -> Dataset:
             "normalization": norm,
         },
     )
-
-
-# ------------------------------------------------------------------------------------ flwr:NAME partitions
-
-
-@dataclass(frozen=True)
-class FlowerPartitioner:
-    """A Flower Datasets partitioner exposed as partition ``flwr:<name>``: its class, help and options."""
-
-    cls: str
-    description: str
-    options: dict[str, object]
-    by_label: bool = True  # gets partition_by="label"
-    sized: bool = True  # gets num_partitions
-
-
-_SHUFFLE = {"shuffle": True}
-FLWR_PARTITIONS: dict[str, FlowerPartitioner] = {
-    "iid": FlowerPartitioner("IidPartitioner", "Flower Datasets IidPartitioner: equal contiguous shards",
-                             dict(_SHUFFLE), by_label=False),
-    "dirichlet": FlowerPartitioner(
-        "DirichletPartitioner", "Flower Datasets DirichletPartitioner: per-class Dir(alpha) over clients",
-        {"alpha": 0.5, "min_partition_size": 10, "self_balancing": False, **_SHUFFLE}),
-    "shard": FlowerPartitioner(
-        "ShardPartitioner", "Flower Datasets ShardPartitioner: label-sorted shards, num_shards_per_partition each",
-        {"num_shards_per_partition": 2, "shard_size": None, "keep_incomplete_shard": False, **_SHUFFLE}),
-    "pathological": FlowerPartitioner(
-        "PathologicalPartitioner", "Flower Datasets PathologicalPartitioner: num_classes_per_partition classes each",
-        {"num_classes_per_partition": 2, "class_assignment_mode": "random", **_SHUFFLE}),
-    "inner-dirichlet": FlowerPartitioner(
-        "InnerDirichletPartitioner", "Flower Datasets InnerDirichletPartitioner: given sizes, Dir(alpha) classes",
-        {"partition_sizes": None, "alpha": 0.5, **_SHUFFLE}, sized=False),
-    "linear": FlowerPartitioner("LinearPartitioner", "Flower Datasets LinearPartitioner: sizes ∝ client id + 1",
-                                dict(_SHUFFLE), by_label=False),
-    "square": FlowerPartitioner("SquarePartitioner", "Flower Datasets SquarePartitioner: sizes ∝ (id + 1)²",
-                                dict(_SHUFFLE), by_label=False),
-    "exponential": FlowerPartitioner("ExponentialPartitioner",
-                                     "Flower Datasets ExponentialPartitioner: sizes ∝ exp(id)", dict(_SHUFFLE),
-                                     by_label=False),
-    "natural-id": FlowerPartitioner(
-        "NaturalIdPartitioner", "Flower Datasets NaturalIdPartitioner: one client per value of the group column "
-        "(hf: option group_column; partition_id when present)", {"shuffle": False}, by_label=False, sized=False),
-}
-
-_FLWR_BOUNDS: dict[str, tuple[type, float, bool]] = {
-    "min_partition_size": (int, 0, True),
-    "num_shards_per_partition": (int, 1, True),
-    "shard_size": (int, 1, True),
-    "num_classes_per_partition": (int, 1, True),
-}
-_FLWR_CHOICES: dict[str, tuple[object, ...]] = {"class_assignment_mode": ("random", "deterministic",
-                                                                          "first-deterministic")}
-
-
-def register_partitions(partitions: dict[str, str], options: dict[str, dict[str, object]],
-                        partitioners: dict[str, Callable[..., Partition]],
-                        bounds: dict[str, tuple[type, float, bool]], choices: dict[str, tuple[object, ...]]) -> None:
-    """Add every ``flwr:NAME`` to fedfuse's partition registry (called by :mod:`fedfuse.data.partition`)."""
-    for name, spec in FLWR_PARTITIONS.items():
-        key = FLWR_PREFIX + name
-        partitions[key] = spec.description
-        options[key] = dict(spec.options)
-        partitioners[key] = _flwr_partitioner(name)
-    bounds.update(_FLWR_BOUNDS)
-    choices.update(_FLWR_CHOICES)
-
-
-def _flwr_partitioner(name: str) -> Callable[[Dataset, int | None, int, dict[str, Any]], Partition]:
-    def run(dataset: Dataset, num_clients: int | None, seed: int, opts: dict[str, Any]) -> Partition:
-        return flwr_partition(name, dataset, num_clients, seed, opts)
-
-    run.__doc__ = FLWR_PARTITIONS[name].description
-    return run
-
-
-def _flower_kwargs(name: str, num_clients: int, n: int, seed: int, opts: dict[str, Any]) -> dict[str, Any]:
-    spec = FLWR_PARTITIONS[name]
-    kw: dict[str, Any] = {k: v for k, v in opts.items() if k != "shuffle"}
-    if spec.sized:
-        kw["num_partitions"] = num_clients
-    if spec.by_label:
-        kw["partition_by"] = "label"
-        kw["seed"] = seed
-    if name == "inner-dirichlet":
-        sizes = kw["partition_sizes"]
-        if sizes is None:  # equal sizes, as fedfuse's iid
-            sizes = [len(a) for a in np.array_split(np.arange(n), num_clients)]
-        if len(sizes) != num_clients or sum(sizes) > n or any(isinstance(s, bool) or s < 1 for s in sizes):
-            raise UserError(f"partition_sizes must be {num_clients} positive integers summing to at most {n}, "
-                            f"got {sizes!r}")
-        kw["partition_sizes"] = [int(s) for s in sizes]
-    if name == "shard" and kw.get("shard_size") is None:
-        kw.pop("shard_size")
-    if name == "natural-id":
-        kw["partition_by"] = "group"
-    return kw
-
-
-def flwr_partition(name: str, dataset: Dataset, num_clients: int | None, seed: int,
-                   opts: dict[str, Any]) -> Partition:
-    """Partition ``dataset``'s training samples with Flower Datasets' partitioner ``name``.
-
-    The partitioner sees a table of the training labels (column ``label``, plus ``group`` for natural-id), shuffled
-    first with ``Dataset.shuffle(seed=seed)`` when ``shuffle`` (as ``FederatedDataset`` does); client ``i`` is
-    ``load_partition(i)`` mapped back to fedfuse's sample indices.
-    """
-
-    hf = _need("datasets")
-    fp = _need("flwr_datasets.partitioner")
-    labels = dataset.train_labels.astype(np.int64)
-    n = len(labels)
-    columns: dict[str, Any] = {"label": labels, "index": np.arange(n, dtype=np.int64)}
-    if name == "natural-id":
-        if dataset.train_groups is None:
-            raise UserError(f"partition 'flwr:natural-id' needs a group column: dataset {dataset.name!r} has none "
-                            "(hf: datasets: option group_column; a partition_id column is used when present)")
-        columns["group"] = np.asarray(dataset.train_groups, dtype=np.int64)
-        k = len(np.unique(columns["group"]))
-        if num_clients and int(num_clients) != k:
-            raise UserError(f"partition 'flwr:natural-id': the group column has {k} distinct values, "
-                            f"so clients must be {k}, got {num_clients}")
-        num_clients = k
-    assert num_clients is not None
-    table = hf.Dataset.from_dict(columns)
-    if opts.get("shuffle"):
-        table = table.shuffle(seed=seed)
-    kwargs = _flower_kwargs(name, int(num_clients), n, seed, opts)
-    partitioner = getattr(fp, FLWR_PARTITIONS[name].cls)(**kwargs)
-    partitioner.dataset = table
-    try:
-        parts = [np.asarray(partitioner.load_partition(i)["index"], dtype=np.int64)
-                 for i in range(partitioner.num_partitions)]
-    except ValueError as e:
-        raise UserError(f"partition 'flwr:{name}' ({FLWR_PARTITIONS[name].cls}): {e}") from None
-    if name == "natural-id":  # Flower numbers natural ids by first appearance; fedfuse by sorted group id
-        parts.sort(key=lambda p: int(columns["group"][p[0]]) if len(p) else -1)
-    covered = int(sum(len(p) for p in parts))
-    info: dict[str, Any] = {
-        "flower_partitioner": FLWR_PARTITIONS[name].cls,
-        "flower_kwargs": {k: v for k, v in kwargs.items() if k != "partition_sizes"},
-        "pre_shuffle_seed": seed if opts.get("shuffle") else None,
-        "unassigned_samples": n - covered,
-    }
-    return Partition(parts, info=info)

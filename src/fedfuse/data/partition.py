@@ -97,22 +97,32 @@ def check_partition_options(name: str, options: dict[str, Any]) -> None:
     if unknown:
         raise UserError(f"unknown option(s) {unknown} for partition {name!r}; valid: {', '.join(_OPTIONS[name])}")
     for key, v in options.items():
-        if key in _BOUNDS and v is not None:
-            kind, lo, inclusive = _BOUNDS[key]
-            ok_type = not isinstance(v, bool) and isinstance(v, int | float)
-            ok_type = ok_type and (kind is float or float(v).is_integer())
-            if not ok_type or not math.isfinite(float(v)) or (v < lo if inclusive else v <= lo):
-                what = "an integer" if kind is int else "a number"
-                raise UserError(f"{key} must be {what} {'>=' if inclusive else '>'} {lo}, got {v!r}")
-        if key in _CHOICES and v not in _CHOICES[key]:
-            raise UserError(f"{key} must be one of {', '.join(map(str, _CHOICES[key]))}, got {v!r}")
-        if key in ("balance", "overlapping") and not isinstance(v, bool):
-            raise UserError(f"{key} must be true or false, got {v!r}")
-        if key == "group_sizes" and v is not None and (
-            not isinstance(v, list | tuple) or not v
-            or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v)
-        ):
-            raise UserError(f"group_sizes must be a list of positive integers (or none), got {v!r}")
+        _check_option(key, v)
+
+
+def _check_option(key: str, v: Any) -> None:
+    """Raise UserError when one option's value is outside its declared type, range or choices."""
+    if key in _BOUNDS and v is not None:
+        _check_bound(key, v)
+    if key in _CHOICES and v not in _CHOICES[key]:
+        raise UserError(f"{key} must be one of {', '.join(map(str, _CHOICES[key]))}, got {v!r}")
+    if key in ("balance", "overlapping") and not isinstance(v, bool):
+        raise UserError(f"{key} must be true or false, got {v!r}")
+    if key == "group_sizes" and v is not None and (
+        not isinstance(v, list | tuple) or not v
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v)
+    ):
+        raise UserError(f"group_sizes must be a list of positive integers (or none), got {v!r}")
+
+
+def _check_bound(key: str, v: Any) -> None:
+    """Raise UserError unless ``v`` is a finite number of the option's kind above its lower bound."""
+    kind, lo, inclusive = _BOUNDS[key]
+    ok_type = not isinstance(v, bool) and isinstance(v, int | float)
+    ok_type = ok_type and (kind is float or float(v).is_integer())
+    if not ok_type or not math.isfinite(float(v)) or (v < lo if inclusive else v <= lo):
+        what = "an integer" if kind is int else "a number"
+        raise UserError(f"{key} must be {what} {'>=' if inclusive else '>'} {lo}, got {v!r}")
 
 
 def partition_options(name: str) -> dict[str, object]:
@@ -369,26 +379,42 @@ def _label_cluster(dataset: Dataset, num_clients: int, seed: int, opts: dict[str
         raise UserError(f"cluster_alpha must be > 0, got {alpha}")
     rng = numpy_rng(seed, "partition", "label-cluster")
 
-    if overlapping:
-        per = opts["classes_per_cluster"]
-        per = num_classes * 3 // 10 if per is None else int(per)
-        per = max(per, 1)
-        if per > num_classes:
-            raise UserError(f"classes_per_cluster={per} exceeds the {num_classes} classes")
-        if per * k < num_classes:
-            raise UserError(
-                f"clusters × classes_per_cluster = {k}×{per} < {num_classes} classes: some classes would "
-                "belong to no cluster; raise classes_per_cluster or clusters"
-            )
-        clusters = _draw_with_refill(rng, num_classes, k, per)
-    else:
-        clusters = [sorted(int(c) for c in part) for part in np.array_split(rng.permutation(num_classes), k)]
-
+    clusters = _cluster_classes(rng, num_classes, k, overlapping, opts["classes_per_cluster"])
     client_groups = np.repeat(np.arange(k), sizes)
     holders: list[list[int]] = [[] for _ in range(num_classes)]
     for cid, g in enumerate(client_groups):
         for c in clusters[g]:
             holders[c].append(cid)
+    return Partition(
+        _spread_classes(labels, num_classes, holders, num_clients, within, alpha, rng),
+        client_groups=[int(g) for g in client_groups],
+        client_classes=[list(clusters[g]) for g in client_groups],
+        info={"clusters_classes": clusters, "group_sizes": sizes.tolist(), "within": within},
+    )
+
+
+def _cluster_classes(rng: np.random.Generator, num_classes: int, k: int, overlapping: bool,
+                     per: int | None) -> list[list[int]]:
+    """The classes of each of the ``k`` clusters: disjoint parts of a seeded permutation, or (overlapping)
+    ``per`` classes each (default 30 % of them) drawn from a pool refilled when exhausted."""
+    if not overlapping:
+        return [sorted(int(c) for c in part) for part in np.array_split(rng.permutation(num_classes), k)]
+    per = num_classes * 3 // 10 if per is None else int(per)
+    per = max(per, 1)
+    if per > num_classes:
+        raise UserError(f"classes_per_cluster={per} exceeds the {num_classes} classes")
+    if per * k < num_classes:
+        raise UserError(
+            f"clusters × classes_per_cluster = {k}×{per} < {num_classes} classes: some classes would "
+            "belong to no cluster; raise classes_per_cluster or clusters"
+        )
+    return _draw_with_refill(rng, num_classes, k, per)
+
+
+def _spread_classes(labels: np.ndarray, num_classes: int, holders: list[list[int]], num_clients: int, within: str,
+                    alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """Every client's samples: each class's samples split among the clients holding it, equally or with
+    Dir(``alpha``) proportions."""
     pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     for c, idx in enumerate(_class_indices(labels, num_classes)):
         h = len(holders[c])
@@ -402,12 +428,7 @@ def _label_cluster(dataset: Dataset, num_clients: int, seed: int, opts: dict[str
             _at_least_one(counts)
         for cid, part in zip(holders[c], _split_by_counts(idx, counts)):
             pieces[cid].append(part)
-    return Partition(
-        [_cat(p) for p in pieces],
-        client_groups=[int(g) for g in client_groups],
-        client_classes=[list(clusters[g]) for g in client_groups],
-        info={"clusters_classes": clusters, "group_sizes": sizes.tolist(), "within": within},
-    )
+    return [_cat(p) for p in pieces]
 
 
 def _draw_with_refill(rng: np.random.Generator, num_classes: int, k: int, per: int) -> list[list[int]]:
@@ -513,6 +534,6 @@ _PARTITIONERS: dict[str, Callable[[Dataset, Any, int, dict[str, Any]], Partition
 }
 
 # Flower Datasets' partitioners as partitions flwr:NAME (flwr-datasets is imported only when one is used).
-from fedfuse.data.flower_datasets import register_partitions  # noqa: E402
+from fedfuse.data.flower_partitions import register_partitions  # noqa: E402
 
 register_partitions(PARTITIONS, _OPTIONS, _PARTITIONERS, _BOUNDS, _CHOICES)

@@ -133,7 +133,7 @@ def _read_bundle(path: Path) -> NodeData:
 
 
 def _open_table(path: Path) -> dict[str, Any]:
-    from fedfuse.data.flower_datasets import _need, _open_splits
+    from fedfuse.data.flower_datasets import _need, open_splits
 
     hf = _need("datasets")
     if path.is_file() and path.suffix == ".csv":
@@ -151,89 +151,119 @@ def _open_table(path: Path) -> dict[str, Any]:
                     labels.append(k)
         feats = hf.Features({"image": hf.Image(), "label": hf.ClassLabel(names=[d.name for d in classes])})
         return {"train": hf.Dataset.from_dict({"image": files, "label": labels}, features=feats)}
-    return _open_splits(path)
+    return open_splits(path)
 
 
-def _read_table(path: Path, opts: Mapping[str, Any], seed: int, val_fraction: float) -> NodeData:
-    from fedfuse.data.flower_datasets import (
-        GROUP_COLUMN,
-        INPUT_COLUMNS,
-        LABEL_COLUMNS,
-        _column,
-        _inputs,
-        _normalise,
-        _pick,
-    )
+@dataclass(frozen=True)
+class _TableColumns:
+    """Which columns of a node's table hold the inputs and the labels (``input == "*"``: every other column)."""
 
-    splits = _open_table(path)
-    if "train" not in splits:
-        raise NodeDataError(f"node data {path} has no 'train' split; splits: {list(splits)}")
-    train = splits["train"]
+    path: Path
+    input: str
+    label: str
+    features: list[str]
+    is_image: bool
+
+    def arrays(self, ds: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Inputs, integer labels and (when the table has the column) the client id of every row of ``ds``."""
+        from fedfuse.data.flower_datasets import GROUP_COLUMN, column_values, input_array
+
+        if self.input == "*":
+            x = np.stack([column_values(ds, c).astype(np.float32) for c in self.features], axis=1)
+        else:
+            x = input_array(column_values(ds, self.input), self.is_image)
+        y = column_values(ds, self.label)
+        if not np.issubdtype(y.dtype, np.integer):
+            raise NodeDataError(f"node data {self.path}: labels in column {self.label!r} must be integer class ids "
+                                "or a ClassLabel (every node must number the classes alike)")
+        g = column_values(ds, GROUP_COLUMN).astype(np.int64) if GROUP_COLUMN in ds.column_names else None
+        return x, y.astype(np.int64), g
+
+
+def _table_columns(path: Path, train: Any, opts: Mapping[str, Any]) -> _TableColumns:
+    """The input and label columns: named in the node config, else found by their usual names or feature types."""
+    from fedfuse.data.flower_datasets import GROUP_COLUMN, INPUT_COLUMNS, LABEL_COLUMNS, pick_column
+
     cols, feats = list(train.column_names), train.features
-    label_col = _pick(cols, opts.get("label-column"), LABEL_COLUMNS, "label", "label-column",
+    label_col = pick_column(cols, opts.get("label-column"), LABEL_COLUMNS, "label", "label-column",
                       lambda: next((c for c in cols if type(feats[c]).__name__ == "ClassLabel"), None))
     # no input column: every other column is a feature (a CSV/Parquet table of numbers)
-    input_col = _pick(cols, opts.get("input-column"), INPUT_COLUMNS, "input", "input-column",
+    input_col = pick_column(cols, opts.get("input-column"), INPUT_COLUMNS, "input", "input-column",
                       lambda: next((c for c in cols if type(feats[c]).__name__ in ("Image", "Array2D", "Array3D")),
                                    "*"))
     features = [c for c in cols if c not in (label_col, GROUP_COLUMN, "sample_id")]
     is_image = input_col != "*" and type(feats[input_col]).__name__ == "Image"
+    return _TableColumns(path, input_col, label_col, features, is_image)
 
-    def arrays(ds: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        if input_col == "*":
-            x = np.stack([_column(ds, c).astype(np.float32) for c in features], axis=1)
-        else:
-            x = _inputs(_column(ds, input_col), is_image)
-        y = _column(ds, label_col)
-        if not np.issubdtype(y.dtype, np.integer):
-            raise NodeDataError(f"node data {path}: labels in column {label_col!r} must be integer class ids or a "
-                                "ClassLabel (every node must number the classes alike)")
-        g = _column(ds, GROUP_COLUMN).astype(np.int64) if GROUP_COLUMN in ds.column_names else None
-        return x, y.astype(np.int64), g
 
-    x, y, groups = arrays(train)
+_Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # train x, train y, test x, test y
+
+
+def _split_clients(columns: _TableColumns, splits: Mapping[str, Any], opts: Mapping[str, Any],
+                   seed: int) -> tuple[dict[int, _Rows], np.ndarray]:
+    """Every client's training and test rows (the table's test split, else a seeded fraction of its own rows),
+    and the labels of the train split."""
+    from fedfuse.data.flower_datasets import GROUP_COLUMN
+
+    x, y, groups = columns.arrays(splits["train"])
     if groups is None:
         cid = opts.get("client-id", opts.get("partition-id"))
         if cid is None:
-            raise NodeDataError(f"node data {path} has no {GROUP_COLUMN!r} column: give the node's client id with "
-                                "--node-config \"client-id=K\"")
+            raise NodeDataError(f"node data {columns.path} has no {GROUP_COLUMN!r} column: give the node's client "
+                                "id with --node-config \"client-id=K\"")
         groups = np.full(len(y), int(cid), np.int64)
     held = {}
     if "test" in splits and GROUP_COLUMN in splits["test"].column_names:
-        tx, ty, tg = arrays(splits["test"])
+        tx, ty, tg = columns.arrays(splits["test"])
         for c in np.unique(groups):
             held[int(c)] = np.flatnonzero(tg == c)
-    names = getattr(feats[label_col], "names", None)
-    num_classes = len(names) if names else int(y.max(initial=-1)) + 1
     frac = float(opts.get("test-fraction", 0.2))
-    parts: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+    parts: dict[int, _Rows] = {}
     for c in np.unique(groups):
         rows = np.flatnonzero(groups == c)
         if int(c) in held and len(held[int(c)]):
-            xs, ys, xt, yt = x[rows], y[rows], tx[held[int(c)]], ty[held[int(c)]]
+            parts[int(c)] = (x[rows], y[rows], tx[held[int(c)]], ty[held[int(c)]])
         else:  # hold out a seeded fraction of the client's own rows
             n_test = min(max(round(len(rows) * frac), 1), len(rows) - 1) if len(rows) >= 2 and frac > 0 else 0
             perm = numpy_rng(seed, "node-holdout", int(c)).permutation(len(rows))
             te, tr = np.sort(rows[perm[:n_test]]), np.sort(rows[perm[n_test:]])
-            xs, ys, xt, yt = x[tr], y[tr], x[te], y[te]
-        parts[int(c)] = (xs, ys, xt, yt)
+            parts[int(c)] = (x[tr], y[tr], x[te], y[te])
+    return parts, y
+
+
+def _client_data(c: int, rows: _Rows, all_train: np.ndarray, mode: str, is_image: bool, seed: int,
+                 val_fraction: float) -> ClientData:
+    """One client's normalised train/validation/test splits (the validation rows a seeded fraction of its train)."""
+    from fedfuse.data.flower_datasets import normalise_inputs
+
+    xs, ys, xt, yt = rows
+    fx, ft, norm = normalise_inputs(xs, xt, mode, is_image)
+    if "mean" in norm:  # the node's own statistics over all its clients' training rows
+        fx, ft, norm = _node_standardise(all_train, xs, xt)
+    n_val = round(len(ys) * val_fraction)
+    n_val = min(max(n_val, 1), len(ys) - 1) if val_fraction > 0 and len(ys) >= 2 else 0
+    perm = numpy_rng(seed, "partition", "val", c).permutation(len(ys))
+    tr, va = torch.from_numpy(np.sort(perm[n_val:])), torch.from_numpy(np.sort(perm[:n_val]))
+    yt_ = torch.from_numpy(ys)
+    return ClientData(c, Split(fx[tr], yt_[tr]), Split(fx[va], yt_[va]), Split(ft, torch.from_numpy(yt)))
+
+
+def _read_table(path: Path, opts: Mapping[str, Any], seed: int, val_fraction: float) -> NodeData:
+    splits = _open_table(path)
+    if "train" not in splits:
+        raise NodeDataError(f"node data {path} has no 'train' split; splits: {list(splits)}")
+    columns = _table_columns(path, splits["train"], opts)
+    parts, y = _split_clients(columns, splits, opts, seed)
+    names = getattr(splits["train"].features[columns.label], "names", None)
+    num_classes = len(names) if names else int(y.max(initial=-1)) + 1
     all_train = np.concatenate([p[0] for p in parts.values()])
     mode = str(opts.get("normalization", "auto"))
-    clients = {}
-    for c, (xs, ys, xt, yt) in parts.items():
-        fx, ft, norm = _normalise(xs, xt, mode, is_image)
-        if "mean" in norm:  # the node's own statistics over all its clients' training rows
-            fx, ft, norm = _node_standardise(all_train, xs, xt)
-        n_val = round(len(ys) * val_fraction)
-        n_val = min(max(n_val, 1), len(ys) - 1) if val_fraction > 0 and len(ys) >= 2 else 0
-        perm = numpy_rng(seed, "partition", "val", c).permutation(len(ys))
-        tr, va = torch.from_numpy(np.sort(perm[n_val:])), torch.from_numpy(np.sort(perm[:n_val]))
-        yt_ = torch.from_numpy(ys)
-        clients[c] = ClientData(c, Split(fx[tr], yt_[tr]), Split(fx[va], yt_[va]), Split(ft, torch.from_numpy(yt)))
+    clients = {c: _client_data(c, rows, all_train, mode, columns.is_image, seed, val_fraction)
+               for c, rows in parts.items()}
     some = next(iter(clients.values()))
     return NodeData(clients, num_classes, tuple(int(s) for s in some.train.x.shape[1:]), path,
                     class_names=[str(n) for n in names] if names else None,
-                    info={"format": "table", "columns": {"input": input_col, "label": label_col},
+                    info={"format": "table", "columns": {"input": columns.input, "label": columns.label},
                           "normalization": mode})
 
 

@@ -3,7 +3,7 @@ recommends — ``flwr run`` of a Flower app on a local SuperLink in simulation m
 ``flwr.simulation.run_simulation``.
 
 :class:`SimulationExecutor` starts, on first use, a loopback SuperLink (``flower-superlink --insecure
---simulation``, :class:`~fedfuse.flower.deploy.LocalFederation` with ``simulation=True``) and submits a Flower app
+--simulation``, :class:`~fedfuse.flower.federation.LocalFederation` with ``simulation=True``) and submits a Flower app
 whose ServerApp is :data:`fedfuse.flower.app.relay_app` and whose ClientApp is fedfuse's
 :data:`~fedfuse.flower.app.client_app`, with ``--federation-config`` setting the simulated SuperNodes and the Ray
 resources.  Flower's ``flwr-simulation`` process then runs the ServerApp and the ClientApps (Ray actors).  The
@@ -57,7 +57,8 @@ class SimulationExecutor(FlowerExecutor):
         self._dir: Path | None = None
 
     def _start(self) -> None:
-        from fedfuse.flower.deploy import CLIENTAPP, LocalFederation, write_app
+        from fedfuse.flower.deploy import CLIENTAPP, write_app
+        from fedfuse.flower.federation import LocalFederation
 
         self._dir = Path(tempfile.mkdtemp(prefix="fedfuse-flower-"))
         key = os.urandom(32)

@@ -40,12 +40,34 @@ def weighted_average(
         if base is None:
             raise ValueError("weighted_average needs at least one state or a base")
         return {k: v.clone() for k, v in base.items()}
+    weights = _checked_weights(weights, len(states))
+    out: TensorDict = {}
+    for k in _union_keys(states, base):
+        holders = [(s[k], float(w)) for s, w in zip(states, weights) if k in s]
+        kept = base[k] if base is not None and k in base else None
+        if not holders:
+            assert kept is not None
+            out[k] = kept.clone()
+        elif holders[0][0].is_floating_point() or holders[0][0].is_complex():
+            out[k] = _average_float(holders, kept)
+        else:
+            out[k] = _combine_int([t for t, _ in holders], int_policy, kept)
+    return out
+
+
+def _checked_weights(weights: Sequence[float] | None, n: int) -> Sequence[float]:
+    """``weights`` (default: all 1) after checking there is one per state and none is negative."""
     if weights is None:
-        weights = [1.0] * len(states)
-    if len(weights) != len(states):
-        raise ValueError(f"{len(weights)} weights for {len(states)} states")
+        return [1.0] * n
+    if len(weights) != n:
+        raise ValueError(f"{len(weights)} weights for {n} states")
     if any(w < 0 for w in weights):
         raise ValueError("weights must be non-negative")
+    return weights
+
+
+def _union_keys(states: Sequence[Mapping[str, torch.Tensor]], base: Mapping[str, torch.Tensor] | None) -> list[str]:
+    """The keys of ``base`` then those the states add, each once, in first-seen order."""
     keys: list[str] = list(base.keys()) if base is not None else []
     seen = set(keys)
     for s in states:
@@ -53,26 +75,19 @@ def weighted_average(
             if k not in seen:
                 seen.add(k)
                 keys.append(k)
-    out: TensorDict = {}
-    for k in keys:
-        holders = [(s[k], float(w)) for s, w in zip(states, weights) if k in s]
-        if not holders:
-            assert base is not None
-            out[k] = base[k].clone()
-            continue
-        ref = holders[0][0]
-        if ref.is_floating_point() or ref.is_complex():
-            total = sum(w for _, w in holders)
-            if total <= 0:
-                out[k] = (base[k] if base is not None and k in base else ref).clone()
-                continue
-            acc = torch.zeros_like(ref, dtype=torch.float64 if ref.dtype == torch.float64 else torch.float32)
-            for t, w in holders:
-                acc.add_(t.to(acc.dtype), alpha=w / total)
-            out[k] = acc.to(ref.dtype)
-        else:
-            out[k] = _combine_int([t for t, _ in holders], int_policy, base[k] if base and k in base else None)
-    return out
+    return keys
+
+
+def _average_float(holders: list[tuple[torch.Tensor, float]], base: torch.Tensor | None) -> torch.Tensor:
+    """Weighted mean of one floating key over the clients that sent it (``base``, else the first, if all weigh 0)."""
+    ref = holders[0][0]
+    total = sum(w for _, w in holders)
+    if total <= 0:
+        return (base if base is not None else ref).clone()
+    acc = torch.zeros_like(ref, dtype=torch.float64 if ref.dtype == torch.float64 else torch.float32)
+    for t, w in holders:
+        acc.add_(t.to(acc.dtype), alpha=w / total)
+    return acc.to(ref.dtype)
 
 
 def _combine_int(tensors: list[torch.Tensor], policy: IntPolicy, base: torch.Tensor | None) -> torch.Tensor:
@@ -111,6 +126,12 @@ def add_scaled(
 def clone_state(state: Mapping[str, torch.Tensor]) -> TensorDict:
     """Detached deep copy of a state dict."""
     return {k: v.detach().clone() for k, v in state.items()}
+
+
+def flat_vector(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> torch.Tensor:
+    """The float64 concatenation of ``state[k]`` for ``keys`` (in the given order; no keys: an empty vector)."""
+    parts = [state[k].detach().reshape(-1).to(torch.float64) for k in keys]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
 # ---- robust fusion (for studying faulty or poisoned clients) -------------------------------------------

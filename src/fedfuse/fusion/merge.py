@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from fedfuse.errors import UserError
+from fedfuse.fusion.average import flat_vector
 from fedfuse.types import TensorDict
 
 States = Sequence[Mapping[str, torch.Tensor]]
@@ -57,12 +58,6 @@ def merge_states(globals_: States, weights: Sequence[float] | torch.Tensor, int_
     return out
 
 
-def flat(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> torch.Tensor:
-    """The entries ``keys`` of ``state`` concatenated into one float64 vector (missing keys are zeros)."""
-    parts = [state[k].detach().reshape(-1).to(torch.float64) for k in keys if k in state]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-
-
 def inner_products(
     deltas: States, globals_: States, sent: States, keys: Sequence[str]
 ) -> torch.Tensor:
@@ -70,9 +65,9 @@ def inner_products(
     P = torch.zeros(len(deltas), len(globals_), dtype=torch.float64)
     for i, (dl, th) in enumerate(zip(deltas, sent)):
         present = [k for k in keys if k in dl]
-        dv, tv = flat(dl, present), flat(th, present)
+        dv, tv = flat_vector(dl, present), flat_vector(th, present)
         for j, g in enumerate(globals_):
-            P[i, j] = torch.dot(dv, flat(g, present) - tv) if present else 0.0
+            P[i, j] = torch.dot(dv, flat_vector(g, present) - tv) if present else 0.0
     return P
 
 

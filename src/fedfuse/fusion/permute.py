@@ -9,12 +9,12 @@ that axis (a conv channel flattened into ``H·W`` inputs of the next linear laye
 Pure functions on state dicts:
 
 * :func:`permute` — reorder a group by a permutation (``new[i] = old[perm[i]]`` on every member axis);
-* :func:`expand` — FedMA's patching: scatter a client's units into a wider global layer by an assignment map
+* :func:`scatter_units` — FedMA's patching: scatter a client's units into a wider global layer by an assignment map
   ``assign[l] = global index of local unit l`` (zeros for global units the client does not hold);
 * :func:`gather` — the inverse: rebuild a client's original-size layer from a global one.
 
 BatchNorm: a conv channel's BN ``weight``, ``bias``, ``running_mean`` and ``running_var`` are members of the
-channel's group; ``num_batches_tracked`` is a scalar and never permuted.  :func:`expand` fills the running
+channel's group; ``num_batches_tracked`` is a scalar and never permuted.  :func:`scatter_units` fills the running
 variance of absent units with 1 (a neutral BN), every other absent entry with 0.
 
 Specs: :func:`chain_spec` derives the groups of any feed-forward chain of linear/conv layers (MLP, CNN, CIFAR
@@ -69,7 +69,7 @@ def permute_all(
     return out
 
 
-def expand(
+def scatter_units(
     state: Mapping[str, torch.Tensor], group: PermGroup, assign: Sequence[int], size: int, roles=("in", "stat", "out")
 ) -> TensorDict:
     """Scatter ``group``'s units into ``size`` global slots: local unit ``l`` goes to ``assign[l]``.
@@ -98,7 +98,7 @@ def expand(
 def gather(
     state: Mapping[str, torch.Tensor], group: PermGroup, assign: Sequence[int], roles=("in", "stat", "out")
 ) -> TensorDict:
-    """The inverse of :func:`expand`: local unit ``l`` takes global unit ``assign[l]`` (FedMA's rebuild)."""
+    """The inverse of :func:`scatter_units`: local unit ``l`` takes global unit ``assign[l]`` (FedMA's rebuild)."""
     idx = torch.as_tensor(np.asarray(assign), dtype=torch.long)
     out = dict(state)
     for m in group.members:
@@ -180,7 +180,7 @@ def head_structured(head_perm: Sequence[int], within: Sequence[Sequence[int]], h
     return np.asarray(out, dtype=np.int64)
 
 
-def random_permutations(spec: Sequence[PermGroup], gen: torch.Generator) -> dict[str, np.ndarray]:
+def random_group_permutations(spec: Sequence[PermGroup], gen: torch.Generator) -> dict[str, np.ndarray]:
     """A valid random permutation for every group (head-structured where needed; Q/K and V of a block share
     the head order, as the attention output concatenates heads in one order)."""
     perms: dict[str, np.ndarray] = {}

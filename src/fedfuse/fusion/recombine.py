@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from fedfuse.errors import UserError
+from fedfuse.fusion.average import flat_vector
 from fedfuse.types import TensorDict
 
 Unit = tuple[str, ...]
@@ -67,7 +68,7 @@ def check_units(units: Sequence[Unit], keys: Sequence[str]) -> None:
         raise ValueError(f"units do not cover the state: missing {sorted(missing)[:5]}, extra {sorted(extra)[:5]}")
 
 
-def random_permutations(num_units: int, k: int, rng: np.random.Generator) -> np.ndarray:
+def random_unit_permutations(num_units: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """An independent uniform permutation of ``range(k)`` per unit: array (num_units, k)."""
     return np.stack([rng.permutation(k) for _ in range(num_units)]) if num_units else np.zeros((0, k), np.int64)
 
@@ -215,11 +216,6 @@ def assemble(
 
 # ---------------------------------------------------------------------------------------------------------
 # Diagnostics
-
-
-def flat_vector(state: Mapping[str, torch.Tensor], keys: Sequence[str]) -> torch.Tensor:
-    """The float64 concatenation of ``state[k]`` for ``keys`` (in the given order)."""
-    return torch.cat([state[k].detach().reshape(-1).to(torch.float64) for k in keys])
 
 
 def mean_pairwise_cosine(states: Sequence[Mapping[str, torch.Tensor]], keys: Sequence[str]) -> float | None:

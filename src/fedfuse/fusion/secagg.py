@@ -237,54 +237,78 @@ def secure_sum(
     graph = harary_neighbors(ids, neighbors, graph_seed)
     holders = min(len(graph[u]) + 1 for u in ids)
     t = threshold_of(holders, threshold)
-    # 0: AdvertiseKeys
-    roster = {}
-    for u in ids:
-        roster[u] = clients[u].advertise()
-        tr.messages.append(("public_keys", u, roster[u]))
-    if len(ids) < t:
-        raise SecAggAbort(f"only {len(ids)} clients advertised keys; the threshold is {t}")
-    # 1: ShareKeys (the server routes ciphertexts it cannot read)
-    for u in ids:
-        for v, blob in clients[u].share_keys(roster, graph[u], t).items():
-            tr.messages.append(("ciphertext", u, (v, blob)))
-            clients[v].inbox[u] = blob
+    roster = _share_keys(clients, graph, t, tr)
     shared = set(ids)
-    # 2: MaskedInputCollection
     survivors = {u for u in ids if u not in drop_before_masking}
-    masked = {}
-    for u in sorted(survivors):
-        masked[u] = clients[u].masked_input(shared)
-        tr.messages.append(("masked_input", u, masked[u]))
+    masked = _collect_masked(clients, survivors, shared, tr)
     if len(survivors) < t:
         raise SecAggAbort(f"only {len(survivors)} of {len(ids)} clients sent a masked input; the threshold is {t} "
                           f"(threshold fraction {threshold:g} of {holders} shareholders)")
-    # 3: Unmasking
-    helpers = sorted(survivors - set(drop_before_unmasking))
-    got: dict[int, dict[int, tuple[str, int]]] = {u: {} for u in shared}
-    for h in helpers:
-        for v, share in clients[h].unmask(survivors, shared).items():
-            tr.messages.append(("unmask_share", h, (v, share[0], share[1])))
-            got[v][h + 1] = share
+    got = _collect_shares(clients, survivors - set(drop_before_unmasking), survivors, shared, tr)
     total = torch.zeros(lengths.pop(), dtype=torch.int64)
     for u in sorted(survivors):
         total = ring_add(total, masked[u])
     for v in sorted(shared):
-        kind = "b" if v in survivors else "s"
-        shares = {x: s for x, (k, s) in got[v].items() if k == kind}
-        if len(shares) < t:
-            raise SecAggAbort(f"client {v}'s {'self-mask seed' if kind == 'b' else 'mask key'} has {len(shares)} "
-                              f"shares from surviving clients; the threshold is {t}")
-        secret = shamir_join(dict(sorted(shares.items())[:t]))
-        tr.reconstructed[v] = kind
-        if kind == "b":
-            total = ring_sub(total, prg(secret, total.numel()))
-            continue
-        s_sk = X25519PrivateKey.from_private_bytes(secret)
-        for u in sorted(graph[v] & survivors):  # u added +PRG(s_uv) if v > u, −PRG(s_uv) if v < u
-            mask = prg(agree(s_sk, roster[u][1], b"mask"), total.numel())
-            total = ring_sub(total, mask) if v > u else ring_add(total, mask)
+        total = _remove_masks(total, v, got[v], survivors, graph[v], roster, t, tr)
     return total, tr
+
+
+def _share_keys(clients: dict[int, _Client], graph: dict[int, set[int]], t: int,
+                tr: ServerTranscript) -> dict[int, tuple[bytes, bytes]]:
+    """Steps 0 (AdvertiseKeys) and 1 (ShareKeys; the server routes ciphertexts it cannot read); returns the roster."""
+    roster = {}
+    for u in clients:
+        roster[u] = clients[u].advertise()
+        tr.messages.append(("public_keys", u, roster[u]))
+    if len(clients) < t:
+        raise SecAggAbort(f"only {len(clients)} clients advertised keys; the threshold is {t}")
+    for u in clients:
+        for v, blob in clients[u].share_keys(roster, graph[u], t).items():
+            tr.messages.append(("ciphertext", u, (v, blob)))
+            clients[v].inbox[u] = blob
+    return roster
+
+
+def _collect_masked(clients: dict[int, _Client], survivors: set[int], shared: set[int],
+                    tr: ServerTranscript) -> dict[int, torch.Tensor]:
+    """Step 2 (MaskedInputCollection): the survivors' masked vectors."""
+    masked = {}
+    for u in sorted(survivors):
+        masked[u] = clients[u].masked_input(shared)
+        tr.messages.append(("masked_input", u, masked[u]))
+    return masked
+
+
+def _collect_shares(clients: dict[int, _Client], helpers: set[int], survivors: set[int], shared: set[int],
+                    tr: ServerTranscript) -> dict[int, dict[int, tuple[str, int]]]:
+    """Step 3 (Unmasking), the clients' side: every helper's shares, by the client they belong to."""
+    got: dict[int, dict[int, tuple[str, int]]] = {u: {} for u in shared}
+    for h in sorted(helpers):
+        for v, share in clients[h].unmask(survivors, shared).items():
+            tr.messages.append(("unmask_share", h, (v, share[0], share[1])))
+            got[v][h + 1] = share
+    return got
+
+
+def _remove_masks(total: torch.Tensor, v: int, got: dict[int, tuple[str, int]], survivors: set[int],
+                  neighbors: set[int], roster: dict[int, tuple[bytes, bytes]], t: int,
+                  tr: ServerTranscript) -> torch.Tensor:
+    """Step 3, the server's side for client ``v``: reconstruct its self-mask seed (a survivor) or its mask key (a
+    dropped client) from ``t`` shares and take the masks it derives off ``total``."""
+    kind = "b" if v in survivors else "s"
+    shares = {x: s for x, (k, s) in got.items() if k == kind}
+    if len(shares) < t:
+        raise SecAggAbort(f"client {v}'s {'self-mask seed' if kind == 'b' else 'mask key'} has {len(shares)} "
+                          f"shares from surviving clients; the threshold is {t}")
+    secret = shamir_join(dict(sorted(shares.items())[:t]))
+    tr.reconstructed[v] = kind
+    if kind == "b":
+        return ring_sub(total, prg(secret, total.numel()))
+    s_sk = X25519PrivateKey.from_private_bytes(secret)
+    for u in sorted(neighbors & survivors):  # u added +PRG(s_uv) if v > u, −PRG(s_uv) if v < u
+        mask = prg(agree(s_sk, roster[u][1], b"mask"), total.numel())
+        total = ring_sub(total, mask) if v > u else ring_add(total, mask)
+    return total
 
 
 # ---- named tensors ------------------------------------------------------------------------------------------------

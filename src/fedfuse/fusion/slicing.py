@@ -102,7 +102,7 @@ def slice_spec(model: nn.Module) -> SliceSpec:
     return spec
 
 
-def expand(dim: DimSpec, sel: Mapping[str, torch.Tensor], size: int) -> torch.Tensor:
+def global_indices(dim: DimSpec, sel: Mapping[str, torch.Tensor], size: int) -> torch.Tensor:
     """Global indices along one tensor dimension of full size ``size`` for selection ``sel``."""
     if dim is None:
         return torch.arange(size)
@@ -116,11 +116,7 @@ def expand(dim: DimSpec, sel: Mapping[str, torch.Tensor], size: int) -> torch.Te
 
 def dim_indices(spec: SliceSpec, sel: Mapping[str, torch.Tensor], key: str, full_shape: Sequence[int]):
     """Per-dimension global index lists of ``key`` under selection ``sel``."""
-    return [expand(d, sel, int(s)) for d, s in zip(spec.dims[key], full_shape)]
-
-
-def full_shapes(spec: SliceSpec, full: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in full.items()}
+    return [global_indices(d, sel, int(s)) for d, s in zip(spec.dims[key], full_shape)]
 
 
 # ---------------------------------------------------------------------------------------------------------
