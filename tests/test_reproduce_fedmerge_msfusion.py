@@ -46,8 +46,10 @@ def test_fedmerge_cells_and_ordering():
 
 def test_msfusion_ordering_accuracy_and_perplexity():
     acc = {"msfusion": [0.85, 0.86, 0.84], "fedrolex": [0.6, 0.7, 0.65], "heterofl": [0.3, 0.35, 0.4]}
-    t, rt = table_of(acc, "global_accuracy", rm.PAIRS)
+    t, rt = table_of(acc, "global_accuracy", rm.PAIRS, columns=("last10_mean", "best10_mean"))
     assert rt.display_rows()[0]["final global acc (%)"] == "85.00 ± 1.00"
+    # two evaluated rounds (0.1, then the final value): one 10-round window holding both
+    assert details(t, rt)[0]["last10_mean"] == "47.5 / 48.0 / 47.0" == details(t, rt)[0]["best10_mean"]
     got = {o["comparison"]: o["paper ordering holds"] for o in ordering(t, rt)}
     assert got == {"msfusion vs fedrolex": "yes", "msfusion vs heterofl": "yes", "fedrolex vs heterofl": "yes"}
     ppl = {"msfusion": [50.0, 52.0, 51.0], "fedrolex": [40.0, 41.0, 42.0]}

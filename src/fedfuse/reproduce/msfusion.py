@@ -174,6 +174,12 @@ def _extra(args: argparse.Namespace, algo: str) -> dict[str, Any]:
     return {"compare_assemblies": True} if algo == "msfusion" and args.compare_assemblies else {}
 
 
+def _columns(args: argparse.Namespace) -> tuple[str, ...]:
+    """The stability means per seed and, with ``--compare-assemblies``, MSfusion's other assemblies."""
+    assemblies = ("global_accuracy_last", "global_accuracy_zero_stale") if args.compare_assemblies else ()
+    return ("last10_mean", "best10_mean", *assemblies)
+
+
 def _rows(args: argparse.Namespace, opts: Any) -> dict[str, dict[str, Any]]:
     """One row per wanted method of Table 1: ``opts(algo)`` are its options."""
     return {a: {"algorithm": a, "algorithm_options": {**opts(a), **_extra(args, a)}}
@@ -184,7 +190,8 @@ def mnist_tables(args: argparse.Namespace, s: dict[str, Any]) -> list[Table]:
     """The defaults check: per μ, the three methods with only μ set."""
     base = {**mnist_base(data_root(args), args.quick, args.mnist_classes, args.mnist_rounds, args.mnist_eval_every),
             "threads": args.threads}
-    return [Table(f"mnist-mu{mu}", f"{TITLES['mnist']}, mu = {mu}", base, rows, pairs=pairs_within(rows, PAIRS))
+    return [Table(f"mnist-mu{mu}", f"{TITLES['mnist']}, mu = {mu}", base, rows, pairs=pairs_within(rows, PAIRS),
+                  columns=_columns(args))
             for mu in s["mnist_mus"] if (rows := _rows(args, lambda a, mu=mu: {"mu": mu}))]
 
 
@@ -197,8 +204,8 @@ def cifar_tables(args: argparse.Namespace, s: dict[str, Any]) -> list[Table]:
         rows = _rows(args, lambda a, mu=mu: algo_options(a, mu, s["eval_every"], s["rounds"]))
         if rows:
             out.append(Table(f"cifar-{split}-mu{mu}", f"{TITLES['cifar']}, {split}, mu = {mu}", base, rows,
-                             pairs=pairs_within(rows, PAIRS), paper={a: PAPER_CIFAR.get((a, split, mu), "—")
-                                                                     for a in rows}))
+                             pairs=pairs_within(rows, PAIRS), columns=_columns(args),
+                             paper={a: PAPER_CIFAR.get((a, split, mu), "—") for a in rows}))
     if "fedet" in _methods(args):
         for split in ("non-iid", "iid") if s["iid"] else ("non-iid",):
             out.append(Table(f"cifar-{split}-fedet", f"{TITLES['cifar']}, {split}, Fed-ET (no split ratio)",

@@ -23,7 +23,7 @@ from typing import Any
 
 from fedfuse.config import RunConfig, apply, validate
 from fedfuse.result import Result
-from fedfuse.stats import paired_test
+from fedfuse.stats import paired_test, stability
 from fedfuse.sweep import Point, ResultTable, Sweep, run_cached, run_dir_name
 from fedfuse.tables import markdown
 from fedfuse.types import Federation
@@ -114,8 +114,18 @@ def execute(table: Table, seeds: Sequence[int], store: Path, *, reuse: bool, fre
     return sweep
 
 
+#: Columns computed from a run's history rather than recorded: the stability means of the global accuracy.
+DERIVED: dict[str, Callable[[list[dict[str, Any]]], Any]] = {
+    "last10_mean": lambda h: stability(h)[0],  # the mean over the last 10 rounds
+    "best10_mean": lambda h: stability(h)[1],  # the best mean over 10 consecutive rounds
+}
+
+
 def last_value(r: Result, key: str) -> Any:
-    """The last recorded value of ``key`` in a run's history (its summary's final record when absent)."""
+    """The last recorded value of ``key`` in a run's history (its summary's final record when absent), or a
+    :data:`DERIVED` column."""
+    if key in DERIVED:
+        return DERIVED[key](r.history)
     found = next((h[key] for h in reversed(r.history) if h.get(key) is not None), None)
     return found if found is not None else r.summary.get("final", {}).get(key)
 
@@ -140,7 +150,8 @@ def details(table: Table, rt: ResultTable) -> list[dict[str, Any]]:
         if table.paper:
             row["paper"] = table.paper.get(label, "—")
         for c in table.columns:
-            row[c] = " / ".join(_fmt(last_value(r, c), 100.0 if "accuracy" in c else 1.0) for r in runs)
+            scale_c = 100.0 if "accuracy" in c or c in DERIVED else 1.0  # accuracies in %
+            row[c] = " / ".join(_fmt(last_value(r, c), scale_c) for r in runs)
         out.append(row)
     return out
 
