@@ -255,31 +255,26 @@ def test_partition_command_prints_histograms_and_writes_png(tmp_path, capsys):
 
 
 def test_reproduce_writes_a_report_and_reuses_runs(tmp_path, capsys, monkeypatch):
-    import types
-
     import fedfuse.reproduce as rp
-    from fedfuse.reproduce import common
+    from fedfuse.reproduce.preset import Family, Table
 
-    calls = []
-
-    def run(args):
-        base = {"rounds": 2, "clients": 4, "clients_per_round": 2, "model": "mlp", "model_options": {"widths": [8]},
-                "threads": 1}
-        for algo in ("fedavg", "fedprox"):
-            calls.append(common.REUSE)
-            common.run_one(base, Path(args.out) / algo, progress=False, algorithm=algo)
-        return 0
-
-    fake = types.SimpleNamespace(DESCRIPTION="a tiny reproduction", run=run)
-    monkeypatch.setattr(rp, "available", lambda: {"tiny": fake})
+    base = {"rounds": 2, "clients": 4, "clients_per_round": 2, "model": "mlp", "model_options": {"widths": [8]},
+            "threads": 1, "plots": False}
+    rows = {"fedavg": {"algorithm": "fedavg"}, "fedprox": {"algorithm": "fedprox"}}
+    fam = Family("a tiny reproduction", lambda args: [Table("tiny", "Tiny", base, rows)])
+    monkeypatch.setattr(rp, "available", lambda: {"tiny": fam})
     out = tmp_path / "rep"
-    assert main(["reproduce", "tiny", "--out", str(out)]) == 0
+    assert main(["reproduce", "tiny", "--out", str(out), "--seeds", "1"]) == 0
     md = (out / "report.md").read_text()
     assert md.startswith("# reproduce tiny") and "| fedavg | 1 |" in md and "| fedprox | 1 |" in md
-    mtime = (out / "fedavg" / "summary.json").stat().st_mtime_ns
-    assert main(["reproduce", "tiny", "--out", str(out), "--reuse", "--no-report"]) == 0
-    assert (out / "fedavg" / "summary.json").stat().st_mtime_ns == mtime and calls == [False, False, True, True]
-    assert common.REUSE is False
+    assert "| fedprox | 1 |" in (out / "tiny" / "compare.md").read_text()
+    assert "## Tiny" in (out / "tables.md").read_text()
+    runs = sorted((out / "runs").iterdir())
+    mtimes = [(d / "summary.json").stat().st_mtime_ns for d in runs]
+    assert main(["reproduce", "tiny", "--out", str(out), "--seeds", "1", "--reuse", "--no-report"]) == 0
+    assert [(d / "summary.json").stat().st_mtime_ns for d in runs] == mtimes  # kept
+    assert main(["reproduce", "tiny", "--out", str(out), "--seeds", "1", "--no-report"]) == 0
+    assert all((d / "summary.json").stat().st_mtime_ns != m for d, m in zip(runs, mtimes))  # run again
 
 
 def test_show_is_complete_for_datasets_partitions_and_models():

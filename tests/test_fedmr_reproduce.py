@@ -1,5 +1,5 @@
 """`fedfuse reproduce fedmr`: presets in one place, the authors' training recipe, configs that validate, the
-authors' FEMNIST CNN, and a tiny end-to-end grid (tables, reuse of finished runs, config.yaml contents)."""
+authors' FEMNIST CNN, and a tiny end-to-end grid (tables, reuse of finished runs, config.yaml contents, --jobs)."""
 
 import argparse
 import json
@@ -17,7 +17,7 @@ from fedfuse.reproduce import fedmr as R
 
 def ns(**kw) -> argparse.Namespace:
     base = dict(quick=False, scale="cpu", settings="", methods="", rounds=0, warmup=-1, momentum=None,
-                local_epochs=0, seeds="", threads=1, data_dir=None, out=None, no_progress=True)
+                local_epochs=0, seeds="", threads=1, data_dir=None, out=None, no_progress=True, jobs=1)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -74,26 +74,6 @@ def test_mnist_settings_are_the_cifar_settings_with_another_dataset():
     assert R.method_options("FedProx", p, "mnist") == ("fedprox", {"mu": 0.01})
 
 
-def test_paired_rows_against_fedavg():
-    """Hand case: diffs (+2, +4) points over seeds {0, 1}; a method on seed 2 only has no pair."""
-    def hist(acc):
-        return [{"round": r, "global_accuracy": acc} for r in range(1, 6)]
-
-    per = {"FedAvg": {0: hist(0.50), 1: hist(0.60)}, "FedMR": {0: hist(0.52), 1: hist(0.64), 2: hist(0.9)},
-           "FedMut": {2: hist(0.7)}}
-    (row,) = R.paired_vs_baseline("s", per)
-    assert row["method"] == "FedMR" and row["seeds"] == [0, 1] and row["n"] == 2
-    assert row["diff"] == pytest.approx(3.0)
-    # two pairs: a t-test with one degree of freedom makes no claim (fedfuse.stats.MIN_PAIRS = 3)
-    assert row["p"] is None and row["mark"] == "(no test)"
-    three = {"FedAvg": {**per["FedAvg"], 2: hist(0.70)}, "FedMR": {**per["FedMR"], 2: hist(0.70)}}
-    (row,) = R.paired_vs_baseline("s", three)  # a third pair: diffs +2, +4, 0 points
-    assert row["n"] == 3 and row["diff"] == pytest.approx(2.0)
-    # t = mean(d) / (sd(d)/sqrt(3)) = 0.02 / (0.02/1.732) = 1.732 with 2 dof: p = 0.2254
-    assert row["p"] == pytest.approx(0.2254, abs=1e-3) and row["mark"] == "(n.s.)"
-    assert R.paired_vs_baseline("s", {"FedMR": per["FedMR"]}) == []
-
-
 @pytest.mark.parametrize("name", list(R.PRESETS))
 def test_every_run_config_of_every_preset_validates(name):
     preset = R.resolve_preset(ns(quick=name == "quick", scale=name if name != "quick" else "cpu"))
@@ -112,9 +92,10 @@ def test_overrides_and_seeds():
     p = R.resolve_preset(ns(momentum=0.9, rounds=7, warmup=3, settings="femnist", methods="FedMR,FedAvg", seeds="2"))
     assert p["training"]["momentum"] == 0.9 and R.PRESETS["cpu"]["training"]["momentum"] == 0.5  # no aliasing
     assert p["rounds"] == 7 and p["warmup"] == 3 and list(p["settings"]) == ["femnist"]
-    assert p["methods"] == ["FedMR", "FedAvg"] and p["seed_list"] == [0, 1]
-    assert R.resolve_preset(ns(quick=True))["seed_list"] == [0]
-    assert R.resolve_preset(ns())["seed_list"] == [0, 1, 2]
+    assert p["methods"] == ["FedMR", "FedAvg"]
+    assert [t.id for t in R.tables(ns(settings="femnist", methods="FedMR,FedAvg"))] == ["femnist"]
+    (t,) = R.tables(ns(settings="femnist", methods="FedMR,FedAvg"))
+    assert list(t.rows) == ["FedAvg", "FedMR"] and t.last == 5  # FedAvg first: the paired tests' baseline
     with pytest.raises(ValueError, match="setting"):
         R.resolve_preset(ns(settings="mnist"))
     with pytest.raises(ValueError, match="method"):
@@ -137,7 +118,11 @@ def test_femnist_cnn_is_the_authors_architecture():
 
 
 def test_tiny_grid_end_to_end(tmp_path, monkeypatch):
-    """A 2-method, 2-seed grid on digits: tables, config.yaml with the preset's recipe, reuse of finished runs."""
+    """A 2-method, 2-seed grid on digits: tables, config.yaml with the preset's recipe, --reuse keeps finished
+    runs, without it every run is run again; --jobs 2 gives the serial run's metrics."""
+    from fedfuse.reproduce import preset
+    from fedfuse.result import load
+
     tiny = {
         "training": {**R.AUTHORS_TRAINING, "local_epochs": 1, "eval_every": 1, "lr": 0.05}, "rounds": 3,
         "warmup": 1, "seeds": 2,
@@ -147,83 +132,30 @@ def test_tiny_grid_end_to_end(tmp_path, monkeypatch):
     }
     monkeypatch.setitem(R.PRESETS, "quick", tiny)
     out = tmp_path / "grid"
-    args = ns(quick=True, methods="FedAvg,FedMR two-stage", out=str(out))
-    assert R.run(args) == 0
-    table = (out / "table.md").read_text()
-    assert "digits-dir0.5" in table and "±" in table and "momentum 0.5" in table
-    cfg = yaml.safe_load((out / "digits-dir0.5" / "fedmr-two-stage" / "seed1" / "config.yaml").read_text())
-    assert cfg["momentum"] == 0.5 and cfg["val_fraction"] == 0.0 and cfg["seed"] == 1
-    assert cfg["algorithm_options"]["warmup_rounds"] == 1 and cfg["algorithm_options"]["warmup_weighting"] == "uniform"
-    preset = yaml.safe_load((out / "preset.yaml").read_text())
-    assert preset["seeds"] == [0, 1] and preset["training"]["batch_size"] == 50
-    res = json.loads((out / "results.json").read_text())["results"]
-    assert {r["method"] for r in res} == {"FedAvg", "FedMR two-stage"} and all(len(r["last5_mean"]) == 2 for r in res)
-    (pair,) = json.loads((out / "results.json").read_text())["paired"]
-    by = {r["method"]: r["last5_mean"] for r in res}
-    assert pair["method"] == "FedMR two-stage" and pair["n"] == 2
-    assert pair["diff"] == pytest.approx(50 * sum(a - b for a, b in zip(by["FedMR two-stage"], by["FedAvg"])))
-    assert "Paired t-test against FedAvg" in table
-    monkeypatch.setattr(R, "run_one", lambda *a, **k: pytest.fail("--reuse must keep finished runs"))
-    args.reuse = True
-    assert R.run(args) == 0
-    calls = []
-    monkeypatch.setattr(R, "run_one", lambda *a, **k: calls.append(a[1]) or ({}, []))
-    args.reuse = False
-    R.run(args)
-    assert len(calls) == 4  # without --reuse every run of the grid is run again
-
-
-def test_jobs_split_the_grid_and_match_a_serial_run(tmp_path):
-    """--jobs 2: a spawned sibling and this process share the grid through the claim files; every run happens
-    exactly once and its metrics equal the serial run's (the sibling gets the resolved preset, not argv)."""
-    tiny = {
-        "name": "tiny", "training": {**R.AUTHORS_TRAINING, "local_epochs": 1, "eval_every": 1, "lr": 0.05},
-        "rounds": 2, "warmup": 1, "seed_list": [0, 1], "methods": ["FedAvg", "FedMR"],
-        "settings": {"digits-dir0.5": {"dataset": "digits", "model": "mlp", "clients": 6, "clients_per_round": 3,
-                                       "partition": "dirichlet", "partition_options": {"alpha": 0.5},
-                                       "dataset_options": {}}},
-    }
-    serial, par = tmp_path / "serial", tmp_path / "par"
-    R.run_grid(tiny, serial, "", reuse=False, started=0.0, progress=False)
-    import multiprocessing as mp
-    import time
-
-    started = time.time()
-    w = mp.get_context("spawn").Process(target=R._grid_worker, args=(tiny, par, "", False, started, 1))
-    w.start()
-    R.run_grid(tiny, par, "", reuse=False, started=started, progress=False)
-    w.join()
-    assert w.exitcode == 0
-    runs = sorted(p.parent.relative_to(par) for p in par.rglob("summary.json"))
-    assert len(runs) == 4 and not list(par.rglob(".*.running"))
-    for rel in runs:
-        a = [strip_timing(json.loads(x)) for x in (serial / rel / "metrics.jsonl").read_text().splitlines()]
-        b = [strip_timing(json.loads(x)) for x in (par / rel / "metrics.jsonl").read_text().splitlines()]
-        assert a == b, rel
-    # a run finished before this invocation is run again without --reuse, one finished during it is not
-    assert not R._finished(par / runs[0], time.time() + 5) and R._finished(par / runs[0], started)
-
-
-def test_a_run_claimed_by_a_live_process_is_skipped(tmp_path):
-    import os
-    import shutil
-
-    d = tmp_path / "run"
-    m = R._marker(d)
-    assert m.parent == d.parent and not R._claimed_by_other(d)  # nothing there
-    m.write_text(str(os.getpid()))
-    assert not R._claimed_by_other(d)  # our own claim
-    m.write_text(str(os.getppid()))
-    assert R._claimed_by_other(d)  # a live other process
-    m.write_text("999999999")
-    assert not R._claimed_by_other(d)  # a dead one: stale claim
-    assert R._claim(d) and m.read_text() == str(os.getpid())  # the stale claim is replaced
-    m.write_text(str(os.getppid()))
-    assert not R._claim(d)  # a live other process holds it: not taken
-    m.unlink()
-    assert R._claim(d) and R._claim(d)  # free, then our own claim
-    # a fresh start deletes the run directory (sweep._run_job): the claim, a sibling, survives it
-    d.mkdir(exist_ok=True)
-    m.write_text(str(os.getppid()))
-    shutil.rmtree(d)
-    assert R._claimed_by_other(d)
+    args = ns(quick=True, methods="FedMR two-stage,FedAvg", out=str(out), seeds="2", plots=False)
+    assert preset.run(R.FAMILY, args, reuse=False, default_out="") == 0
+    table = (out / "tables.md").read_text()
+    assert "digits-dir0.5" in table and "±" in table and "momentum 0.5" in table and "vs FedAvg" in table
+    runs = sorted((out / "runs").iterdir())
+    assert len(runs) == 4
+    two = [load(d) for d in runs if d.name.startswith("fedmr")]
+    cfg = next(r.config for r in two if r.seed == 1)
+    assert cfg.momentum == 0.5 and cfg.val_fraction == 0.0 and cfg.seed == 1
+    assert cfg.algorithm_options["warmup_rounds"] == 1 and cfg.algorithm_options["warmup_weighting"] == "uniform"
+    p = yaml.safe_load((out / "preset.yaml").read_text())
+    assert p["seeds"] == [0, 1] and p["training"]["batch_size"] == 50
+    res = json.loads((out / "results.json").read_text())["digits-dir0.5"]
+    assert res["last"] == 5 and {k: len(v) for k, v in res["runs"].items()} == {"FedAvg": 2, "FedMR two-stage": 2}
+    mtimes = {d.name: (d / "summary.json").stat().st_mtime_ns for d in runs}
+    assert preset.run(R.FAMILY, args, reuse=True, default_out="") == 0
+    assert {d.name: (d / "summary.json").stat().st_mtime_ns for d in runs} == mtimes  # kept
+    par = tmp_path / "par"
+    args.out = str(par)
+    args.jobs = 2
+    assert preset.run(R.FAMILY, args, reuse=False, default_out="") == 0
+    for d in runs:  # the same run directory names (config hashes) and metrics
+        a = [strip_timing(h) for h in load(d).history]
+        assert a == [strip_timing(h) for h in load(par / "runs" / d.name).history], d.name
+    args.out, args.jobs = str(out), 1
+    assert preset.run(R.FAMILY, args, reuse=False, default_out="") == 0
+    assert all((d / "summary.json").stat().st_mtime_ns != mtimes[d.name] for d in runs)  # run again

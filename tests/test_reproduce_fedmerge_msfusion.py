@@ -1,60 +1,71 @@
-"""The multi-seed tables of ``fedfuse reproduce fedmerge`` / ``msfusion``: mean ± std over seeds and the paper
-ordering verdicts, on hand-made run summaries (no training)."""
+"""The multi-seed tables of ``fedfuse reproduce`` (fedmerge / msfusion presets through
+``fedfuse.reproduce.preset``): mean ± std over seeds, per-seed details and the paper ordering verdicts, on
+hand-made run histories (no training); the presets' rows and the MSfusion settings."""
 
 import argparse
 
 import pytest
 
+from fedfuse.config import make_config
 from fedfuse.reproduce import fedmerge as rf
 from fedfuse.reproduce import msfusion as rm
+from fedfuse.reproduce.preset import Table, details, ordering, pairs_within, pick, section
+from fedfuse.result import Result
+from fedfuse.sweep import ResultTable
 
 
-def fake_run(acc: float, key: str = "personal_accuracy") -> tuple[dict, list[dict]]:
-    final = {key: acc, "bytes_down": 1000, "bytes_up": 1000, "bytes_peer": 500, "client_flops": 4e6}
-    summary = {"final": final, "totals": {"bytes_down": 1000, "bytes_up": 1000}, "rounds_completed": 2,
-               "clients": 2}
-    return summary, [{"round": 2, "ari": 1.0}]
+def fake(seed: int, value: float, key: str = "personal_accuracy", **extra) -> Result:
+    hist = [{"round": 1, key: 0.1}, {"round": 2, key: value, **extra}]
+    return Result(make_config(seed=seed), hist, {"final": hist[-1]})
+
+
+def table_of(runs: dict[str, list[float]], key: str, pairs, **kw) -> tuple[Table, ResultTable]:
+    t = Table("t", "T", {}, {k: {"algorithm": "fedavg"} for k in runs}, metric=key, pairs=pairs, **kw)
+    rt = ResultTable({k: [fake(s, v, key, ari=1.0) for s, v in enumerate(vs)] for k, vs in runs.items()},
+                     metric=key, last=1)
+    return t, rt
 
 
 def test_fedmerge_cells_and_ordering():
-    seeds = [0, 1, 2]
-    rows = [rf.cell_row("mnist-cluster", "fedmerge d=5", [fake_run(a) for a in (0.9, 0.92, 0.94)], seeds, 5, 1.0),
-            rf.cell_row("mnist-cluster", "fedavg", [fake_run(a) for a in (0.6, 0.65, 0.61)], seeds, 5, 1.0),
-            rf.cell_row("mnist-cluster", "ifca", [fake_run(a) for a in (0.93, 0.95, 0.94)], seeds, 5, 1.0)]
-    assert rows[0]["personal acc % (mean ± std)"] == "92.00 ± 2.00"
-    assert rows[0]["per seed"] == "90.0 / 92.0 / 94.0" and rows[0]["ARI"] == "1.00 ± 0.00"
-    verdicts = {o["comparison"]: o for o in rf.ordering(rows)}
+    rows = {"fedmerge d=5": [0.9, 0.92, 0.94], "fedavg": [0.6, 0.65, 0.61], "ifca": [0.93, 0.95, 0.94]}
+    pairs = pairs_within(rows, rf.PAIRS)
+    assert pairs == (("fedmerge d=5", "fedavg"), ("fedmerge d=5", "ifca"))  # no FedEM row, no d=10 row: no pair
+    t, rt = table_of(rows, "personal_accuracy", pairs, paper={"fedavg": "29.20"}, columns=("ari",))
+    assert rt.display_rows()[0]["final personal acc (%)"] == "92.00 ± 2.00"
+    d = details(t, rt)
+    assert d[0]["personal_accuracy per seed"] == "90.0 / 92.0 / 94.0" and d[0]["ari"] == "1 / 1 / 1"
+    assert d[1]["paper"] == "29.20" and d[0]["paper"] == "—" and d[0]["seeds"] == "0,1,2"
+    verdicts = {o["comparison"]: o for o in ordering(t, rt)}
     assert verdicts["fedmerge d=5 vs fedavg"]["paper ordering holds"] == "yes"
-    assert verdicts["fedmerge d=5 vs fedavg"]["difference (points)"] == pytest.approx(30.0)
-    assert verdicts["fedmerge d=5 vs ifca"]["paper ordering holds"].startswith("no")
-    assert "fedmerge d=5 vs fedem" not in verdicts  # no FedEM row, no verdict
+    assert verdicts["fedmerge d=5 vs fedavg"]["difference"] == pytest.approx(30.0)
+    # diffs -3, -3, 0 points: t = -2 / (1.732 / sqrt 3) = -2.0 with 2 dof, p = 0.18
+    assert verdicts["fedmerge d=5 vs ifca"]["paper ordering holds"] == "no (n.s.)"
+    assert verdicts["fedmerge d=5 vs ifca"]["p (paired t)"] == pytest.approx(0.1835, abs=1e-3)
+    assert "Paper ordering (same seeds)" in section(t, rt)
 
 
-def test_msfusion_cells_and_ordering_accuracy_and_perplexity():
-    seeds = [0, 1, 2]
-    acc = {"msfusion": (0.85, 0.86, 0.84), "fedrolex": (0.6, 0.7, 0.65), "heterofl": (0.3, 0.35, 0.4)}
-    rows = [rm.cell_row(m, [fake_run(a, "global_accuracy") for a in v], seeds, 1.0, "global_accuracy", mu=0.125)
-            for m, v in acc.items()]
-    assert rows[0]["global acc % (mean ± std)"] == "85.00 ± 1.00"
-    assert rows[0]["bytes/participant/round"] == pytest.approx((1000 + 1000) / 2 / 2)  # (down + up) / clients / rounds
-    got = {o["comparison"]: o["paper ordering holds"] for o in rm.ordering(rows, ("mu",))}
+def test_msfusion_ordering_accuracy_and_perplexity():
+    acc = {"msfusion": [0.85, 0.86, 0.84], "fedrolex": [0.6, 0.7, 0.65], "heterofl": [0.3, 0.35, 0.4]}
+    t, rt = table_of(acc, "global_accuracy", rm.PAIRS, columns=("last10_mean", "best10_mean"))
+    assert rt.display_rows()[0]["final global acc (%)"] == "85.00 ± 1.00"
+    # two evaluated rounds (0.1, then the final value): one 10-round window holding both
+    assert details(t, rt)[0]["last10_mean"] == "47.5 / 48.0 / 47.0" == details(t, rt)[0]["best10_mean"]
+    got = {o["comparison"]: o["paper ordering holds"] for o in ordering(t, rt)}
     assert got == {"msfusion vs fedrolex": "yes", "msfusion vs heterofl": "yes", "fedrolex vs heterofl": "yes"}
-    ppl = {"msfusion": (50.0, 52.0, 51.0), "fedrolex": (40.0, 41.0, 42.0)}
-    prow = [rm.cell_row(m, [fake_run(a, "perplexity") for a in v], seeds, 1.0, "perplexity", mu=0.25)
-            for m, v in ppl.items()]
-    assert prow[0]["perplexity (mean ± std)"] == "51.00 ± 1.00"
-    (o,) = rm.ordering(prow, ("mu",))
-    assert o["paper ordering holds"] == "no"  # lower perplexity is better: msfusion loses here
+    ppl = {"msfusion": [50.0, 52.0, 51.0], "fedrolex": [40.0, 41.0, 42.0]}
+    t, rt = table_of(ppl, "perplexity", pairs_within(ppl, rm.PTB_PAIRS))
+    assert rt.display_rows()[0]["final perplexity"] == "51.00 ± 1.00"
+    (o,) = ordering(t, rt)
+    assert o["paper ordering holds"] == "no" and o["difference"] == pytest.approx(10.0)  # lower is better
 
 
-def test_reproductions_take_seeds_and_parts():
-    for mod in (rf, rm):
-        p = argparse.ArgumentParser()
-        mod.add_arguments(p)
-        args = p.parse_args(["--parts", "mnist"])
-        assert args.parts == "mnist"
-    assert [m for m, _, _ in rf.mnist_methods(True)] == ["fedavg", "ifca", "fedmerge d=5", "fedmerge d=10"]
-    assert {"fedmerge d=2", "fedmerge d=20"} <= {m for m, _, _ in rf.mnist_methods(False)}
+def test_rows_are_picked_by_name_in_the_presets_order():
+    rows = rf.mnist_methods(True)
+    assert list(rows) == ["fedavg", "ifca", "fedmerge d=5", "fedmerge d=10"]
+    assert {"fedmerge d=2", "fedmerge d=20"} <= set(rf.mnist_methods(False))
+    assert list(pick(rows, "fedmerge d=5, fedavg")) == ["fedavg", "fedmerge d=5"]
+    with pytest.raises(SystemExit, match="choose from"):
+        pick(rows, "fedprox")
     assert rm.settings(False)["mnist_mus"] == [0.125, 0.25, 0.5]
 
 

@@ -373,13 +373,12 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from fedfuse.reproduce import available, common
+    from fedfuse.reproduce import available
+    from fedfuse.reproduce.preset import run
 
-    common.REUSE = bool(args.reuse)
-    try:
-        rc = int(available()[args.name].run(args))
-    finally:
-        common.REUSE = False
+    family = available()[args.name]
+    default_out = f"runs/reproduce-{args.name}" + ("-quick" if args.quick else "")
+    rc = run(family, args, reuse=bool(args.reuse), default_out=default_out)
     if rc == 0 and args.out and not args.no_report:
         from fedfuse.report import write_report
 
@@ -515,10 +514,10 @@ def _add_reproduce(sub) -> None:
                         description="Re-run a paper's comparison on real data; each writes Markdown tables and "
                                     "plots to its output directory.")
     names = rp.add_subparsers(dest="name", required=True, metavar="NAME")
-    for name, module in available().items():
-        p = names.add_parser(name, help=getattr(module, "DESCRIPTION", ""),
-                             description=getattr(module, "DESCRIPTION", None))
-        p.add_argument("--quick", action="store_true", help="a <= 5 minute version")
+    for name, family in available().items():
+        p = names.add_parser(name, help=family.description, description=family.description)
+        p.add_argument("--quick", action="store_true",
+                       help="a smoke test of the whole table: <= 3 minutes of CPU (docs give each one's time)")
         p.add_argument("--data-dir", default=None, help="where the datasets are (default: $FEDFUSE_DATA)")
         p.add_argument("--out", default=None, help="output directory")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -528,10 +527,10 @@ def _add_reproduce(sub) -> None:
         p.add_argument("--no-report", action="store_true",
                        help="do not write report.md/report.html over the runs below --out afterwards (written "
                             "when --out is given)")
-        add_seed_argument(p)
-        if hasattr(module, "add_arguments"):
-            module.add_arguments(p)
-        _fill_help(p, f"see docs/{name.split('-')[0]}.md")
+        add_seed_argument(p, family.seeds, family.quick_seeds)
+        if family.add_arguments is not None:
+            family.add_arguments(p)
+        _fill_help(p, f"see docs/{family.docs or name.split('-')[0]}.md")
         p.set_defaults(func=cmd_reproduce)
 
 

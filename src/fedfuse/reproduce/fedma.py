@@ -28,33 +28,34 @@ for the other word corpus), same number of training tokens, joint vocabulary; lo
 sets for each model, their plain average and Simple-FedMA (:func:`fedfuse.algorithms.simple_fedma.merge`),
 from the same and from distinct initialisations, one row per seed plus mean ± std.
 
-Every table has one column per method with mean ± std over ``--seeds`` (default 3) and a paired t-test of
-FedMA vs the report-form FedAvg.  ``--quick`` runs a reduced grid; the full grid is the report's scale (a few
-CPU-hours on one core; the same preset runs unchanged on a GPU with ``--device cuda``).
+Each (optimiser, clients, communications) is one table with one row per method, mean ± std over ``--seeds``
+(default 3; quick 1) and a paired t-test of FedMA vs the report-form FedAvg.  ``--quick`` runs a reduced grid;
+the full grid is the report's scale (a few CPU-hours on one core; the same preset runs unchanged on a GPU with
+``--device cuda``).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fedfuse.reproduce.common import run_one
-from fedfuse.stats import mean_std, paired_test, parse_seeds
+from fedfuse.reproduce.common import data_root, seeds
+from fedfuse.reproduce.preset import Family, Table
+from fedfuse.stats import mean_std, paired_test
+from fedfuse.sweep import ResultTable
 from fedfuse.tables import markdown
-
-DESCRIPTION = "FedMA vs FedAvg (both forms)/ensemble/one-shot on MNIST SimpleMLP; Simple-FedMA on PTB + WikiText-2"
 
 LR = {"sgd": 0.01, "adam": 0.001}
 HIDDEN_LAYERS = 4  # SimpleMLP 784-20-100-120-84-10: the report counts one FedMA round as 4 communications
+MLP_METHODS = ("fedma", "fedavg-report", "fedavg", "oneshot")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--part", choices=["all", "mlp", "oneshot", "transformer"], default="all")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on shared CPUs)")
     parser.add_argument("--clients", default=None,
                         help="comma list of client counts (default 2,3,5,8,10; quick 2,5,10)")
     parser.add_argument("--comms", default=None,
@@ -83,10 +84,10 @@ def _strs(text: str | None, default: list[str]) -> list[str]:
 def mnist_base(args, n: int, opt: str) -> dict[str, Any]:
     """The report's MNIST/SimpleMLP run configuration for ``n`` clients (IBM/FedMA main.py settings)."""
     return dict(
-        dataset="mnist", data_dir=args.data_dir, dataset_options={"train_limit": 10000}, partition="dirichlet",
+        dataset="mnist", data_dir=data_root(args), dataset_options={"train_limit": 10000}, partition="dirichlet",
         partition_options={"alpha": 0.5}, model="simple-mlp", batch_size=64, local_epochs=10, val_fraction=0.0,
         clients=n, clients_per_round=n, optimizer=opt, lr=LR[opt], momentum=0.9 if opt == "sgd" else 0.0,
-        plots=False, checkpoint_every=1000, device=getattr(args, "device", "cpu"),
+        plots=False, checkpoint_every=1000, device=getattr(args, "device", "cpu"), threads=getattr(args, "threads", 1),
     )
 
 
@@ -97,107 +98,66 @@ def report_options(opt: str) -> dict[str, dict[str, Any]]:
     return {"fedma": dict(sched), "fedavg-report": {**sched, "continuation": "fedavg"}}
 
 
-def _run(base: dict[str, Any], out: Path, **kw: Any) -> list[dict[str, Any]]:
-    """One configuration's history (``fedfuse reproduce --reuse`` keeps finished runs: common.run_one)."""
-    _, hist = run_one(base, out, progress=False, **kw)
-    return hist
+def mlp_rows(opt: str, comms: int, methods: set[str]) -> dict[str, dict[str, Any]]:
+    """The rows of one communication budget: FedMA after ``comms / 4`` rounds, FedAvg (both forms) after
+    ``comms`` rounds, the one-shot fusions after round 0 (every run also has the uncounted round 0)."""
+    opts = report_options(opt)
+    rows = {
+        "fedma": {"algorithm": "fedma", "rounds": comms // HIDDEN_LAYERS + 1, "algorithm_options": opts["fedma"]},
+        "fedavg-report": {"algorithm": "oneshot-avg", "rounds": comms + 1, "algorithm_options": opts["fedavg-report"]},
+        "fedavg": {"algorithm": "fedavg", "rounds": comms + 1, "algorithm_options": {}},
+    }
+    rows = {k: v for k, v in rows.items() if k in methods}
+    if "oneshot" in methods:
+        rows |= {algo: {"algorithm": algo, "rounds": 1, "algorithm_options": {}}
+                 for algo in ("ensemble", "oneshot-match", "oneshot-avg")}
+    return rows
 
 
-def _acc(hist: list[dict[str, Any]], idx: int, key: str = "global_accuracy") -> float | None:
-    return hist[idx].get(key) if idx < len(hist) else None
-
-
-def _fmt(vals: list[float | None]) -> str:
-    return mean_std(vals).fmt(100.0)
-
-
-def _mlp_grid(args, out: Path, seeds: list[int]) -> list[dict[str, Any]]:
+def mlp_tables(args) -> list[Table]:
     quick = bool(args.quick)
-    clients_grid = _ints(args.clients, [2, 5, 10] if quick else [2, 3, 5, 8, 10])
     comms_grid = _ints(args.comms, [4] if quick else [4, 20])
     if any(c % HIDDEN_LAYERS for c in comms_grid):
         raise SystemExit(f"--comms must be multiples of {HIDDEN_LAYERS} (one FedMA round of SimpleMLP)")
-    optimizers = _strs(args.optimizers, ["sgd"] if quick else ["sgd", "adam"])
-    methods = set(_strs(args.methods, ["fedma", "fedavg-report", "fedavg", "oneshot"]))
-    fr = max(comms_grid) // HIDDEN_LAYERS  # FedMA rounds after the uncounted round 0
-    rows = []
-    for opt in optimizers:
-        opts = report_options(opt)
-        for n in clients_grid:
-            base = mnist_base(args, n, opt)
-            t0 = time.perf_counter()
-            res: dict[str, list[list[dict[str, Any]]]] = {}
-            for s in seeds:
-                tag = f"{opt}-{n}-seed{s}"
-                runs = {}
-                if "fedma" in methods:
-                    runs["fedma"] = dict(algorithm="fedma", rounds=fr + 1, algorithm_options=opts["fedma"])
-                if "fedavg-report" in methods:
-                    runs["fedavg-report"] = dict(algorithm="oneshot-avg", rounds=max(comms_grid) + 1,
-                                                 algorithm_options=opts["fedavg-report"])
-                if "fedavg" in methods:
-                    runs["fedavg"] = dict(algorithm="fedavg", rounds=max(comms_grid) + 1)
-                if "oneshot" in methods:
-                    for algo in ("ensemble", "oneshot-match", "oneshot-avg"):
-                        runs[algo] = dict(algorithm=algo, rounds=1)
-                for name, kw in runs.items():
-                    res.setdefault(name, []).append(_run(base, out / tag / name, seed=s, **kw))
+    methods = set(_strs(args.methods, list(MLP_METHODS)))
+    out = []
+    for opt in _strs(args.optimizers, ["sgd"] if quick else ["sgd", "adam"]):
+        for n in _ints(args.clients, [2, 5, 10] if quick else [2, 3, 5, 8, 10]):
             for comms in comms_grid:
-                r_ma, r_avg = comms // HIDDEN_LAYERS, comms
-                fm = [_acc(h, r_ma) for h in res.get("fedma", [])]
-                fa = [_acc(h, r_avg) for h in res.get("fedavg-report", [])]
-                row: dict[str, Any] = {"optimizer": opt, "clients": n, "communications": comms, "seeds": len(seeds),
-                                       "FedMA / FedAvg rounds counted": f"{r_ma} / {r_avg}"}
-                if "fedma" in res:
-                    row["FedMA round 0 (uncounted) %"] = _fmt([_acc(h, 0) for h in res["fedma"]])
-                    row["FedMA %"] = _fmt(fm)
-                if "fedavg-report" in res:
-                    row["FedAvg report form %"] = _fmt(fa)
-                if "fedavg" in res:
-                    row["FedAvg shared init %"] = _fmt([_acc(h, r_avg) for h in res["fedavg"]])
-                if "oneshot" in methods:
-                    row["ensemble %"] = _fmt([_acc(h, 0, "ensemble_accuracy") for h in res["ensemble"]])
-                    row["1-shot matching %"] = _fmt([_acc(h, 0) for h in res["oneshot-match"]])
-                    row["1-shot averaging %"] = _fmt([_acc(h, 0) for h in res["oneshot-avg"]])
-                if fm and fa:
-                    t = paired_test(fm, fa)
-                    row["FedMA − FedAvg(report) pts"] = f"{100 * t.diff:+.2f} {t.mark()}"
-                    row["FedMA widths"] = "-".join(str(w) for w in res["fedma"][0][r_ma].get("global_widths", []))
-                rows.append(row)
-            print(markdown(rows[-len(comms_grid):]), f"\n({time.perf_counter() - t0:.0f} s)", flush=True)
-    return rows
+                rows = mlp_rows(opt, comms, methods)
+                title = (f"FedMA on MNIST SimpleMLP, {opt}, {n} clients, {comms} communications (FedMA / FedAvg "
+                         f"rounds counted {comms // HIDDEN_LAYERS} / {comms}); global test accuracy")
+                pairs = (("fedma", "fedavg-report"),) if {"fedma", "fedavg-report"} <= set(rows) else ()
+                out.append(Table(f"mlp-{opt}-{n}clients-{comms}comms", title, mnist_base(args, n, opt), rows,
+                                 pairs=pairs, columns=("ensemble_accuracy", "global_widths")))
+    return out
 
 
-def _oneshot_study(args, out: Path, seeds: list[int]) -> list[dict[str, Any]]:
-    """One-shot matching of the same local models: posterior (code σ, σ0, γ) vs plain mean vs small σ."""
-    variants = {
-        "BBP-MAP posterior, code σ=1 σ0=1 γ=7": {},
-        "BBP-MAP, plain mean of matched units": {"estimator": "mean"},
-        "BBP-MAP posterior, σ=0.01": {"sigma": 0.01},
-        "BBP-MAP posterior, σ0=100": {"sigma0": 100.0},
-        "Hungarian (no growth), mean": {"matching": "hungarian"},
-    }
-    clients_grid = _ints(args.clients, [2, 10]) if args.part == "oneshot" else [2, 10]
-    rows = []
-    for n in clients_grid:
-        base = mnist_base(args, n, "sgd")
-        acc: dict[str, list[float | None]] = {}
-        widths: dict[str, str] = {}
-        for s in seeds:
-            h = _run(base, out / f"oneshot-{n}-seed{s}" / "avg", seed=s, algorithm="oneshot-avg",
-                     rounds=1)
-            acc.setdefault("element-wise average (no matching)", []).append(_acc(h, 0))
-            for name, o in variants.items():
-                sub = "-".join(f"{k}={v}" for k, v in sorted(o.items())) or "code"
-                h = _run(base, out / f"oneshot-{n}-seed{s}" / sub, seed=s, algorithm="oneshot-match",
-                         rounds=1, algorithm_options=o)
-                acc.setdefault(name, []).append(_acc(h, 0))
-                widths[name] = "-".join(str(w) for w in h[0].get("global_widths", []))
-        for name, vals in acc.items():
-            rows.append({"clients": n, "fusion of the same local models": name, "accuracy %": _fmt(vals),
-                         "seeds": len(vals), "widths (seed 0)": widths.get(name, "20-100-120-84")})
-        print(markdown(rows[-len(acc):]), flush=True)
-    return rows
+#: One-shot matching of the same local models: the code's posterior (σ, σ0, γ) vs plain mean vs small σ.
+ONESHOT = {
+    "element-wise average (no matching)": ("oneshot-avg", {}),
+    "BBP-MAP posterior, code σ=1 σ0=1 γ=7": ("oneshot-match", {}),
+    "BBP-MAP, plain mean of matched units": ("oneshot-match", {"estimator": "mean"}),
+    "BBP-MAP posterior, σ=0.01": ("oneshot-match", {"sigma": 0.01}),
+    "BBP-MAP posterior, σ0=100": ("oneshot-match", {"sigma0": 100.0}),
+    "Hungarian (no growth), mean": ("oneshot-match", {"matching": "hungarian"}),
+}
+
+
+def oneshot_tables(args) -> list[Table]:
+    rows = {k: {"algorithm": a, "rounds": 1, "algorithm_options": o} for k, (a, o) in ONESHOT.items()}
+    clients = _ints(args.clients, [2, 10]) if args.part == "oneshot" else [2, 10]
+    return [Table(f"oneshot-{n}clients", f"One-shot fusion of the same local models, MNIST SimpleMLP, {n} clients",
+                  mnist_base(args, n, "sgd"), rows, columns=("global_widths",)) for n in clients]
+
+
+def tables(args) -> list[Table]:
+    out = []
+    if args.part in ("all", "mlp"):
+        out += mlp_tables(args)
+    if args.part in ("all", "oneshot"):
+        out += oneshot_tables(args)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- part 2
@@ -233,103 +193,87 @@ def _lm_data(data_dir: str | None, corpus: str, max_vocab: int, max_train: int, 
     return train, (test_x, test_y), len(vocab), n_train * seq_len
 
 
-def _transformer_part(args, seeds: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _lm_model(seed: int, vocab: int, d_ff: int):
+    from fedfuse.models import build_model
+
+    torch.manual_seed(seed)
+    return build_model("transformer", (35,), vocab, task="lm", d_model=8, n_heads=1, n_layers=1, d_ff=d_ff,
+                       dropout=0.2, persistent_pe=True, max_len=35)
+
+
+def _merge_pair(train, test_split, cfg, vocab: int, d_ff: int, init: str, seed: int, corpus: str) -> dict[str, Any]:
+    """Train one model per corpus (same or distinct initialisation), merge them; the row of losses."""
     from fedfuse.algorithms.simple_fedma import merge
-    from fedfuse.engine.client import TrainConfig, evaluate_model, train_local
+    from fedfuse.engine.client import evaluate_model, train_local
     from fedfuse.fusion.average import weighted_average
     from fedfuse.fusion.permute import perm_spec
-    from fedfuse.models import build_model
     from fedfuse.rng import torch_generator
     from fedfuse.types import Split
 
+    t0 = time.perf_counter()
+    models = []
+    for j, (x, y) in enumerate(train):
+        m = _lm_model(seed * 1000 + (j if init == "distinct" else 0), vocab, d_ff)
+        train_local(m, Split(x, y), cfg, torch_generator(seed, "simple-fedma", j))
+        models.append(m)
+    states = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
+    probe = _lm_model(0, vocab, d_ff)
+
+    def loss_of(st) -> float:
+        probe.load_state_dict(st)
+        return float(evaluate_model(probe, test_split, 32).loss)
+
+    avg = loss_of(weighted_average(states, [1.0, 1.0]))
+    merged, moved = merge(states, perm_spec(models[0]), "l1")
+    sf = loss_of(merged)
+    return {"hidden": d_ff, "init": init, "seed": seed, "loss PTB model": round(loss_of(states[0]), 3),
+            f"loss {corpus} model": round(loss_of(states[1]), 3), "loss plain average": round(avg, 3),
+            "loss Simple-FedMA": round(sf, 3), "Δ (avg − Simple-FedMA)": round(avg - sf, 3),
+            "units moved (residual/qk/v/mlp)": "/".join(str(sum(v for k, v in moved.items() if k.split(".")[-1] == g))
+                                                        for g in ("residual", "qk", "v", "mlp")),
+            "seconds": round(time.perf_counter() - t0, 1), "_avg": avg, "_sf": sf}
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    avg_l, sf_l = [r["_avg"] for r in rows], [r["_sf"] for r in rows]
+    t = paired_test(sf_l, avg_l)
+    return {"hidden": rows[0]["hidden"], "init": rows[0]["init"], "seeds": len(rows),
+            "loss plain average": mean_std(avg_l).fmt(digits=3), "loss Simple-FedMA": mean_std(sf_l).fmt(digits=3),
+            "Δ (avg − Simple-FedMA)": mean_std([a - b for a, b in zip(avg_l, sf_l)]).fmt(digits=3),
+            "Simple-FedMA lower in": f"{sum(b < a for a, b in zip(avg_l, sf_l))}/{len(rows)} seeds",
+            "paired t": f"p = {t.p_value:.2g} {t.mark()}"}
+
+
+def simple_fedma(args) -> str:
+    """Part ``transformer``: Simple-FedMA vs the plain average of two transformers (not a federated run, so not
+    a table of runs); its Markdown."""
+    from fedfuse.engine.client import TrainConfig
+    from fedfuse.types import Split
+
     quick = bool(args.quick)
-    vocab_cap = args.lm_vocab or (2000 if quick else 5000)
-    windows = args.lm_windows or (400 if quick else 2000)
     epochs = args.lm_epochs or (1 if quick else 4)
-    corpus = args.lm_corpus
-    train, test, vocab, tokens = _lm_data(args.data_dir, corpus, vocab_cap, windows, windows // 5)
+    windows = args.lm_windows or (400 if quick else 2000)
+    train, test, vocab, tokens = _lm_data(data_root(args), args.lm_corpus, args.lm_vocab or (2000 if quick else 5000),
+                                          windows, windows // 5)
     test_split = Split(*test)
     cfg = TrainConfig(local_epochs=epochs, batch_size=20, lr=5.0, grad_clip=0.5)
     rows, summary = [], []
-    hiddens = [16] if quick else [16, 32]
-    for d_ff in hiddens:
+    for d_ff in [16] if quick else [16, 32]:
         for init in ("same", "distinct"):
-            per_seed = []
-            for seed in seeds:
-                t0 = time.perf_counter()
-
-                def build(s: int, d_ff: int = d_ff):
-                    torch.manual_seed(s)
-                    return build_model("transformer", (35,), vocab, task="lm", d_model=8, n_heads=1, n_layers=1,
-                                       d_ff=d_ff, dropout=0.2, persistent_pe=True, max_len=35)
-
-                models = []
-                for j, (x, y) in enumerate(train):
-                    m = build(seed * 1000 + (j if init == "distinct" else 0))
-                    train_local(m, Split(x, y), cfg, torch_generator(seed, "simple-fedma", j))
-                    models.append(m)
-                states = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
-                probe = build(0)
-
-                def loss_of(st, probe=probe) -> float:
-                    probe.load_state_dict(st)
-                    return float(evaluate_model(probe, test_split, 32).loss)
-
-                avg = loss_of(weighted_average(states, [1.0, 1.0]))
-                merged, moved = merge(states, perm_spec(models[0]), "l1")
-                sf = loss_of(merged)
-                per_seed.append((avg, sf))
-                rows.append({
-                    "hidden": d_ff, "init": init, "seed": seed, "loss PTB model": round(loss_of(states[0]), 3),
-                    f"loss {corpus} model": round(loss_of(states[1]), 3), "loss plain average": round(avg, 3),
-                    "loss Simple-FedMA": round(sf, 3), "Δ (avg − Simple-FedMA)": round(avg - sf, 3),
-                    "units moved (residual/qk/v/mlp)": "/".join(
-                        str(sum(v for k, v in moved.items() if k.split(".")[-1] == g))
-                        for g in ("residual", "qk", "v", "mlp")),
-                    "seconds": round(time.perf_counter() - t0, 1),
-                })
-                print(markdown(rows[-1:]), flush=True)
-            avg_l, sf_l = [a for a, _ in per_seed], [b for _, b in per_seed]
-            t = paired_test(sf_l, avg_l)
-            summary.append({
-                "hidden": d_ff, "init": init, "seeds": len(per_seed),
-                "loss plain average": mean_std(avg_l).fmt(digits=3), "loss Simple-FedMA": mean_std(sf_l).fmt(digits=3),
-                "Δ (avg − Simple-FedMA)": mean_std([a - b for a, b in per_seed]).fmt(digits=3),
-                "Simple-FedMA lower in": f"{sum(b < a for a, b in per_seed)}/{len(per_seed)} seeds",
-                "paired t": f"p = {t.p_value:.2g} {t.mark()}",
-            })
-    print(f"(vocabulary {vocab}, {tokens} training tokens per model, {len(test_split)} test windows, "
-          f"{epochs} epochs)")
-    return rows, summary
+            per = [_merge_pair(train, test_split, cfg, vocab, d_ff, init, s, args.lm_corpus) for s in seeds(args)]
+            summary.append(_summary(per))
+            rows += per
+    shown = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    return (f"## Simple-FedMA (loss on the union of both test sets)\n\nvocabulary {vocab}, {tokens} training "
+            f"tokens per model, {len(test_split)} test windows, {epochs} epochs\n\n{markdown(summary)}\n\n"
+            f"{markdown(shown)}")
 
 
-def run(args) -> int:
-    if getattr(args, "threads", 0):
+def extra(args, out: Path, done: dict[str, ResultTable]) -> str:
+    if args.threads:
         torch.set_num_threads(int(args.threads))
-    seeds = parse_seeds(getattr(args, "seeds", "3"))
-    out = Path(args.out or ("/tmp/fedfuse-reproduce-fedma" + ("-quick" if args.quick else "")))
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    result: dict[str, Any] = {"seeds": seeds}
-    if args.part in ("all", "mlp"):
-        result["mnist"] = _mlp_grid(args, out, seeds)
-    if args.part in ("all", "oneshot"):
-        result["oneshot"] = _oneshot_study(args, out, seeds)
-    if args.part in ("all", "transformer"):
-        result["simple_fedma"], result["simple_fedma_summary"] = _transformer_part(args, seeds)
-    wall = time.perf_counter() - t0
-    text = [f"seeds: {seeds}", ""]
-    if "mnist" in result:
-        text += ["## FedMA on MNIST (SimpleMLP, global test accuracy, mean ± std over seeds; "
-                 "communications counted as in the report)", "", markdown(result["mnist"]), ""]
-    if "oneshot" in result:
-        text += ["## One-shot fusion of the same local models (MNIST SimpleMLP)", "", markdown(result["oneshot"]), ""]
-    if "simple_fedma" in result:
-        text += ["## Simple-FedMA (loss on the union of both test sets)", "", markdown(result["simple_fedma_summary"]),
-                 "", markdown(result["simple_fedma"]), ""]
-    text.append(f"wall time: {wall:.0f} s")
-    report = "\n".join(text)
-    print(report)
-    (out / "results.md").write_text(report + "\n")
-    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
-    return 0
+    return simple_fedma(args) if args.part in ("all", "transformer") else ""
+
+
+FAMILY = Family("FedMA vs FedAvg (both forms)/ensemble/one-shot on MNIST SimpleMLP; Simple-FedMA on PTB + WikiText-2",
+                tables, add_arguments, extra)

@@ -11,25 +11,18 @@ Parts (``--parts``, default ``mnist,cifar``):
   *personal* (Dirichlet(0.1)); FedMR's CIFAR CNN (62k parameters).  The papers use CIFAR-100, ResNet-9, 50 clients
   and 500 rounds; the same presets run at that scale on a GPU with ``--rounds`` and a larger ``train_limit``.
 
-Every cell is the mean ± sample std over the seeds (``--seeds``, default 3) of the *final* personalised accuracy
-(each client's model on its own test split, averaged over clients); "ordering" rows compare FedMerge d = 5 with
-each baseline on the same seeds (paired t-test: ``*`` p < 0.05, ``(n.s.)`` otherwise).
+Every cell is the mean ± sample std over the seeds (``--seeds``, default 3; quick 1) of the *final* personalised
+accuracy (each client's model on its own test split, averaged over clients); "ordering" rows compare FedMerge
+d = 5 and d = 10 with each baseline on the same seeds (paired t-test: ``*`` p < 0.05, ``(n.s.)`` otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
-from pathlib import Path
 from typing import Any
 
-from fedfuse.reproduce.common import run_seeds
-from fedfuse.stats import mean_std, paired_test, parse_seeds
-from fedfuse.tables import markdown
-
-DESCRIPTION = "FedMerge vs FedAvg/IFCA/FedEM over seeds: MNIST label-cluster (defaults check) and CIFAR-10 cluster/Dir"
+from fedfuse.reproduce.common import data_root
+from fedfuse.reproduce.preset import Family, Table, pairs_within, pick
 
 PARTITIONS: dict[str, dict[str, Any]] = {
     "mnist-cluster": {"partition": "label-cluster", "partition_options": {"clusters": 5}},
@@ -39,16 +32,14 @@ PARTITIONS: dict[str, dict[str, Any]] = {
 }
 
 PAPER = {  # CIFAR-100, ResNet-9, 50 clients, 500 rounds (FedMerge paper, Tables 2-4); d = 5 unless noted
-    ("cluster", "local"): "23.13", ("cluster", "fedavg"): "29.20", ("cluster", "fedavg-ft"): "46.53",
-    ("cluster", "pfedmoe"): "49.03", ("cluster", "ifca"): "42.64", ("cluster", "fedem"): "48.47",
-    ("cluster", "fedmerge d=5"): "51.69", ("cluster", "fedmerge d=10"): "51.38",
-    ("cluster", "fixed 1/5"): "32.55 (1/15)",
-    ("personal", "local"): "38.76", ("personal", "fedavg"): "30.29", ("personal", "fedavg-ft"): "53.54",
-    ("personal", "pfedmoe"): "54.28", ("personal", "ifca"): "25.68", ("personal", "fedem"): "32.50",
-    ("personal", "fedmerge d=5"): "37.88", ("personal", "fedmerge d=10"): "46.62",
-    ("personal", "fixed 1/5"): "40.94 (1/15)",
+    "cluster": {"local": "23.13", "fedavg": "29.20", "fedavg-ft": "46.53", "pfedmoe": "49.03", "ifca": "42.64",
+                "fedem": "48.47", "fedmerge d=5": "51.69", "fedmerge d=10": "51.38", "fixed 1/5": "32.55 (1/15)"},
+    "personal": {"local": "38.76", "fedavg": "30.29", "fedavg-ft": "53.54", "pfedmoe": "54.28", "ifca": "25.68",
+                 "fedem": "32.50", "fedmerge d=5": "37.88", "fedmerge d=10": "46.62", "fixed 1/5": "40.94 (1/15)"},
 }
 BASELINES = ("fedavg", "ifca", "fedem")
+#: The paper's ordering: FedMerge d = 5 and d = 10 above each baseline (tested where both rows run).
+PAIRS = tuple((m, b) for m in ("fedmerge d=5", "fedmerge d=10") for b in BASELINES)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,130 +58,71 @@ def settings(quick: bool) -> dict[str, Any]:
             "rounds": 24, "train_limit": 10000, "test_limit": 5000, "eval_every": 3}
 
 
-def mnist_methods(quick: bool) -> list[tuple[str, str, dict[str, Any]]]:
-    rows = [("fedavg", "fedavg", {}), ("ifca", "ifca", {"k": 5}),
-            ("fedmerge d=5", "fedmerge", {"d": 5}), ("fedmerge d=10", "fedmerge", {"d": 10})]
+def _row(algo: str, **opts: Any) -> dict[str, Any]:
+    return {"algorithm": algo, "algorithm_options": opts}
+
+
+def mnist_methods(quick: bool) -> dict[str, dict[str, Any]]:
+    rows = {"fedavg": _row("fedavg"), "ifca": _row("ifca", k=5), "fedmerge d=5": _row("fedmerge", d=5),
+            "fedmerge d=10": _row("fedmerge", d=10)}
     if not quick:
-        rows += [("fedmerge d=2", "fedmerge", {"d": 2}), ("fedmerge d=20", "fedmerge", {"d": 20}),
-                 ("fedmerge d=10 shared init", "fedmerge", {"d": 10, "init": "shared"}),
-                 ("fedmerge d=20 shared init", "fedmerge", {"d": 20, "init": "shared"}),
-                 ("fedmerge d=10 paper Θ", "fedmerge", {"d": 10, "theta_update": "paper"}),
-                 ("fedmerge d=10 previous defaults", "fedmerge",
-                  {"d": 10, "theta_update": "paper", "merge_step": 0.01}),
-                 ("fedem", "fedem", {"m": 5})]
+        rows |= {"fedmerge d=2": _row("fedmerge", d=2), "fedmerge d=20": _row("fedmerge", d=20),
+                 "fedmerge d=10 shared init": _row("fedmerge", d=10, init="shared"),
+                 "fedmerge d=20 shared init": _row("fedmerge", d=20, init="shared"),
+                 "fedmerge d=10 paper Θ": _row("fedmerge", d=10, theta_update="paper"),
+                 "fedmerge d=10 previous defaults": _row("fedmerge", d=10, theta_update="paper", merge_step=0.01),
+                 "fedem": _row("fedem", m=5)}
     return rows
 
 
-def cifar_methods(quick: bool, eval_every: int, rounds: int) -> list[tuple[str, str, dict[str, Any]]]:
+def cifar_methods(quick: bool, eval_every: int, rounds: int) -> dict[str, dict[str, Any]]:
     fm = {"heatmap_every": eval_every * max(rounds // (4 * eval_every), 1)}
-    rows = [("fedmerge d=5", "fedmerge", {"d": 5, **fm}), ("fedavg", "fedavg", {}), ("ifca", "ifca", {"k": 5}),
-            ("fedem", "fedem", {"m": 5})]
+    rows = {"fedmerge d=5": _row("fedmerge", d=5, **fm), "fedavg": _row("fedavg"), "ifca": _row("ifca", k=5),
+            "fedem": _row("fedem", m=5)}
     if not quick:
         code = {"theta_update": "column_normalised", "weights_first": True, "prox_mu": 0.01}
-        rows += [("fedmerge d=2", "fedmerge", {"d": 2, **fm}), ("fedmerge d=10", "fedmerge", {"d": 10, **fm}),
-                 ("fixed 1/5", "fedmerge", {"d": 5, "fixed_k": 1, **fm}),
-                 ("fedmerge d=5 code-form", "fedmerge", {"d": 5, **fm, **code}),
-                 ("fedmerge d=5 shared init", "fedmerge", {"d": 5, "init": "shared", **fm}),
-                 ("fedmerge d=5 paper Θ", "fedmerge", {"d": 5, "theta_update": "paper", **fm}),
-                 ("local", "local", {}), ("fedavg-ft", "fedavg-ft", {"ft_epochs": 1}), ("pfedmoe", "pfedmoe", {})]
+        rows |= {"fedmerge d=2": _row("fedmerge", d=2, **fm), "fedmerge d=10": _row("fedmerge", d=10, **fm),
+                 "fixed 1/5": _row("fedmerge", d=5, fixed_k=1, **fm),
+                 "fedmerge d=5 code-form": _row("fedmerge", d=5, **fm, **code),
+                 "fedmerge d=5 shared init": _row("fedmerge", d=5, init="shared", **fm),
+                 "fedmerge d=5 paper Θ": _row("fedmerge", d=5, theta_update="paper", **fm),
+                 "local": _row("local"), "fedavg-ft": _row("fedavg-ft", ft_epochs=1), "pfedmoe": _row("pfedmoe")}
     return rows
 
 
-def final_personal(run: tuple[dict, list[dict]]) -> float | None:
-    return run[0]["final"].get("personal_accuracy")
+def _table(tid: str, title: str, base: dict[str, Any], rows: dict[str, Any], wanted: str,
+           paper: dict[str, str] | None = None) -> Table | None:
+    rows = {k: v for k, v in rows.items() if not wanted or k in wanted.split(",")}
+    if not rows:
+        return None
+    return Table(tid, title, base, rows, metric="personal_accuracy", pairs=pairs_within(rows, PAIRS),
+                 paper=paper or {}, columns=("ari",))
 
 
-def cell_row(setting: str, label: str, runs: list[tuple[dict, list[dict]]], seeds: list[int], cpr: int,
-             wall: float) -> dict[str, Any]:
-    accs = [final_personal(r) for r in runs]
-    aris = [r[1][-1].get("ari") for r in runs if r[1]]
-    tot = [r[0]["totals"] for r in runs]
-    rounds = max(runs[0][0].get("rounds_completed", 1), 1)
-    return {
-        "setting": setting, "method": label,
-        "personal acc % (mean ± std)": mean_std(accs).fmt(100.0),
-        "per seed": " / ".join("—" if a is None else f"{100 * a:.1f}" for a in accs),
-        "paper %": PAPER.get((setting, label)),
-        "ARI": mean_std(aris).fmt(1.0, 2) if any(a is not None for a in aris) else None,
-        "KB/client/round": round(sum((t["bytes_down"] + t["bytes_up"]) for t in tot) / len(tot)
-                                 / max(rounds * cpr, 1) / 1024, 1),
-        "seeds": ",".join(map(str, seeds)), "wall s": round(wall, 1),
-        "_acc": accs,
-    }
-
-
-def ordering(rows: list[dict[str, Any]], methods: tuple[str, ...] = ("fedmerge d=5", "fedmerge d=10")) -> list[dict]:
-    """Each FedMerge row of ``methods`` vs each baseline on the same seeds, per setting (paired t-test)."""
-    out = []
-    for setting in dict.fromkeys(r["setting"] for r in rows):
-        by = {r["method"]: r for r in rows if r["setting"] == setting}
-        for m in (m for m in methods if m in by):
-            for b in (b for b in BASELINES if b in by):
-                t = paired_test(by[m]["_acc"], by[b]["_acc"])
-                verdict = "yes" if t.diff > 0 else "no"
-                out.append({"setting": setting, "comparison": f"{m} vs {b}",
-                            "difference (points)": round(100 * t.diff, 2) if t.n else None,
-                            "p (paired t)": None if t.p_value != t.p_value else round(t.p_value, 4),
-                            "paper ordering holds": verdict + ("" if t.significant() else " (n.s.)")})
-    return out
-
-
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    torch.set_num_threads(max(int(args.threads), 1))
+def tables(args: argparse.Namespace) -> list[Table]:
     s = settings(args.quick)
-    seeds = parse_seeds(args.seeds)
-    out = Path(args.out or ("runs/reproduce-fedmerge" + ("-quick" if args.quick else "")))
-    data_dir = args.data_dir or os.environ.get("FEDFUSE_DATA", "../shared/data")
-    out.mkdir(parents=True, exist_ok=True)
-    wanted = {m.strip() for m in args.methods.split(",") if m.strip()}
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    rows: list[dict[str, Any]] = []
-    t_all = time.perf_counter()
-
-    def show(rs: list[dict[str, Any]]) -> str:
-        return markdown([{k: v for k, v in r.items() if not k.startswith("_")} for r in rs])
-
-    def write() -> str:
-        text = (f"# FedMerge reproduction ({'quick' if args.quick else 'full'}), seeds {','.join(map(str, seeds))}\n\n"
-                f"{show(rows)}\n\n## Paper ordering (FedMerge d=5 and d=10 vs baselines, same seeds)\n\n"
-                f"{markdown(ordering(rows))}\n\nwall {time.perf_counter() - t_all:.0f} s\n")
-        (out / "results.md").write_text(text)
-        (out / "results.json").write_text(json.dumps(rows, indent=2, default=str))
-        return text
-
-    def cell(setting: str, label: str, base: dict[str, Any], algo: str, opts: dict[str, Any], cpr: int) -> None:
-        if wanted and label not in wanted:
-            return
-        t0 = time.perf_counter()
-        run_dir = out / setting / label.replace(" ", "_").replace("/", "-").replace("Θ", "theta").replace(",", "")
-        runs = run_seeds(base, run_dir, seeds, progress=False, algorithm=algo, algorithm_options=opts)
-        rows.append(cell_row(setting, label, runs, seeds, cpr, time.perf_counter() - t0))
-        print(show([rows[-1]]).splitlines()[-1], flush=True)
-        write()
-
+    parts = pick({"mnist": 0, "cifar": 0}, args.parts, "--parts")
+    settings_ = pick({"cluster": 0, "personal": 0}, args.partitions, "--partitions")
+    wanted = ",".join(m.strip() for m in args.methods.split(",") if m.strip())
+    common = {"data_dir": data_root(args), "plots": False, "checkpoint_every": 10_000, "threads": args.threads}
+    out = []
     if "mnist" in parts:
-        base = {
-            "dataset": "mnist", "data_dir": data_dir, "model": "mlp", "clients": 20, "clients_per_round": 5,
-            "rounds": args.rounds or s["mnist_rounds"], "plots": False, "checkpoint_every": 10_000,
-            "eval_every": 5, "threads": args.threads, **PARTITIONS["mnist-cluster"],
-            "dataset_options": {"train_limit": s["mnist_train"], "test_limit": s["mnist_test"]},
-        }
-        for label, algo, opts in mnist_methods(args.quick):
-            cell("mnist-cluster", label, base, algo, opts, 5)
+        base = {**common, "dataset": "mnist", "model": "mlp", "clients": 20, "clients_per_round": 5,
+                "rounds": args.rounds or s["mnist_rounds"], "eval_every": 5, **PARTITIONS["mnist-cluster"],
+                "dataset_options": {"train_limit": s["mnist_train"], "test_limit": s["mnist_test"]}}
+        out.append(_table("mnist-cluster", "MNIST label-cluster (5 × 2 classes), MLP: the defaults check", base,
+                          mnist_methods(args.quick), wanted))
     if "cifar" in parts:
         rounds = args.rounds or s["rounds"]
-        base = {
-            "dataset": "cifar10", "data_dir": data_dir, "model": "cnn-cifar", "clients": 20, "clients_per_round": 10,
-            "rounds": rounds, "local_epochs": 1, "batch_size": 32, "lr": 0.05, "eval_every": s["eval_every"],
-            "plots": False, "checkpoint_every": 10_000, "threads": args.threads,
-            "dataset_options": {"train_limit": s["train_limit"], "test_limit": s["test_limit"]},
-        }
-        for pname in [p.strip() for p in args.partitions.split(",") if p.strip()]:
-            if pname not in ("cluster", "personal"):
-                raise SystemExit(f"unknown partition {pname!r}; choose cluster or personal")
-            for label, algo, opts in cifar_methods(args.quick, s["eval_every"], rounds):
-                cell(pname, label, {**base, **PARTITIONS[pname]}, algo, opts, 10)
-    print(write())
-    return 0
+        base = {**common, "dataset": "cifar10", "model": "cnn-cifar", "clients": 20, "clients_per_round": 10,
+                "rounds": rounds, "local_epochs": 1, "batch_size": 32, "lr": 0.05, "eval_every": s["eval_every"],
+                "dataset_options": {"train_limit": s["train_limit"], "test_limit": s["test_limit"]}}
+        for name in settings_:
+            out.append(_table(name, f"CIFAR-10 {name} non-IID, 20 clients (10 per round), FedMR's CNN",
+                              {**base, **PARTITIONS[name]}, cifar_methods(args.quick, s["eval_every"], rounds),
+                              wanted, PAPER[name]))
+    return [t for t in out if t is not None]
+
+
+FAMILY = Family("FedMerge vs FedAvg/IFCA/FedEM over seeds: MNIST label-cluster (defaults check) and CIFAR-10 "
+                "cluster/Dir", tables, add_arguments)

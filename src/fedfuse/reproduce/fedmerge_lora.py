@@ -16,15 +16,14 @@ scaled so the total logit travel matches (``merge_step = 0.5 / rounds`` · 10 = 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
 from pathlib import Path
 from typing import Any
 
-from fedfuse.tables import markdown
-
-DESCRIPTION = "FedMerge on LoRA adapters vs Local/FedIT/FedLoRA/FedEM-LoRA; parameter-scale sweep (d vs rank)"
+from fedfuse.config import RunConfig
+from fedfuse.reproduce.common import data_root
+from fedfuse.reproduce.preset import Family, Table, pick
+from fedfuse.sweep import ResultTable
+from fedfuse.types import Federation
 
 D_SWEEP = (2, 4, 8, 12)
 RANK_SWEEP = (4, 8, 16, 32)
@@ -60,37 +59,51 @@ def settings(quick: bool, task: str) -> dict[str, Any]:
             "rouge_samples": 32, "gen_tokens": 32, "eval_every": 5}
 
 
-def methods(rounds: int, rank: int) -> list[tuple[str, str, dict[str, Any]]]:
-    step = 5.0 / rounds
-    return [
-        ("fedmerge-lora d=4", "fedmerge-lora", {"d": 4, "merge_step": step, "rank": rank}),
-        ("fedmerge-lora d=4 paper", "fedmerge-lora", {"d": 4, "merge_step": step, "rank": rank,
-                                                      "theta_update": "paper"}),
-        ("fedmerge-lora d=4 paper init=merge", "fedmerge-lora", {"d": 4, "merge_step": step, "rank": rank,
-                                                                 "theta_update": "paper", "init_scale": "merge"}),
-        ("fedit", "fedit", {"rank": rank}),
-        ("fedlora", "fedlora", {"rank": rank, "ft_epochs": 1}),
-        ("local-lora", "local-lora", {"rank": rank}),
-        ("fedem-lora m=4", "fedem-lora", {"m": 4, "rank": rank}),
-    ]
+def _row(algo: str, **opts: Any) -> dict[str, Any]:
+    return {"algorithm": algo, "algorithm_options": opts}
 
 
-def sweep(rounds: int, rank: int, which: list[str]) -> list[tuple[str, str, dict[str, Any]]]:
+def methods(rounds: int, rank: int) -> dict[str, dict[str, Any]]:
     step = 5.0 / rounds
-    out: list[tuple[str, str, dict[str, Any]]] = []
+    fm = {"merge_step": step, "rank": rank}
+    return {
+        "fedmerge-lora d=4": _row("fedmerge-lora", d=4, **fm),
+        "fedmerge-lora d=4 paper": _row("fedmerge-lora", d=4, theta_update="paper", **fm),
+        "fedmerge-lora d=4 paper init=merge": _row("fedmerge-lora", d=4, theta_update="paper", init_scale="merge",
+                                                   **fm),
+        "fedit": _row("fedit", rank=rank),
+        "fedlora": _row("fedlora", rank=rank, ft_epochs=1),
+        "local-lora": _row("local-lora", rank=rank),
+        "fedem-lora m=4": _row("fedem-lora", m=4, rank=rank),
+    }
+
+
+def sweep(rounds: int, rank: int, which: list[str]) -> dict[str, dict[str, Any]]:
+    """The parameter-scale rows: d adapters for FedMerge / FedEM, the LoRA rank for FedIT / FedLoRA."""
+    step = 5.0 / rounds
+    out: dict[str, dict[str, Any]] = {}
     for algo in which:
         if algo == "fedmerge-lora":
-            out += [(f"fedmerge-lora d={d}", algo, {"d": d, "merge_step": step, "rank": rank}) for d in D_SWEEP]
-            out += [(f"fedmerge-lora d={d} paper", algo, {"d": d, "merge_step": step, "rank": rank,
-                                                         "theta_update": "paper"}) for d in D_SWEEP]
+            out |= {f"fedmerge-lora d={d}": _row(algo, d=d, merge_step=step, rank=rank) for d in D_SWEEP}
+            out |= {f"fedmerge-lora d={d} paper": _row(algo, d=d, merge_step=step, rank=rank, theta_update="paper")
+                    for d in D_SWEEP}
         elif algo == "fedem-lora":
-            out += [(f"fedem-lora m={d}", algo, {"m": d, "rank": rank}) for d in D_SWEEP]
+            out |= {f"fedem-lora m={d}": _row(algo, m=d, rank=rank) for d in D_SWEEP}
         elif algo in ("fedit", "fedlora"):
             extra = {"ft_epochs": 1} if algo == "fedlora" else {}
-            out += [(f"{algo} r={r}" if r != rank else algo, algo, {"rank": r, **extra}) for r in RANK_SWEEP]
+            out |= {(f"{algo} r={r}" if r != rank else algo): _row(algo, rank=r, **extra) for r in RANK_SWEEP}
         else:
             raise SystemExit(f"--sweep-methods: {algo!r} has no parameter-scale axis")
     return out
+
+
+def base_spec(args: argparse.Namespace, data_dir: str) -> str:
+    """``--base``, else the cached ``fedfuse pretrain`` base (trained by :func:`ensure_base` when missing)."""
+    if args.base:
+        return args.base
+    from fedfuse.adapters.text import PretrainConfig, default_base_path
+
+    return f"fedfuse:{default_base_path(PretrainConfig(), data_dir)}"
 
 
 def ensure_base(args: argparse.Namespace, data_dir: str) -> str:
@@ -126,112 +139,51 @@ def federation(args: argparse.Namespace, base: str, s: dict[str, Any], data_dir:
     return instruction_federation(args.instructions, tok, seed=seed, device=device)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+def tables(args: argparse.Namespace) -> list[Table]:
+    """One table: the main methods (and with ``--sweep`` the parameter-scale rows) on one federation per seed."""
+    from fedfuse.config import resolve_device
 
-    from fedfuse.config import RunConfig, apply, resolve_device, validate
-    from fedfuse.runner import experiment
-    from fedfuse.stats import parse_seeds
-
-    torch.set_num_threads(max(int(args.threads), 1))
     s = settings(args.quick, args.task)
     rounds = args.rounds or s["rounds"]
-    seeds = parse_seeds(args.seeds)
-    out = Path(args.out or f"runs/reproduce-fedmerge-lora-{args.task}")
-    out.mkdir(parents=True, exist_ok=True)
-    data_dir = args.data_dir or os.environ.get("FEDFUSE_DATA", "../shared/data")
-    device = resolve_device(args.device)
-    base = ensure_base(args, data_dir)
-    grid = methods(rounds, args.rank)
+    where = data_root(args)
+    rows = methods(rounds, args.rank)
     if args.sweep:
-        labels = {g[0] for g in grid}
-        grid += [g for g in sweep(rounds, args.rank, [m for m in args.sweep_methods.split(",") if m])
-                 if g[0] not in labels]
-    wanted = {m.strip() for m in args.methods.split(",") if m.strip()}
-    grid = [g for g in grid if not wanted or g[0] in wanted]
-    lora = {"base": base, "targets": args.targets.split(","), "rouge_samples": s["rouge_samples"], "prompt_len": 32,
-            "gen_tokens": s["gen_tokens"]}
-    records: list[dict[str, Any]] = []
-    done = out / "runs.jsonl"
-    if done.exists():  # resume: keep finished runs
-        records = [json.loads(line) for line in done.read_text().splitlines() if line.strip()]
-    have = {(r["label"], r["seed"]) for r in records}
-    t_all = time.perf_counter()
-    for seed in seeds:
-        fed = federation(args, base, s, data_dir, seed, device)
-        for label, algo, opts in grid:
-            if (label, seed) in have:
-                continue
-            cfg = validate(apply(RunConfig(), {
-                "algorithm": algo, "dataset": "shakespeare", "partition": "natural", "model": "transformer",
-                "clients": fed.num_clients, "clients_per_round": fed.num_clients, "rounds": rounds,
-                "local_epochs": s["local_epochs"], "batch_size": s["batch_size"], "lr": args.lr or s["lr"],
-                "optimizer": "adam", "seed": seed, "plots": False, "checkpoint_every": 10_000,
-                "eval_every": min(s["eval_every"], rounds), "threads": args.threads, "device": str(device),
-                "out": str(out / "runs" / f"{label.replace(' ', '_').replace('=', '')}-seed{seed}"),
-                "algorithm_options": {**lora, **opts}}))
-            t0 = time.perf_counter()
-            summary = experiment(cfg, fed=fed).run()
-            rec = record(label, algo, opts, seed, summary, rounds, fed.num_clients, time.perf_counter() - t0)
-            records.append(rec)
-            with open(done, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            print(f"{label:<22} seed {seed}: ppl {rec['ppl']:.3f}  rouge1 {rec['rouge1']:.4f}  "
-                  f"({rec['wall']:.0f}s)", flush=True)
-    text = report(records, args, rounds, base, time.perf_counter() - t_all)
-    (out / "results.md").write_text(text)
-    if args.sweep:
-        plot_scale(records, out / "param_scale.png", args.rank)
-    print(text)
-    return 0
+        rows = {**rows, **sweep(rounds, args.rank, [m for m in args.sweep_methods.split(",") if m])}
+    rows = pick(rows, args.methods)
+    lora = {"base": base_spec(args, where), "targets": args.targets.split(","), "rouge_samples": s["rouge_samples"],
+            "prompt_len": 32, "gen_tokens": s["gen_tokens"]}
+    rows = {k: {**v, "algorithm_options": {**lora, **v["algorithm_options"]}} for k, v in rows.items()}
+    cache: dict[int, Federation] = {}
+
+    def fed(cfg: RunConfig) -> Federation:
+        if cfg.seed not in cache:
+            cache.clear()
+            cache[cfg.seed] = federation(args, ensure_base(args, where), s, where, cfg.seed,
+                                         resolve_device(args.device))
+        return cache[cfg.seed]
+
+    n = args.clients or s["clients"]
+    base = {"dataset": "shakespeare", "partition": "natural", "model": "transformer", "clients": n,
+            "clients_per_round": n, "rounds": rounds, "local_epochs": s["local_epochs"],
+            "batch_size": s["batch_size"], "lr": args.lr or s["lr"], "optimizer": "adam", "plots": False,
+            "checkpoint_every": 10_000, "eval_every": min(s["eval_every"], rounds), "threads": args.threads,
+            "device": str(resolve_device(args.device)), "data_dir": where}
+    title = (f"FedMerge on LoRA adapters ({'quick' if args.quick else 'full'}, task {args.task}): personalised "
+             f"perplexity; base {lora['base']}, {rounds} rounds, all clients every round")
+    return [Table(f"lora-{args.task}", title, base, rows, metric="personal_perplexity", federation=fed,
+                  columns=("personal_rouge1", "server_parameters", "adapter_parameters",
+                           "optimised_parameters_per_client"))]
 
 
-def record(label: str, algo: str, opts: dict, seed: int, summary: dict, rounds: int, m: int, wall: float) -> dict:
-    f, tot = summary["final"], summary["totals"]
-    return {"label": label, "algorithm": algo, "options": opts, "seed": seed,
-            "ppl": f.get("personal_perplexity"), "ppl_clients": f.get("personal_perplexity_clients"),
-            "rouge1": f.get("personal_rouge1"), "token_acc": f.get("personal_accuracy"),
-            "server_params": f.get("server_parameters"), "adapter_params": f.get("adapter_parameters"),
-            "client_params": f.get("optimised_parameters_per_client"),
-            "kb_client_round": (tot["bytes_down"] + tot["bytes_up"]) / max(rounds * m, 1) / 1024,
-            "mflops_client_round": tot["client_flops"] / max(rounds * m, 1) / 1e6,
-            "merge_weights": f.get("merge_weights"), "wall": wall}
+def extra(args: argparse.Namespace, out: Path, done: dict[str, ResultTable]) -> str:
+    """With ``--sweep``: ``param_scale.png``, perplexity against server parameters."""
+    if not args.sweep:
+        return ""
+    plot_scale(done[f"lora-{args.task}"], out / "param_scale.png", args.rank)
+    return "Parameter scale: `param_scale.png` (personalised perplexity vs server parameters)."
 
 
-def report(records: list[dict], args: argparse.Namespace, rounds: int, base: str, wall: float) -> str:
-    from fedfuse.stats import mean_std, paired_test
-
-    labels = list(dict.fromkeys(r["label"] for r in records))
-    by = {lab: sorted((r for r in records if r["label"] == lab), key=lambda r: r["seed"]) for lab in labels}
-    ref_label = "fedmerge-lora d=4" if "fedmerge-lora d=4" in by else next(
-        (lab for lab in labels if lab.startswith("fedmerge-lora")), None)
-    ref = {r["seed"]: r for r in by[ref_label]} if ref_label else {}
-    rows = []
-    for lab in labels:
-        rs = by[lab]
-        r0 = rs[0]
-        unit = r0["adapter_params"] * 8 / max(int(r0["options"].get("rank", 8)), 1)  # a rank-8 adapter
-        row = {"method": lab, "seeds": len(rs),
-               "personal ppl ↓": mean_std([r["ppl"] for r in rs]).fmt(digits=3),
-               "ROUGE-1 % ↑": mean_std([r["rouge1"] for r in rs]).fmt(scale=100.0),
-               "server params (× rank-8)": round((r0["server_params"] or 0) / unit, 2),
-               "client params": int(r0["client_params"] or 0),
-               "KB/client/round": round(r0["kb_client_round"], 1),
-               "MFLOPs/client/round": round(r0["mflops_client_round"], 1)}
-        if ref and lab != ref_label:
-            seeds = [r["seed"] for r in rs if r["seed"] in ref]
-            if not seeds:
-                rows.append(row)
-                continue
-            t = paired_test([ref[s]["ppl"] for s in seeds], [r["ppl"] for r in rs if r["seed"] in ref])
-            row[f"{ref_label} − this, ppl"] = f"{t.diff:+.3f} {t.mark()}"
-        rows.append(row)
-    return (f"# FedMerge on LoRA adapters ({'quick' if args.quick else 'full'}, task {args.task})\n\n"
-            f"base {base}; rounds {rounds}; all clients every round; seeds "
-            f"{sorted({r['seed'] for r in records})}; wall {wall:.0f} s\n\n{markdown(rows)}\n")
-
-
-def plot_scale(records: list[dict], path: Path, rank: int) -> None:
+def plot_scale(rt: ResultTable, path: Path, rank: int) -> None:
     """Personalised perplexity vs server parameters (multiples of a rank-8 adapter), mean over seeds."""
     import matplotlib
 
@@ -243,12 +195,15 @@ def plot_scale(records: list[dict], path: Path, rank: int) -> None:
 
     fig, ax = plt.subplots(figsize=(6.0, 3.8))
     families: dict[str, dict[float, list[float]]] = {}
-    for r in records:  # one line per method variant: the label without its d / m / r value
-        if r["ppl"] is None:
-            continue
-        unit = r["adapter_params"] * 8 / max(int(r["options"].get("rank", rank)), 1)
-        fam = re.sub(r" [dmr]=\d+", "", r["label"])
-        families.setdefault(fam, {}).setdefault(round(r["server_params"] / unit, 2), []).append(r["ppl"])
+    for label, runs in rt.results.items():  # one line per method variant: the label without its d / m / r value
+        for r in runs:
+            f = r.summary.get("final", {})
+            if f.get("personal_perplexity") is None:
+                continue
+            unit = f["adapter_parameters"] * 8 / max(int(r.config.algorithm_options.get("rank", rank)), 1)
+            fam = re.sub(r" [dmr]=\d+", "", label)
+            families.setdefault(fam, {}).setdefault(round(f["server_parameters"] / unit, 2), []).append(
+                f["personal_perplexity"])
     markers = iter("os^vDPX*<>")
     for fam, pts in families.items():  # single-setting methods (FedLoRA, Local, FedEM m=4) are single points
         xs = sorted(pts)
@@ -262,3 +217,7 @@ def plot_scale(records: list[dict], path: Path, rank: int) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+FAMILY = Family("FedMerge on LoRA adapters vs Local/FedIT/FedLoRA/FedEM-LoRA; parameter-scale sweep (d vs rank)",
+                tables, add_arguments, extra, docs="lora")

@@ -14,28 +14,21 @@ triangular CyclicLR over all rounds whose peak is the run's ``lr``.
 * ``ablation`` / ``ring`` — CIFAR-10 non-IID at μ = 0.25 (full preset only).
 * ``ptb`` — transformer LM (d_model 32, 2 blocks) on the first 100 windows of 32 tokens per participant.
 
-Every cell is the mean ± sample std over ``--seeds`` (default 3) of the final global full-model accuracy
-(perplexity for PTB); "ordering" rows compare the methods on the same seeds (paired t-test).  Every method uses the
-same model, data, schedule and rounds.  The presets run at paper scale on a GPU with ``--rounds`` and larger limits.
+Every cell is the mean ± sample std over ``--seeds`` (default 3; quick 1) of the final global full-model
+accuracy (perplexity for PTB); "ordering" rows compare the methods on the same seeds (paired t-test).  Every
+method uses the same model, data, schedule and rounds.  The presets run at paper scale on a GPU with ``--rounds``
+and larger limits.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
-from pathlib import Path
 from typing import Any
 
-from fedfuse.config import RunConfig, apply, validate
-from fedfuse.reproduce.common import federation_for, run_one
-from fedfuse.runner import experiment
-from fedfuse.stats import mean_std, paired_test, parse_seeds, stability
-from fedfuse.tables import markdown
+from fedfuse.config import RunConfig
+from fedfuse.reproduce.common import data_root, federation_for
+from fedfuse.reproduce.preset import Family, Table, pairs_within
 from fedfuse.types import ClientData, Federation, Split
-
-DESCRIPTION = "MSfusion vs HeteroFL/FedRolex over seeds: MNIST defaults, CIFAR-10 (mu sweep, ablations, ring), PTB"
 
 PAPER_CIFAR = {  # Table 1 (CIFAR-10, ResNet-18, 10 participants); MSfusion rows are at their own mu
     ("heterofl", "non-iid", 0.25): "37.36", ("heterofl", "iid", 0.25): "40.50",
@@ -139,87 +132,10 @@ def truncated(fed: Federation, seqs: int, test: int) -> Federation:
                       fed.partition, fed.class_names, {**fed.info, "truncated": f"{seqs} train windows/client"})
 
 
-def cell_row(label: str, runs: list[tuple[dict, list[dict]]], seeds: list[int], wall: float, metric: str,
-             **cols: Any) -> dict[str, Any]:
-    """Mean ± std over seeds of the final ``metric`` plus the cost columns (means over seeds)."""
-    vals = [r[0]["final"].get(metric) for r in runs]
-    scale = 100.0 if metric.endswith("accuracy") else 1.0
-    name = ("local acc %" if metric == "personal_accuracy" else "global acc %") if metric.endswith("accuracy") \
-        else "perplexity"
-    n = runs[0][0]["clients"]
-    rounds = max(runs[0][0]["rounds_completed"], 1)
-    hist = runs[0][1]
-    trained = [h for h in hist if h.get("peer_bytes_per_participant") is not None]
-    fin = [r[0]["final"] for r in runs]
-    if trained:  # msfusion: protocol bytes = peer exchange
-        byts = sum((f.get("bytes_peer") or 0) for f in fin) / len(fin) / n / max(rounds - 1, 1)
-    else:
-        byts = sum((f.get("bytes_down") or 0) + (f.get("bytes_up") or 0) for f in fin) / len(fin) / n / rounds
-    return {
-        "method": label, **cols,
-        f"{name} (mean ± std)": mean_std(vals).fmt(scale, 2),
-        "per seed": " / ".join("—" if v is None else f"{scale * v:.1f}" for v in vals),
-        "FLOPs/participant/round": sum((f.get("client_flops") or 0) / rounds + (f.get("server_flops") or 0)
-                                       for f in fin) / len(fin) / n,  # Fed-ET: server work shared by participants
-        "bytes/participant/round": byts,
-        "seeds": ",".join(map(str, seeds)), "wall s": round(wall, 1), "_vals": vals, "_metric": metric,
-    }
-
-
-def stability_columns(runs: list[tuple[dict, list[dict]]], window: int = 10) -> dict[str, Any]:
-    """Per seed: the last-``window`` mean and the best ``window``-round mean of the global accuracy, whether the
-    run shows no sustained decline (last within 2 points of best), and, for runs with ``compare_assemblies``, the
-    final accuracy of the other full-model assemblies."""
-    stab = [stability(h, window) for _, h in runs]
-    ok = all(a is not None and b is not None and 100 * (b - a) <= 2.0 for a, b in stab)
-    cols: dict[str, Any] = {
-        f"last-{window} mean per seed": " / ".join("—" if a is None else f"{100 * a:.1f}" for a, _ in stab),
-        f"best {window}-round mean per seed": " / ".join("—" if b is None else f"{100 * b:.1f}" for _, b in stab),
-        "no sustained decline": "yes" if ok else "no",
-    }
-    for mode in ("last", "zero_stale"):
-        vals = [s["final"].get(f"global_accuracy_{mode}") for s, _ in runs]
-        if any(v is not None for v in vals):
-            cols[f"assembly={mode} per seed"] = " / ".join("—" if v is None else f"{100 * v:.1f}" for v in vals)
-    return cols
-
-
 PAIRS = (("msfusion", "fedrolex"), ("msfusion", "heterofl"), ("fedrolex", "heterofl"))  # Table 1, CIFAR
 PTB_PAIRS = (("msfusion", "fedrolex"), ("msfusion", "heterofl"), ("heterofl", "fedrolex"))  # Table 1, PTB
 
 
-def ordering(rows: list[dict[str, Any]], keys: tuple[str, ...],
-             pairs: tuple[tuple[str, str], ...] = PAIRS) -> list[dict[str, Any]]:
-    """Each (better, worse) pair of the paper's ordering on the same seeds, per group of ``keys`` (CIFAR: MSfusion >
-    FedRolex > HeteroFL; PTB perplexity: MSfusion < HeteroFL < FedRolex; lower perplexity is better)."""
-    out = []
-    groups: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        groups.setdefault(tuple(r.get(k) for k in keys), {})[r["method"]] = r
-    for key, by in groups.items():
-        for a, b in pairs:
-            if a not in by or b not in by:
-                continue
-            sign = -1.0 if by[a]["_metric"] == "perplexity" else 1.0
-            t = paired_test(by[a]["_vals"], by[b]["_vals"])
-            scale = 100.0 if sign > 0 else 1.0
-            better = sign * t.diff > 0
-            out.append({**dict(zip(keys, key)), "comparison": f"{a} vs {b}",
-                        "difference": round(scale * t.diff, 2) if t.n else None,
-                        "p (paired t)": None if t.p_value != t.p_value else round(t.p_value, 4),
-                        "paper ordering holds": ("yes" if better else "no") + ("" if t.significant() else " (n.s.)")})
-    return out
-
-
-TITLES = {
-    "mnist": "### MNIST shards (`--mnist-classes` per participant, default the paper's H = 5), MLP, every other "
-             "setting at its default",
-    "cifar": "### CIFAR-10, 10 participants, global full-model accuracy",
-    "ablation": "### Ablation, CIFAR-10 non-IID, mu = 0.25",
-    "ring": "### Topology, CIFAR-10 non-IID, mu = 0.25 (bytes = peer exchange only)",
-    "ptb": "### Penn Treebank, transformer LM, mu = 0.25 (perplexity, lower is better)",
-}
-ORDER_KEYS = {"mnist": ("mu",), "cifar": ("data", "mu"), "ptb": ("mu",)}
 ABLATIONS = (("w/o con", {"contrastive": False}), ("w/o dyn", {"dynamic": False}),
              ("w/o con & dyn", {"contrastive": False, "dynamic": False}), ("dot sim.", {"similarity": "dot"}),
              ("compressed Eq. 6", {"compressed": True}))
@@ -240,138 +156,136 @@ def compressed_eq6(rounds: int) -> dict[str, Any]:
     return {"schedule_rounds": 0, "update_every": max(1, rounds // 50)}
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+TITLES = {
+    "mnist": "MNIST shards (`--mnist-classes` per participant, default the paper's H = 5), MLP, every other "
+             "setting at its default",
+    "cifar": "CIFAR-10, 10 participants, global full-model accuracy",
+    "ablation": "Ablation, CIFAR-10 non-IID, mu = 0.25",
+    "ring": "Topology, CIFAR-10 non-IID, mu = 0.25",
+    "ptb": "Penn Treebank, transformer LM, mu = 0.25 (perplexity, lower is better)",
+}
 
-    torch.set_num_threads(max(int(getattr(args, "threads", 1)), 1))
+
+def _methods(args: argparse.Namespace) -> list[str]:
+    return [m.strip() for m in args.methods.split(",") if m.strip()] or [*METHODS, "fedet"]
+
+
+def _extra(args: argparse.Namespace, algo: str) -> dict[str, Any]:
+    return {"compare_assemblies": True} if algo == "msfusion" and args.compare_assemblies else {}
+
+
+def _columns(args: argparse.Namespace) -> tuple[str, ...]:
+    """The stability means per seed and, with ``--compare-assemblies``, MSfusion's other assemblies."""
+    assemblies = ("global_accuracy_last", "global_accuracy_zero_stale") if args.compare_assemblies else ()
+    return ("last10_mean", "best10_mean", *assemblies)
+
+
+def _rows(args: argparse.Namespace, opts: Any) -> dict[str, dict[str, Any]]:
+    """One row per wanted method of Table 1: ``opts(algo)`` are its options."""
+    return {a: {"algorithm": a, "algorithm_options": {**opts(a), **_extra(args, a)}}
+            for a in METHODS if a in _methods(args)}
+
+
+def mnist_tables(args: argparse.Namespace, s: dict[str, Any]) -> list[Table]:
+    """The defaults check: per μ, the three methods with only μ set."""
+    base = {**mnist_base(data_root(args), args.quick, args.mnist_classes, args.mnist_rounds, args.mnist_eval_every),
+            "threads": args.threads}
+    return [Table(f"mnist-mu{mu}", f"{TITLES['mnist']}, mu = {mu}", base, rows, pairs=pairs_within(rows, PAIRS),
+                  columns=_columns(args))
+            for mu in s["mnist_mus"] if (rows := _rows(args, lambda a, mu=mu: {"mu": mu}))]
+
+
+def cifar_tables(args: argparse.Namespace, s: dict[str, Any]) -> list[Table]:
+    """Per split and μ the three methods with the shared schedule; Fed-ET (no split ratio) per split."""
+    points = [("non-iid", mu) for mu in s["mus"]] + ([("iid", 0.25)] if s["iid"] else [])
+    out = []
+    for split, mu in points:
+        base = {**cifar_base(s, data_root(args), split), "threads": args.threads}
+        rows = _rows(args, lambda a, mu=mu: algo_options(a, mu, s["eval_every"], s["rounds"]))
+        if rows:
+            out.append(Table(f"cifar-{split}-mu{mu}", f"{TITLES['cifar']}, {split}, mu = {mu}", base, rows,
+                             pairs=pairs_within(rows, PAIRS), columns=_columns(args),
+                             paper={a: PAPER_CIFAR.get((a, split, mu), "—") for a in rows}))
+    if "fedet" in _methods(args):
+        for split in ("non-iid", "iid") if s["iid"] else ("non-iid",):
+            out.append(Table(f"cifar-{split}-fedet", f"{TITLES['cifar']}, {split}, Fed-ET (no split ratio)",
+                             {**cifar_base(s, data_root(args), split), "threads": args.threads},
+                             {"fedet": {"algorithm": "fedet", "algorithm_options": FEDET}},
+                             paper={"fedet": PAPER_CIFAR[("fedet", split, None)]}))
+    return out
+
+
+def ablation_table(args: argparse.Namespace, s: dict[str, Any]) -> Table:
+    rows = {}
+    for label, extra in (("msfusion", {}), *ablation_rows(args.ablations)):
+        extra = compressed_eq6(s["rounds"]) if extra.get("compressed") else extra
+        rows[label] = {"algorithm": "msfusion", "algorithm_options": algo_options("msfusion", 0.25, 0, s["rounds"],
+                                                                                  **extra)}
+    paper = {k: f"{v} (mu=18.75%)" for k, v in PAPER_ABLATION.items() if k in rows}
+    return Table("ablation", TITLES["ablation"], {**cifar_base(s, data_root(args), "non-iid"), "threads": args.threads},
+                 rows, paper=paper)
+
+
+def ring_tables(args: argparse.Namespace, s: dict[str, Any]) -> list[Table]:
+    """MSfusion fully connected vs ring; Table 3's serverless baselines (each participant's own model)."""
+    base = {**cifar_base(s, data_root(args), "non-iid"), "threads": args.threads}
+    topo = {f"msfusion ({t})": {"algorithm": "msfusion", "algorithm_options": algo_options(
+        "msfusion", 0.25, 0, s["rounds"], topology=t)} for t in ("full", "ring")}
+    serverless = {a: {"algorithm": a, "algorithm_options": {"topology": "ring"}} for a in ("dpsgd", "dispfl")}
+    return [Table("ring", TITLES["ring"], base, topo),
+            Table("ring-serverless", "Serverless baselines on the ring, CIFAR-10 non-IID (local accuracy)", base,
+                  serverless, metric="personal_accuracy", paper=PAPER_RING)]
+
+
+def ptb_table(args: argparse.Namespace, s: dict[str, Any]) -> Table | None:
+    """The transformer LM on PTB, each participant's corpus cut to ``ptb_seqs`` windows (:func:`truncated`)."""
+    base = {
+        "dataset": "ptb", "data_dir": data_root(args), "partition": "contiguous", "partition_options": {},
+        "model": "transformer", "clients": 10, "clients_per_round": 10, "rounds": s["ptb_rounds"],
+        "local_epochs": 1, "batch_size": 20, "lr": 1.0, "eval_every": s["ptb_rounds"], "threads": args.threads,
+        "checkpoint_every": 1000, "plots": False, "device": "cpu",
+        "model_options": {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "dropout": 0.2},
+        "dataset_options": {"seq_len": 32},
+    }
+    rows = _rows(args, lambda a: {"mu": 0.25, **LR})
+    if not rows:
+        return None
+
+    def federation(cfg: RunConfig) -> Federation:
+        return truncated(federation_for(cfg), s["ptb_seqs"], s["ptb_test"])
+
+    return Table("ptb", TITLES["ptb"], base, rows, metric="perplexity", pairs=pairs_within(rows, PTB_PAIRS),
+                 paper={a: PAPER_PTB[a] for a in rows}, federation=federation)
+
+
+def preset_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset's sizes with the command-line overrides."""
     s = settings(args.quick)
-    if args.rounds:
-        s["rounds"] = args.rounds
-    if getattr(args, "ptb_rounds", 0):
-        s["ptb_rounds"] = args.ptb_rounds
-    splits = [x.strip() for x in getattr(args, "cifar_splits", "").split(",") if x.strip()]
+    s["rounds"] = args.rounds or s["rounds"]
+    s["ptb_rounds"] = args.ptb_rounds or s["ptb_rounds"]
+    splits = [x.strip() for x in args.cifar_splits.split(",") if x.strip()]
     if splits:
-        unknown = sorted(set(splits) - {"non-iid", "iid"})
-        if unknown or "non-iid" not in splits:
+        if set(splits) - {"non-iid", "iid"} or "non-iid" not in splits:
             raise SystemExit(f"--cifar-splits: choose non-iid or non-iid,iid (got {','.join(splits)})")
         s["iid"] = "iid" in splits
     if args.mus:
         s["mus"] = s["mnist_mus"] = [float(m) for m in args.mus.split(",") if m.strip()]
-    seeds = parse_seeds(args.seeds)
+    return s
+
+
+PARTS = {"mnist": mnist_tables, "cifar": cifar_tables, "ablation": lambda a, s: [ablation_table(a, s)],
+         "ring": ring_tables, "ptb": lambda a, s: [t for t in [ptb_table(a, s)] if t]}
+
+
+def tables(args: argparse.Namespace) -> list[Table]:
+    s = preset_settings(args)
     default_parts = "mnist,cifar,ptb" if args.quick else "mnist,cifar,ablation,ring,ptb"
     parts = [p.strip() for p in (args.parts or default_parts).split(",") if p.strip()]
-    out = Path(args.out or ("runs/reproduce-msfusion" + ("-quick" if args.quick else "")))
-    out.mkdir(parents=True, exist_ok=True)
-    data_dir = args.data_dir or os.environ.get("FEDFUSE_DATA")
-    t_start = time.time()
-    results: dict[str, list[dict]] = {k: [] for k in TITLES}
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise SystemExit(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
+    return [t for p in PARTS if p in parts for t in PARTS[p](args, s)]
 
-    def show(rs: list[dict[str, Any]]) -> str:
-        return markdown([{k: v for k, v in r.items() if not k.startswith("_")} for r in rs])
 
-    def write() -> str:
-        blocks = []
-        for k, v in results.items():
-            if not v:
-                continue
-            blocks.append(f"{TITLES[k]}\n\n{show(v)}")
-            if k in ORDER_KEYS:
-                pairs = PTB_PAIRS if k == "ptb" else PAIRS
-                blocks.append(f"Paper ordering (same seeds):\n\n{markdown(ordering(v, ORDER_KEYS[k], pairs))}")
-        text = f"Seeds {','.join(map(str, seeds))}\n\n" + "\n\n".join(blocks)
-        text += f"\n\nTotal wall time: {time.time() - t_start:.0f} s\n"
-        (out / "tables.md").write_text(text)
-        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-        return text
-
-    def go(section: str, name: str, base: dict, label: str, over: dict[str, Any], metric: str = "global_accuracy",
-           **cols: Any) -> None:
-        t = time.time()
-        runs = [run_one(base, out / section / name / f"seed{sd}", progress=False, **{**over, "seed": sd})
-                for sd in seeds]
-        row = cell_row(label, runs, seeds, time.time() - t, metric, **cols)
-        if metric.endswith("accuracy"):
-            row.update(stability_columns(runs))
-        results[section].append(row)
-        print(show([results[section][-1]]).splitlines()[-1], flush=True)
-        write()
-
-    wanted = [m.strip() for m in getattr(args, "methods", "").split(",") if m.strip()] or list(METHODS)
-
-    def compare(algo: str) -> dict[str, Any]:
-        return {"compare_assemblies": True} if algo == "msfusion" and getattr(args, "compare_assemblies", False) \
-            else {}
-
-    def point(section: str, base: dict, partition: str | None, mu: float, eval_every: int, rounds: int) -> None:
-        for algo in (m for m in METHODS if m in wanted):
-            cols: dict[str, Any] = {"data": partition} if partition else {}
-            cols["mu"] = mu
-            if section == "mnist":
-                opts: dict[str, Any] = {"mu": mu}  # the algorithm's defaults otherwise
-            else:
-                opts = algo_options(algo, mu, eval_every, rounds)
-                cols["paper"] = PAPER_CIFAR.get((algo, partition, mu), "—")
-            opts.update(compare(algo))
-            go(section, f"{partition or 'mnist'}-mu{mu}-{algo}", base, algo,
-               {"algorithm": algo, "algorithm_options": opts}, **cols)
-
-    if "mnist" in parts:
-        mbase = mnist_base(data_dir, args.quick, getattr(args, "mnist_classes", MNIST_CLASSES),
-                           getattr(args, "mnist_rounds", 20), getattr(args, "mnist_eval_every", 1))
-        for mu in s["mnist_mus"]:
-            point("mnist", mbase, None, mu, mbase["eval_every"], mbase["rounds"])
-    if "cifar" in parts:
-        for mu in s["mus"]:
-            point("cifar", cifar_base(s, data_dir, "non-iid"), "non-iid", mu, s["eval_every"], s["rounds"])
-        if s["iid"]:
-            point("cifar", cifar_base(s, data_dir, "iid"), "iid", 0.25, s["eval_every"], s["rounds"])
-        if "fedet" in wanted or not getattr(args, "methods", ""):  # Fed-ET: no split ratio, one row per split
-            for partition in ("non-iid", "iid") if s["iid"] else ("non-iid",):
-                go("cifar", f"{partition}-fedet", cifar_base(s, data_dir, partition), "fedet",
-                   {"algorithm": "fedet", "algorithm_options": FEDET}, data=partition, mu="N/A",
-                   paper=PAPER_CIFAR.get(("fedet", partition, None), "—"))
-    if "ablation" in parts:
-        base = cifar_base(s, data_dir, "non-iid")
-        rows = ablation_rows(getattr(args, "ablations", ""))
-        for label, extra in (("msfusion", {}), *rows):
-            name = label.replace(" ", "").replace("/", "").replace("&", "-").replace(".", "")
-            paper = PAPER_ABLATION.get(label)
-            if extra.get("compressed"):
-                extra = compressed_eq6(s["rounds"])
-            go("ablation", name, base, label,
-               {"algorithm": "msfusion", "algorithm_options": algo_options("msfusion", 0.25, 0, s["rounds"], **extra)},
-               mu=0.25, paper=f"{paper} (mu=18.75%)" if paper else "—")
-    if "ring" in parts:
-        base = cifar_base(s, data_dir, "non-iid")
-        for topo in ("full", "ring"):
-            go("ring", topo, base, f"msfusion ({topo})",
-               {"algorithm": "msfusion", "algorithm_options": algo_options("msfusion", 0.25, 0, s["rounds"],
-                                                                           topology=topo)}, mu=0.25)
-        for algo in ("dpsgd", "dispfl"):  # Table 3's serverless baselines: each participant's own model
-            go("ring", algo, base, algo, {"algorithm": algo, "algorithm_options": {"topology": "ring"}},
-               metric="personal_accuracy", mu="N/A", paper=PAPER_RING[algo])
-    if "ptb" in parts:
-        base = {
-            "dataset": "ptb", "data_dir": data_dir, "partition": "contiguous", "partition_options": {},
-            "model": "transformer", "clients": 10, "clients_per_round": 10, "rounds": s["ptb_rounds"],
-            "local_epochs": 1, "batch_size": 20, "lr": 1.0, "eval_every": s["ptb_rounds"],
-            "checkpoint_every": 1000, "plots": False, "device": "cpu",
-            "model_options": {"d_model": 32, "n_heads": 4, "n_layers": 2, "d_ff": 64, "dropout": 0.2},
-            "dataset_options": {"seq_len": 32},
-        }
-        for algo in (m for m in METHODS if m in wanted):
-            t = time.time()
-            runs = []
-            for sd in seeds:
-                cfg = validate(apply(RunConfig(), {**base, "algorithm": algo, "seed": sd,
-                                                   "out": str(out / "ptb" / algo / f"seed{sd}"),
-                                                   "algorithm_options": {"mu": 0.25, **LR, **compare(algo)}}))
-                exp = experiment(cfg, fed=truncated(federation_for(cfg), s["ptb_seqs"], s["ptb_test"]),
-                                 progress=False)
-                runs.append((exp.run(), exp.history))
-            results["ptb"].append(cell_row(algo, runs, seeds, time.time() - t, "perplexity", mu=0.25,
-                                           paper=PAPER_PTB[algo]))
-            print(show([results["ptb"][-1]]).splitlines()[-1], flush=True)
-            write()
-    print(write())
-    return 0
+FAMILY = Family("MSfusion vs HeteroFL/FedRolex over seeds: MNIST defaults, CIFAR-10 (mu sweep, ablations, ring), PTB",
+                tables, add_arguments)
