@@ -167,3 +167,20 @@ def test_too_few_nodes_skip_the_round_and_say_why() -> None:
     exp, _ = _flower(_cfg(secagg=True, rounds=1), nodes=1)
     rec = exp.history[0]
     assert rec["replied"] == 0 and rec["round_skipped"] and rec["dropped"] == list(range(6))
+
+
+@pytest.mark.slow
+def test_secagg_in_flowers_simulation_runtime_equals_simulated_secagg() -> None:
+    """``--executor flower --set secagg=true``: Flower's SecAgg+ between Ray-simulated nodes; the metrics equal
+    fedfuse's simulated SecAgg run."""
+    pytest.importorskip("ray")
+    from fedfuse.api import run
+
+    opts = dict(algorithm="fedavg", dataset="digits", clients=4, clients_per_round=4, rounds=2, threads=1,
+                model_options={"widths": [16]}, plots=False, secagg=True)
+    ref = run(**opts)
+    flw = run(**opts, executor="flower")
+    assert flw.summary["executor"].startswith("flower")
+    for a, b in zip(flw.history, ref.history, strict=True):
+        assert a["global_accuracy"] == b["global_accuracy"] and a["secagg_clients"] == b["secagg_clients"] == 4
+        assert a["secagg_nodes"] >= 2
