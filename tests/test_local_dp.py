@@ -125,3 +125,22 @@ def test_fedmr_uploads_dp_sgd_models(tmp_path) -> None:
     assert set(reply.tensors) == set(state) and all(torch.equal(reply.tensors[k], v) for k, v in state.items())
     assert reply.stats is not None and reply.stats.steps == stats.steps > 0
     assert algo.client_program(payload, None, data) is None  # every executor calls fit (DP-SGD)
+
+
+def test_secure_fedmr_trains_with_dp_sgd_in_its_first_stage(tmp_path) -> None:
+    """secure=true + dp=local: stage 0 trains with DP-SGD (steps are accounted), the exchange stages train nothing."""
+    cfg = apply(RunConfig(), dict(algorithm="fedmr", dataset="digits", partition="iid", model="mlp", clients=6,
+                                  clients_per_round=3, rounds=2, batch_size=16, lr=0.1, seed=2, plots=False,
+                                  out=str(tmp_path / "run"), model_options={"widths": [16]}, dp="local",
+                                  dp_noise=1.1, dp_clip=1.0, algorithm_options={"secure": True}))
+    exp = experiment(cfg)
+    exp.run()
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    sizes = exp.ctx.client_sizes
+    steps: dict[int, int] = {}
+    for rec in recs:  # one epoch of DP-SGD per sampled client and round: the exchange stages add no steps
+        for c in rec["clients"]:
+            steps[c] = steps.get(c, 0) + exp.ctx.train.local_epochs * round(1 / sample_rate(int(sizes[c]), 16))
+        eps = [local_epsilon(1.1, sample_rate(int(sizes[c]), 16), s, 1e-5) for c, s in steps.items()]
+        assert rec["dp_epsilon"] == pytest.approx(max(eps))
+    assert exp.local_dp_steps == steps
