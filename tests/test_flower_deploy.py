@@ -46,10 +46,10 @@ def _env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)}
 
 
-def _fedfuse_app(tmp_path: Path, round_timeout: float, min_nodes: int = 2) -> tuple[Path, Path]:
-    """``fedfuse flower-app``'s project for CONFIG: the ServerApp writes its run into ``out``."""
+def _fedfuse_app(tmp_path: Path, round_timeout: float, min_nodes: int = 2, config: str = CONFIG) -> tuple[Path, Path]:
+    """``fedfuse flower-app``'s project for ``config``: the ServerApp writes its run into ``out``."""
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(config)
     out = tmp_path / "out"
     return write_app(tmp_path / "app", cfg, out=out, round_timeout=round_timeout, min_nodes=min_nodes), out
 
@@ -228,6 +228,38 @@ def test_fedfuse_app_survives_a_dead_supernode_in_round_two(federation: LocalFed
     assert 0 not in got[2]["dropped"] and got[2]["replied"] >= 1  # the survivor keeps training
     assert got[1]["seconds"] < timeout + 30  # round 2 ended at its timeout, not when the node came back
     assert got[-1]["global_accuracy"] is not None and got[-1]["total_dropped"] >= 1
+
+
+@pytest.mark.slow
+def test_secagg_plus_deployment_equals_the_run_without_it(federation: LocalFederation, tmp_path: Path) -> None:
+    """secagg=true on the TLS deployment: every round runs Flower's SecAgg+ between the two SuperNodes
+    (fedfuse.flower.secure).  The run equals fedfuse's simulated SecAgg bit for bit (the same ring sum) and the
+    run without secure aggregation within the fixed-point step (same accuracies here)."""
+    import torch
+
+    from fedfuse.config import make_config
+    from fedfuse.runner import experiment
+
+    app, out = _fedfuse_app(tmp_path, round_timeout=0.0, config=CONFIG + "secagg: true\n")
+    run_id = federation.run(app)
+    _finished(federation, run_id, timeout=600)
+    got = _metrics(out)
+    assert [r["round"] for r in got] == [1, 2, 3]
+    assert all(r["replied"] == 2 and r["secagg_nodes"] == 2 and r["secagg_clients"] == 2 for r in got)
+    simulated = _in_process(tmp_path)  # the same config in-process: simulated SecAgg
+    (tmp_path / "plain.yaml").write_text(CONFIG)
+    experiment(make_config(str(tmp_path / "plain.yaml"), out=str(tmp_path / "plain"), executor="sequential")).run()
+    plain = _metrics(tmp_path / "plain")
+    for key in ("global_accuracy", "global_loss", "personal_accuracy", "train_loss"):
+        assert [r.get(key) for r in got] == [r.get(key) for r in simulated], key
+    for a, b in zip(got, plain, strict=True):
+        assert abs((a.get("global_accuracy") or 0) - (b.get("global_accuracy") or 0)) <= 0.01
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4)
+    deployed = torch.load(out / "model_final.pt", weights_only=True)
+    reference = torch.load(tmp_path / "plain" / "model_final.pt", weights_only=True)
+    for k, v in reference["state"].items():
+        if v.is_floating_point():
+            assert torch.allclose(deployed["state"][k].double(), v.double(), atol=1e-5), k
 
 
 def test_flower_app_command_writes_app_and_prints_commands(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

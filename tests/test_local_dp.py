@@ -99,3 +99,48 @@ def test_a_local_dp_run_reports_opacus_epsilon(tmp_path) -> None:
 def test_local_dp_is_refused_where_the_client_step_is_not_plain_sgd() -> None:
     with pytest.raises(ConfigError, match="'fedprox' does not admit local DP"):
         experiment(apply(RunConfig(), dict(algorithm="fedprox", dp="local", out=None)))
+
+
+def test_fedmr_uploads_dp_sgd_models(tmp_path) -> None:
+    """dp=local on FedMR (a family that needs individual models on the server): the client step is Opacus
+    DP-SGD — the reply equals train_dp_sgd's model for the same seeds — and the run reports each client's ε."""
+    from fedfuse.engine.context import RoundInfo
+    from fedfuse.engine.local_dp import train_dp_sgd
+
+    cfg = apply(RunConfig(), dict(algorithm="fedmr", dataset="digits", partition="iid", model="mlp", clients=6,
+                                  clients_per_round=3, rounds=2, batch_size=16, lr=0.1, seed=2, plots=False,
+                                  out=str(tmp_path / "run"), model_options={"widths": [16]}, dp="local",
+                                  dp_noise=1.1, dp_clip=1.0))
+    exp = experiment(cfg)
+    exp.run()
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert 0 < recs[0]["dp_epsilon"] <= recs[-1]["dp_epsilon"] < float("inf") and recs[-1]["dp_clients"] >= 3
+    algo, data = exp.algo, exp.fed.blinded().clients[0]
+    payload = algo.configure_fit(exp.state, RoundInfo(index=2, total=3), [0])[0]
+    torch.manual_seed(5)
+    reply, _ = algo.fit(payload, None, data, torch.Generator().manual_seed(7))
+    torch.manual_seed(5)
+    state, stats = train_dp_sgd(algo.ctx.load(payload.tensors, payload.meta), data.train, algo.ctx.train,
+                                torch.Generator().manual_seed(7), noise=1.1, clip=1.0)
+    assert set(reply.tensors) == set(state) and all(torch.equal(reply.tensors[k], v) for k, v in state.items())
+    assert reply.stats is not None and reply.stats.steps == stats.steps > 0
+    assert algo.client_program(payload, None, data) is None  # every executor calls fit (DP-SGD)
+
+
+def test_secure_fedmr_trains_with_dp_sgd_in_its_first_stage(tmp_path) -> None:
+    """secure=true + dp=local: stage 0 trains with DP-SGD (steps are accounted), the exchange stages train nothing."""
+    cfg = apply(RunConfig(), dict(algorithm="fedmr", dataset="digits", partition="iid", model="mlp", clients=6,
+                                  clients_per_round=3, rounds=2, batch_size=16, lr=0.1, seed=2, plots=False,
+                                  out=str(tmp_path / "run"), model_options={"widths": [16]}, dp="local",
+                                  dp_noise=1.1, dp_clip=1.0, algorithm_options={"secure": True}))
+    exp = experiment(cfg)
+    exp.run()
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    sizes = exp.ctx.client_sizes
+    steps: dict[int, int] = {}
+    for rec in recs:  # one epoch of DP-SGD per sampled client and round: the exchange stages add no steps
+        for c in rec["clients"]:
+            steps[c] = steps.get(c, 0) + exp.ctx.train.local_epochs * round(1 / sample_rate(int(sizes[c]), 16))
+        eps = [local_epsilon(1.1, sample_rate(int(sizes[c]), 16), s, 1e-5) for c, s in steps.items()]
+        assert rec["dp_epsilon"] == pytest.approx(max(eps))
+    assert exp.local_dp_steps == steps

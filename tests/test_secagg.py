@@ -182,7 +182,8 @@ def test_central_dp_under_secagg_equals_central_dp(tmp_path) -> None:
 def test_secagg_config_refusals() -> None:
     for bad, match in ((dict(algorithm="fedma"), "'fedma' does not admit secure aggregation"),
                        (dict(late_replies="next-round"), "late_replies"),
-                       (dict(sampling="clustered"), "clustered sampling reads"),
-                       (dict(executor="flower"), "Flower's own SecAgg")):
+                       (dict(sampling="clustered"), "clustered sampling reads")):
         with pytest.raises(ConfigError, match=match):
             validate(apply(RunConfig(), {"secagg": True, **bad}))
+    # executor=flower runs Flower's own SecAgg+ (fedfuse.flower.secure; tests/test_flower_secagg.py)
+    assert validate(apply(RunConfig(), {"secagg": True, "executor": "flower"})).secagg

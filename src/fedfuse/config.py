@@ -150,7 +150,8 @@ class RunConfig:
     dp_delta: float = opt(1e-5, "δ at which ε is reported", gt=0.0, lt=1.0)
     dp_accountant: str = opt("rdp", "privacy accountant of dp-accounting: rdp or pld (pld: sampling=poisson)",
                              choices=("rdp", "pld"))
-    secagg: bool = opt(False, "secure aggregation (SecAgg/SecAgg+ simulated in-process): the server receives "
+    secagg: bool = opt(False, "secure aggregation (SecAgg/SecAgg+ simulated in-process; Flower's SecAgg+ on "
+                              "Flower): the server receives "
                               "only masked vectors and learns only their sum")
     secagg_threshold: float = opt(0.5, "SecAgg: fraction of a client's shareholders (itself and its neighbours) "
                                        "whose shares rebuild its secrets; t = floor(fraction*holders)+1",
@@ -553,9 +554,6 @@ def _check_secagg(cfg: RunConfig) -> None:
     if cfg.sampling in ("clustered",):
         raise ConfigError("sampling: clustered sampling reads every client's update, which secagg=true hides; "
                           "choose uniform, poisson, size-weighted or clustered-size")
-    if cfg.executor == "flower":
-        raise ConfigError("secagg: the simulated protocol runs in-process; with executor=flower use Flower's "
-                          "own SecAgg+ (docs/privacy.md)")
 
 
 def _check_central_dp(cfg: RunConfig) -> None:

@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
+from fedfuse.algorithms.base import ClientState, RoundInfo, RunContext, ServerState
 from fedfuse.algorithms.fedmr_secure import SecureRecombination
+from fedfuse.engine.local_dp import check_local_dp, train_dp_sgd
 from fedfuse.engine.peers import route_peers
 from fedfuse.engine.program import ClientProgram, run_program
 from fedfuse.fusion.average import clone_state, weighted_average
@@ -49,7 +50,7 @@ from fedfuse.fusion.recombine import (
 )
 from fedfuse.options import opt
 from fedfuse.rng import numpy_rng
-from fedfuse.types import ClientData, Federation, Message, Privacy, ServerView, TensorDict, no, not_built
+from fedfuse.types import ClientData, Federation, Message, Privacy, ServerView, TensorDict, no, yes
 
 
 def model_units(model: torch.nn.Module, granularity: str = "module", segments: int = 0) -> list[tuple[str, ...]]:
@@ -69,14 +70,16 @@ class FedMR(SecureRecombination):
                 'the server recombines the layers of individual trained models into new ones',
                 central_dp=no("each recombined model is made of single clients' layers: nothing is averaged to"
                                ' hide them'),
-                local_dp=not_built('DP-SGD on the client step would make each uploaded model DP'),
+                local_dp=yes('DP-SGD on the client step (Opacus) makes each uploaded model (ε, δ)-DP with respect '
+                             "to its client's examples; recombining DP models is post-processing"),
                 secagg=no('a masked layer is random: recombining masked layers gives no usable model')),
         Privacy(ServerView.MODELS,
                 ("secure=true: the server never gets a client's own model, but every uploaded layer is still "
                  "some client's trained layer"),
                 central_dp=no("the uploads still carry single clients' layers; only who trained which is "
                                'hidden'),
-                local_dp=not_built('DP-SGD on the client step would make the exchanged layers DP'),
+                local_dp=yes('DP-SGD on the client step makes the model whose layers are exchanged (ε, δ)-DP; the '
+                             'exchange and recombination are post-processing'),
                 secagg=no('the peer exchange hides which client trained a layer (unlinkability), not the layer'
                            ' values'),
                 when=(("secure", True),)),
@@ -104,6 +107,11 @@ class FedMR(SecureRecombination):
         secure_min_passes: int = opt(1, "secure exchange: minimum number of exchange passes per round", ge=1)
         int_policy: str = opt("max", "num_batches_tracked in averages (warm-up, global model)",
                               choices=("max", "sum", "first"))
+
+    def __init__(self, ctx: RunContext, options: Any | None = None) -> None:
+        super().__init__(ctx, options)
+        if ctx.dp.local:  # Opacus must be able to clip per-sample gradients of the model
+            check_local_dp(ctx.model())
 
     # ---- helpers -------------------------------------------------------------------------------
     @property
@@ -214,8 +222,12 @@ class FedMR(SecureRecombination):
         """The standard local step; in secure stage 0 the trained model stays with the client (only metadata
         and a fresh public key go up); secure stages 1 and 2 train nothing (``fit`` runs them)."""
         stage = payload.meta.get("secure_stage")
-        if stage not in (None, 0):
+        if stage not in (None, 0) or self.ctx.dp.local:  # dp=local: fit runs DP-SGD (the executors call it)
             return None
+        return self._program(payload, client_state, data)
+
+    def _program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
+        stage = payload.meta.get("secure_stage")
         program = self.standard_program(payload, client_state, data)
         if stage is None:
             return program
@@ -229,9 +241,13 @@ class FedMR(SecureRecombination):
             return self.secure_send(payload, client_state, data.cid)
         if stage == 2:
             return self.secure_assemble(payload, client_state, data.cid)
-        program = self.client_program(payload, client_state, data)
-        assert program is not None
-        return run_program(program, data, gen)
+        program = self._program(payload, client_state, data)
+        if not self.ctx.dp.local:
+            return run_program(program, data, gen)
+        model = self.ctx.load(program.init, payload.meta)  # dp=local: DP-SGD through Opacus, same finalize
+        trained, stats = train_dp_sgd(model, data.train, program.spec, gen, noise=self.ctx.dp.noise,
+                                      clip=self.ctx.dp.clip)
+        return program.finalize(trained, stats)
 
     # ---- diagnostics ---------------------------------------------------------------------------
     def diagnostics(self, state: ServerState, fed: Federation, info: RoundInfo) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from fedfuse.engine.loop import Experiment, assemble
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
+from fedfuse.flower.secure import is_secure_fit, node_fit, secure_mod
 from fedfuse.runtime.precision import resolve_precision, use_precision
 from fedfuse.runtime.threads import apply_threads
 from fedfuse.types import Message as FedfuseMessage
@@ -66,6 +67,7 @@ class NodeRun:
     precision: str = "fp32"  # the run's training precision resolved on this node's device
     memory_format: str = "contiguous"  # the run's memory_format setting
     fp32_matmul: str = "ieee"  # the run's fp32_matmul setting
+    frac_bits: int = 24  # the run's secagg_frac_bits (the fixed point of SecAgg+ contributions)
 
 
 def run_key(run_json: str) -> str:
@@ -113,28 +115,49 @@ def prepare_node(cfg: Any, fed: Any = None, *, key: str | None = None) -> NodeRu
         fed, ctx, algo = assemble(cfg, device, get_algorithm(cfg.algorithm), fed=fed)
         # client hooks never see the partition's ground truth
         built = NodeRun(fed.blinded(), ctx, algo, precision=resolve_precision(cfg.precision, device),
-                        memory_format=cfg.memory_format, fp32_matmul=cfg.fp32_matmul)
+                        memory_format=cfg.memory_format, fp32_matmul=cfg.fp32_matmul,
+                        frac_bits=cfg.secagg_frac_bits)
     while len(_RUNS) >= 4:  # a node process serves one run at a time; a few entries for in-process test grids
         del _RUNS[next(iter(_RUNS))]
     _RUNS[key or run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
     return built
 
 
+class RefusedJob(Exception):
+    """A job for a client whose data this node does not hold."""
+
+
 def handle(msg: Message, context: Context) -> Message:
-    """Run one fedfuse client job carried by ``msg`` and return the reply message."""
-    job_rec = msg.content[JOB]
+    """Run one fedfuse client job carried by ``msg`` and return the reply message (a SecAgg+ round's masked-input
+    step carries all of the node's jobs: :func:`fedfuse.flower.secure.node_fit`)."""
+    if is_secure_fit(msg):
+        return Message(node_fit(msg, lambda content: run_job(content, context), lambda run: run.frac_bits),
+                       reply_to=msg)
+    try:
+        _, job, result = run_job(msg.content, context)
+    except RefusedJob as e:
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(e)), reply_to=msg)
+    content = wire.pack({"result": result})
+    content[JOB] = ConfigRecord({"cid": job.cid, "method": str(msg.content[JOB]["method"])})
+    content["metrics"] = MetricRecord(_metrics(result))
+    return Message(content=content, reply_to=msg)
+
+
+def run_job(content: Any, context: Context) -> tuple[NodeRun, Job, Any]:
+    """Run the fedfuse client job in a message's ``content``: (the node's run, the job, the hook's result)."""
+    job_rec = content[JOB]
     run = node_run(str(job_rec["run"]), context.node_config)
     method, cid, seed = str(job_rec["method"]), int(job_rec["cid"]), int(job_rec["seed"])
     if run.held is not None and cid not in run.held:  # never train or evaluate as another client
         reason = (f"node {context.node_id} does not hold client {cid} (it holds clients {sorted(run.held)}): "
                   "job refused")
         log.error("%s", reason)
-        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+        raise RefusedJob(reason)
     train = json.loads(str(job_rec["train"]))
     if train:
         run.ctx.train = TrainConfig(**train)
-    body = wire.unpack(msg.content)
-    payload = wire.from_records(msg.content[wire.PAYLOAD_ARRAYS], msg.content[wire.PAYLOAD_SKELETON])
+    body = wire.unpack(content)
+    payload = wire.from_records(content[wire.PAYLOAD_ARRAYS], content[wire.PAYLOAD_SKELETON])
     data = run.fed.clients[cid]
     private = tuple(run.algo.node_private)
     state = restore_private(body["state"], private, context, cid)
@@ -145,10 +168,7 @@ def handle(msg: Message, context: Context) -> Message:
         result = hook(job.payload, job.state, data, job_generator(seed, job))
     if private and method == "fit":  # evaluation reads the kept entries but leaves them as they are
         result = (result[0], keep_private(result[1], private, context, cid))
-    content = wire.pack({"result": result})
-    content[JOB] = ConfigRecord({"cid": cid, "method": method})
-    content["metrics"] = MetricRecord(_metrics(result))
-    return Message(content=content, reply_to=msg)
+    return run, job, result
 
 
 KEPT = "fedfuse:kept-on-node"  # what the server holds in place of a node-private client-state entry
@@ -215,7 +235,7 @@ def _metrics(result: Any) -> dict[str, float]:
     return out
 
 
-client_app = ClientApp()
+client_app = ClientApp(mods=[secure_mod])  # secure_mod: Flower's secaggplus_mod in SecAgg+ rounds only
 
 
 @client_app.query()

@@ -29,6 +29,7 @@ from typing import Any
 
 from fedfuse.engine.contract import Algorithm, ClientFn, Job
 from fedfuse.flower import wire
+from fedfuse.privacy.secure import SecAggAbort, SecAggSettings
 
 log = logging.getLogger("fedfuse")
 
@@ -65,6 +66,9 @@ class FlowerExecutor:
         self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
         self.calls: list[dict[str, Any]] = []  # per grid call: message type, push and last-reply wall times
         self.served: dict[int, list[int] | None] = {}  # node -> the clients it holds (None: any, see discover)
+        #: secagg=true: fit rounds run Flower's SecAgg+ with these settings (fedfuse.flower.secure)
+        self.secagg = (SecAggSettings(config.secagg_threshold, config.secagg_neighbors, config.secagg_frac_bits)
+                       if config.secagg else None)
 
     def bind(self, ctx: Any) -> None:
         """Follow ``ctx.train`` (the run's local-training settings) when building messages."""
@@ -164,23 +168,17 @@ class FlowerExecutor:
         self.lost = {}
         if not jobs:
             return {}
-        ids = self.nodes()
-        self.discover(ids)
-        holders = self.holders(self.route(ids, strict=True))  # a silent node's clients are absent for a while
-        anyone = self.route([n for n in ids if self.served.get(n, None) is None])
-        self._silent = {n: k - 1 for n, k in self._silent.items() if k > 1}
+        routes = self.assign(jobs)
+        if method == "fit" and self.secagg is not None:  # secagg=true: Flower's SecAgg+ (fedfuse.flower.secure)
+            return self.send_secure([j for j in jobs if j.cid in routes], routes, train)
         payloads: dict[int, tuple[Any, Any]] = {}  # a payload broadcast to many clients is encoded once
         sent = {}
         for job in jobs:
-            node = holders.get(job.cid)
-            if node is None and anyone:
-                node = anyone[job.cid % len(anyone)]
-            if node is None:  # nobody connected holds this client's data: it cannot take part
-                self.lost[job.cid] = "no connected node holds its data"
+            if job.cid not in routes:
                 continue
             if id(job.payload) not in payloads:
                 payloads[id(job.payload)] = wire.to_records(job.payload)
-            sent[job.cid] = self.message(method, job, node, payloads[id(job.payload)], train)
+            sent[job.cid] = self.message(method, job, routes[job.cid], payloads[id(job.payload)], train)
         replies = self.send_and_receive(list(sent.values())) if sent else []
         by_message = {m.metadata.message_id: cid for cid, m in sent.items() if m.metadata.message_id}
         out: dict[int, Any] = {}
@@ -199,6 +197,42 @@ class FlowerExecutor:
                 self._silent[msg.metadata.dst_node_id] = RETRY_AFTER
         for cid, reason in sorted(self.lost.items()):
             log.warning("flower: client %d did not reply: %s", cid, reason)
+        return out
+
+    def assign(self, jobs: Sequence[Job]) -> dict[int, int]:
+        """client id -> the node its job goes to: the connected node holding its data, else one that serves any
+        client; a job no connected node can serve is recorded in :attr:`lost`."""
+        ids = self.nodes()
+        self.discover(ids)
+        holders = self.holders(self.route(ids, strict=True))  # a silent node's clients are absent for a while
+        anyone = self.route([n for n in ids if self.served.get(n, None) is None])
+        self._silent = {n: k - 1 for n, k in self._silent.items() if k > 1}
+        routes: dict[int, int] = {}
+        for job in jobs:
+            node = holders.get(job.cid)
+            if node is None and anyone:
+                node = anyone[job.cid % len(anyone)]
+            if node is None:  # nobody connected holds this client's data: it cannot take part
+                self.lost[job.cid] = "no connected node holds its data"
+                continue
+            routes[job.cid] = node
+        return routes
+
+    def send_secure(self, jobs: list[Job], routes: dict[int, int], train: str) -> dict[int, Any]:
+        """The round's fit jobs under Flower's SecAgg+ (:func:`fedfuse.flower.secure.secure_fit`): the replies
+        are masked replies sharing the decoded sum.  If the protocol halts, no client of the round counts."""
+        from fedfuse.flower.secure import secure_fit
+
+        assert self.secagg is not None
+        round_index = int(jobs[0].keys[1]) if jobs and len(jobs[0].keys) > 1 else 0
+        try:
+            out = secure_fit(self, jobs, routes, train, round_index, self.secagg)
+        except SecAggAbort as e:
+            log.warning("flower: SecAgg+ round aborted: %s", e)
+            out = {}
+        for job in jobs:
+            if job.cid not in out:
+                self.lost[job.cid] = "not in the SecAgg+ sum (its node dropped out or the protocol halted)"
         return out
 
     def send_and_receive(self, messages: list[Any]) -> list[Any]:
