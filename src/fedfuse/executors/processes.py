@@ -19,6 +19,7 @@ the pool starts, so server hooks must keep server state in the ``state`` they re
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import multiprocessing as mp
 import os
@@ -57,7 +58,9 @@ _WORKER: dict[str, Any] = {}
 
 def _init_worker(target: Any, clients: Sequence[ClientData], seed: int, threads: int) -> None:
     torch.set_num_threads(max(1, threads))
-    _WORKER.update(target=target, clients=clients, seed=seed)
+    # A private copy: under ``spawn`` the target arrives through torch's shared-memory pickling, so without it every
+    # worker would train the same tensors of the algorithm's cached modules at once.
+    _WORKER.update(target=copy.deepcopy(target), clients=clients, seed=seed)
 
 
 def _work(task: tuple[str, bytes, tuple[str, str, str]]) -> bytes:
