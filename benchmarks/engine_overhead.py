@@ -9,7 +9,9 @@ runs every variant once, so machine noise hits all alike), on the same data:
 - ``plain``: a minimal hand-written fp32 loop (one client after another, ``torch.optim.SGD``); ``plain-bf16``
   the same loop under bf16 autocast (with the engine's memory-format rule on a CNN);
 - ``EXECUTOR/PRECISION``: fedfuse's round loop with that executor and ``precision`` (``--executors`` ×
-  ``--precisions``; ``--memory-formats`` adds the CNN's layouts, ``auto`` by default).
+  ``--precisions``; ``--memory-formats`` adds the CNN's layouts, ``auto`` by default).  ``stacked`` is the
+  batched executor with stacked linear layers (``engine/stacked.py``); after the tables the benchmark prints
+  which route (stacked, or ``vmap`` and why) each algorithm's groups took.
 
 Reported per variant: median wall seconds per round (first round — FLOP counting, the auto probe, worker
 start — and the last, evaluation round excluded), median CPU seconds per round of *this* process, the speed
@@ -19,11 +21,12 @@ executor, whose work is in other processes), the achieved GFLOP/s (training FLOP
 of the variant's precision.
 
 ``--algorithms fedprox,fedmr,...`` adds a table: each algorithm with its sequential fp32 run against its fastest
-configuration (``--fast``, default the batched executor at bf16) on the MLP.
+configurations (``--fast``, default the stacked and the batched executor at bf16) on the MLP.
 
     python benchmarks/engine_overhead.py [--data-dir ../shared/data] [--rounds 6] [--repeats 3] [--threads 1]
-        [--models mlp,cnn,mlp-small] [--executors sequential,batched,processes,auto] [--precisions fp32,bf16]
-        [--memory-formats auto,contiguous] [--workers 2] [--algorithms fedprox,fedmr,fedmerge,heterofl] [--gpu]
+        [--models mlp,cnn,mlp-small] [--executors sequential,batched,stacked,processes,auto]
+        [--precisions fp32,bf16] [--memory-formats auto,contiguous] [--workers 2]
+        [--algorithms fedprox,fedmr,fedmerge,heterofl] [--fast stacked/bf16,batched/bf16] [--gpu]
 
 With ``--data-dir`` the real MNIST training images are used (first 60,000 split into 100 × 600);
 otherwise random MNIST-shaped tensors (the timing does not depend on the pixel values).  ``--gpu`` runs the
@@ -47,12 +50,14 @@ from fedfuse.engine.client import train_flops_per_sample
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.precision import train_autocast, train_layout, use_precision
 from fedfuse.engine.processes import ProcessExecutor
+from fedfuse.engine.stacked import StackedExecutor
 from fedfuse.models import build_model
 from fedfuse.rng import numpy_rng
 from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Federation, Split
 
 N_CLIENTS, PER_CLIENT, PER_ROUND, BATCH, LR = 100, 600, 10, 50, 0.05
+ROUTES: dict[str, dict[str, int]] = {}  # algorithm → the stacked executor's routes (stacked / vmap: reason)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -161,6 +166,10 @@ def engine_round_times(fed: Federation, model: str, opts: dict, rounds: int, exe
     exp = experiment(cfg, fed=fed, executor=ex, on_round=tick)
     last[0] = time.process_time()
     exp.run()
+    if isinstance(ex, StackedExecutor):
+        routes = ROUTES.setdefault(algorithm, {})
+        for route, n in ex.routes.items():
+            routes[route] = routes.get(route, 0) + n
     return [h["seconds"] for h in exp.history[1:-1]], cpu[1:-1]
 
 
@@ -226,12 +235,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process and of each worker")
     p.add_argument("--models", default="mlp,cnn", help="which of mlp,cnn,mlp-small to time")
-    p.add_argument("--executors", default="sequential,batched,processes,auto")
+    p.add_argument("--executors", default="sequential,batched,stacked,processes,auto")
     p.add_argument("--precisions", default="fp32,bf16", help="engine precisions to time (fp32, bf16)")
     p.add_argument("--memory-formats", default="auto", help="CNN layouts to time: auto, contiguous, channels_last")
     p.add_argument("--workers", type=int, default=2, help="worker processes of the processes executor")
     p.add_argument("--algorithms", default="", help="also time these algorithms, sequential fp32 vs --fast, on the MLP")
-    p.add_argument("--fast", default="batched/bf16", help="EXECUTOR/PRECISION the --algorithms table compares")
+    p.add_argument("--fast", default="stacked/bf16,batched/bf16",
+                   help="EXECUTOR/PRECISION list the --algorithms table compares with sequential fp32")
     p.add_argument("--peak-size", type=int, default=2048, help="size n of the n×n×n peak GEMM")
     p.add_argument("--gpu", action="store_true", help="run everything on cuda")
     p.add_argument("--gemm", action="store_true", help="only print the GEMM table (peak and the MLP's shapes)")
@@ -299,22 +309,29 @@ def main() -> None:
     algos = [a for a in args.algorithms.split(",") if a]
     if algos:
         name, _, opts = MODELS["mlp"]
-        fast_ex, fast_q = args.fast.split("/")
-        print(f"\nalgorithms on the {name}: sequential fp32 vs {args.fast}")
-        print("| algorithm | sequential fp32 CPU s/round | " + args.fast + " CPU s/round | speed-up (CPU) | "
-              "speed-up (wall) |")
-        print("|---|---|---|---|---|")
+        fast = [tuple(f.split("/")) for f in args.fast.split(",") if f]
+        print(f"\nalgorithms on the {name}: sequential fp32 vs {', '.join(args.fast.split(','))} (CPU-time speed-ups)")
+        print("| algorithm | sequential fp32 CPU s/round | " + " | ".join(
+            f"{ex}/{q} CPU s/round | speed-up (CPU) | speed-up (wall)" for ex, q in fast) + " |")
+        print("|---|---|" + "---|---|---|" * len(fast))
         for algo in algos:
-            res: dict[tuple, tuple[list, list]] = {("sequential", "fp32"): ([], []), (fast_ex, fast_q): ([], [])}
+            res: dict[tuple, tuple[list, list]] = {("sequential", "fp32"): ([], []), **{f: ([], []) for f in fast}}
             for _ in range(args.repeats):
                 for ex, q in res:
                     w, c = engine_round_times(fed, "mlp", opts, args.rounds, ex, algorithm=algo, threads=args.threads,
                                               precision=q, device=device)
                     res[(ex, q)][0].extend(w)
                     res[(ex, q)][1].extend(c)
-            (sw, sc), (fw, fc) = ((statistics.median(a), statistics.median(b)) for a, b in res.values())
-            print(f"| {algo} | {sc:.3f} | {fc:.3f} | {sc / fc:.2f}× | {sw / fw:.2f}× |")
-
+            sw, sc = (statistics.median(v) for v in res[("sequential", "fp32")])
+            cells = []
+            for f in fast:
+                fw, fc = (statistics.median(v) for v in res[f])
+                cells.append(f"{fc:.3f} | {sc / fc:.2f}× | {sw / fw:.2f}×")
+            print(f"| {algo} | {sc:.3f} | " + " | ".join(cells) + " |", flush=True)
+    if ROUTES:
+        print("\nstacked executor routes (groups): " + "; ".join(
+            f"{a}: " + ", ".join(f"{r} ×{n}" for r, n in routes.items()) for a, routes in ROUTES.items()))
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 if __name__ == "__main__":
     main()

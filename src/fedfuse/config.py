@@ -190,7 +190,7 @@ class RunConfig:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("sgd", "adam"),
-    "executor": ("sequential", "batched", "processes", "auto", "flower"),
+    "executor": ("sequential", "batched", "stacked", "processes", "auto", "flower"),
     "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size", "poisson"),
 }
 

@@ -188,7 +188,7 @@ class BatchedExecutor(SequentialExecutor):
         idx, mask = idx.to(device), mask.to(device)
         counts = mask.sum(-1)  # (C, T) real samples per step
         stacked = _Stacked(progs)
-        step = _GroupStep(p0, stacked.base, exact)
+        step = self.group_step(p0, stacked.base, exact)
         opt = _StackedOptimizer(spec, [stacked.P[n] for n in step.opt_names])
         acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
         loss_acc = torch.zeros(C, dtype=acc_dtype, device=device)
@@ -212,6 +212,10 @@ class BatchedExecutor(SequentialExecutor):
                                generator=gens[i])
             out[job.cid] = prog.finalize(state, stats)
         return out
+
+    def group_step(self, program: ClientProgram, base: dict[str, torch.Tensor], exact: bool) -> _GroupStep:
+        """The gradient computation of one group (the stacked executor overrides it for linear models)."""
+        return _GroupStep(program, base, exact)
 
     def _batches(self, group: list[tuple[Job, ClientProgram]], scheds: list[list[int]],
                  T: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Generator]]:

@@ -2,11 +2,12 @@
 
 - ``sequential`` — one client after another in this process (the reference, ``engine/executor.py``);
 - ``batched`` — clients of a declared program trained together with ``torch.func`` (``engine/batched.py``);
+- ``stacked`` — ``batched`` with one batched matrix product per layer for linear models (``engine/stacked.py``);
 - ``processes`` — a pool of worker processes (``engine/processes.py``);
 - ``auto`` — a short probe picks one of the above (``engine/auto.py``);
 - ``flower`` — Flower's simulation runtime, one message per job (``fedfuse/flower/``, ``pip install fedfuse[flower]``).
 
-The engine registers its own four.  An executor that lives above the engine (Flower's) is registered by the
+The engine registers its own five.  An executor that lives above the engine (Flower's) is registered by the
 composition root (:mod:`fedfuse.runner`) with :func:`register_executor`; the engine never imports it.
 """
 
@@ -20,6 +21,7 @@ from fedfuse.engine.batched import BatchedExecutor
 from fedfuse.engine.contract import Executor
 from fedfuse.engine.executor import SequentialExecutor
 from fedfuse.engine.processes import ProcessExecutor
+from fedfuse.engine.stacked import StackedExecutor
 from fedfuse.errors import UserError
 from fedfuse.types import ClientData
 
@@ -30,6 +32,7 @@ ExecutorFactory = Callable[..., Executor]
 _FACTORIES: dict[str, ExecutorFactory] = {
     "sequential": lambda clients, seed, threads=0, config=None: SequentialExecutor(clients, seed),
     "batched": lambda clients, seed, threads=0, config=None: BatchedExecutor(clients, seed),
+    "stacked": lambda clients, seed, threads=0, config=None: StackedExecutor(clients, seed),
     "processes": lambda clients, seed, threads=0, config=None: ProcessExecutor(clients, seed, threads=threads or 1),
     "auto": lambda clients, seed, threads=0, config=None: AutoExecutor(clients, seed, threads=threads or 1),
 }

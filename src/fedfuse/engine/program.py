@@ -178,7 +178,13 @@ def step_loss(program: ClientProgram, params: Mapping[str, torch.Tensor], buffer
     the template is called as it is.  Every executor computes its gradients from this function."""
     state = None if own else {**(frozen or {}), **params, **buffers}
     z, logits = forward(program.model, state, x, features=program.features, tied=program.tied)
-    batch = Batch(x, y, logits, z, dict(params), dict(buffers), dict(refs), step, mask)
+    return batch_loss(program, Batch(x, y, logits, z, dict(params), dict(buffers), dict(refs), step, mask))
+
+
+def batch_loss(program: ClientProgram, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(minimised, reported)`` = (loss + terms, loss) of one client's forward pass ``batch``: the part of
+    :func:`step_loss` after the forward pass (the stacked executor computes the forward pass of all clients as
+    batched products and evaluates this per client)."""
     reported = program.loss(batch)
     extra: torch.Tensor | None = None
     for term in program.terms:
