@@ -198,7 +198,7 @@ class BatchedExecutor(SequentialExecutor):
         try:
             for t in range(T):
                 sel, m = (idx[:, t, : scheds[0][t]], None) if exact else (idx[:, t], mask[:, t])
-                grads, task = step.grads(stacked, x_all[sel], y_all[sel], m, t)
+                grads, task = step.grads(stacked, _rows(x_all, sel), _rows(y_all, sel), m, t)
                 opt.step(grads, None if exact else (t < steps_of))
                 loss_acc += task.detach().to(acc_dtype) * counts[:, t].to(acc_dtype)
         finally:
@@ -247,6 +247,12 @@ class BatchedExecutor(SequentialExecutor):
                 mask[i, :steps, :bs] = valid.float()
             offset += n
         return idx, mask, gens
+
+
+def _rows(data: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """``data[sel]`` for an index tensor ``sel`` into the first axis, as one ``index_select`` (the same values;
+    ~2× faster on a CPU than advanced indexing for a step's gather)."""
+    return data.index_select(0, sel.reshape(-1)).view(*sel.shape, *data.shape[1:])
 
 
 class _Stacked:
