@@ -263,9 +263,9 @@ class _Stacked:
     def __init__(self, progs: list[ClientProgram]) -> None:
         p0 = progs[0]
         model = p0.model
-        self.P = {n: torch.stack([p.init[n] for p in progs]).detach().clone()
+        self.P = {n: torch.stack([p.init[n] for p in progs]).detach()  # stack copies
                   for n, _ in model.named_parameters() if n in p0.init}
-        self.B = {n: torch.stack([p.init[n] for p in progs]).detach().clone()
+        self.B = {n: torch.stack([p.init[n] for p in progs]).detach()
                   for n, _ in model.named_buffers() if n in p0.init}
         self.R = {k: torch.stack([p.refs[k] for p in progs]).detach() for k in p0.refs}
         self.base = {n: t.detach() for n, t in (*model.named_parameters(), *model.named_buffers())

@@ -26,7 +26,9 @@ A program says
 
 One step function serves every executor: :func:`step_loss` computes the loss of one client on one batch from
 functional tensors; the sequential driver calls it with the module's own tensors, the batched one ``vmap`` s
-it over clients, and both apply ``transform`` per client.  A program cannot be honoured by one executor and
+it over clients, and both apply ``transform`` per client.  The stacked executor (linear models) computes the
+forward pass of all clients as batched products and then evaluates :func:`batch_loss`, the part of
+:func:`step_loss` after the forward pass, per client.  A program cannot be honoured by one executor and
 misread by another.
 
 Losses must reduce over samples with :meth:`Batch.mean` or :meth:`Batch.cross_entropy` (the batched executor

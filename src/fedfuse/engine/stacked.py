@@ -9,13 +9,19 @@ parameters, so each gets its own gradient) and the stacked optimiser update of t
 never called through ``functional_call`` or ``vmap``: what remains of the batched executor's per-step overhead
 is the loss.
 
+Layers run feature-major: a layer maps (C, in, B) to (C, out, B) as ``baddbmm(bias, W, hᵀ)``, so the weight is
+the left factor and autograd returns its gradient contiguous (a gradient returned as the transpose of a
+contiguous tensor made the stacked optimiser update 3-4× slower).
+
 One step function still serves every executor.  The forward pass is the only part written here (per model
 class, :data:`STACKED_FORWARDS`); the loss and the declared terms are :func:`fedfuse.engine.program.batch_loss`,
 the part of :func:`~fedfuse.engine.program.step_loss` after the forward pass, ``vmap``-ped over the clients on
-the stacked logits (and features, when the program declares ``features=True``).  Batching, padding masks,
-frozen clients, SAM/ASAM second passes, gradient transforms, clipping and the optimiser are the batched
-executor's, unchanged.  A program this executor cannot stack runs on the batched executor's ``vmap`` step; the
-reason is counted in :attr:`StackedExecutor.routes`:
+the stacked logits (and features, when the program declares ``features=True``).  The default loss without
+terms (:func:`~fedfuse.engine.program.cross_entropy`) is computed on the stacked logits directly
+(:func:`stacked_cross_entropy`: the same per-client mean over the real samples), which saves that ``vmap``.
+Batching, padding masks, frozen clients, SAM/ASAM second passes, gradient transforms, clipping and the
+optimiser are the batched executor's, unchanged.  A program this executor cannot stack runs on the batched
+executor's ``vmap`` step; the reason is counted in :attr:`StackedExecutor.routes`:
 
 - a model class without a stacked forward (convolutions, recurrent layers, attention, norms: ``vmap``);
 - a model with module hooks or parametrizations (a stacked forward would skip them; HeteroFL's Scaler);
@@ -23,7 +29,7 @@ reason is counted in :attr:`StackedExecutor.routes`:
 
 Results agree with the sequential executor up to floating-point summation order, as the batched executor's do
 (``tests/test_stacked.py``).  The stacked and the batched executors are separate names: the golden records pin
-the batched executor's bits, and the stacked products round differently.
+the batched executor's bits, and the stacked products round differently (docs/engine.md discusses the choice).
 """
 
 from __future__ import annotations
