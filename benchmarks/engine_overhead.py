@@ -20,13 +20,16 @@ executor, whose work is in other processes), the achieved GFLOP/s (training FLOP
 ``torch.utils.flop_counter``, over the CPU seconds; per worker for ``processes``) and the fraction of the peak
 of the variant's precision.
 
+``--step`` times only one optimiser step of 10 clients on the MLP (the plain loop's 10 steps against the
+stacked executor's one step, no round around it), which separates the step from the engine's round.
+
 ``--algorithms fedprox,fedmr,...`` adds a table: each algorithm with its sequential fp32 run against its fastest
 configurations (``--fast``, default the stacked and the batched executor at bf16) on the MLP.
 
     python benchmarks/engine_overhead.py [--data-dir ../shared/data] [--rounds 6] [--repeats 3] [--threads 1]
         [--models mlp,cnn,mlp-small] [--executors sequential,batched,stacked,processes,auto]
         [--precisions fp32,bf16] [--memory-formats auto,contiguous] [--workers 2]
-        [--algorithms fedprox,fedmr,fedmerge,heterofl] [--fast stacked/bf16,batched/bf16] [--gpu]
+        [--algorithms fedprox,fedmr,fedmerge,heterofl] [--fast stacked/bf16,batched/bf16] [--gpu] [--gemm] [--step]
 
 With ``--data-dir`` the real MNIST training images are used (first 60,000 split into 100 × 600);
 otherwise random MNIST-shaped tensors (the timing does not depend on the pixel values).  ``--gpu`` runs the
@@ -214,6 +217,55 @@ def plain_round_times(fed: Federation, model_name: str, opts: dict, rounds: int,
     return walls[1:], cpus[1:]
 
 
+def step_times(fed: Federation, repeats: int, device: torch.device) -> None:
+    """One optimiser step of 10 clients on the 784-200-200-10 MLP, without the round around it (interleaved,
+    median CPU ms): the plain loop's 10 ``torch.optim.SGD`` steps, and the stacked executor's step (its
+    ``_StackedStep`` gradients and ``_StackedOptimizer`` update on the clients' stacked batches) per precision."""
+    from fedfuse.engine.batched import _Stacked, _StackedOptimizer
+    from fedfuse.engine.client import TrainConfig
+    from fedfuse.engine.program import ClientProgram
+    from fedfuse.engine.stacked import _StackedStep
+
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 28, 28), 10, widths=[200, 200]).to(device)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    spec = TrainConfig(batch_size=BATCH, lr=LR)
+    progs = [ClientProgram(model=model, init=init, spec=spec, finalize=lambda s, st: (s, st))
+             for _ in range(PER_ROUND)]
+    x = torch.stack([fed.clients[c].train.x[:BATCH] for c in range(PER_ROUND)])
+    y = torch.stack([fed.clients[c].train.y[:BATCH] for c in range(PER_ROUND)])
+    stacked = _Stacked(progs)
+    step = _StackedStep(progs[0], stacked.base, True)
+    opt = _StackedOptimizer(spec, [stacked.P[n] for n in step.opt_names])
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def plain() -> None:
+        for c in range(PER_ROUND):
+            with train_autocast(device):
+                loss = torch.nn.functional.cross_entropy(model(x[c]), y[c])
+            sgd.zero_grad()
+            loss.backward()
+            sgd.step()
+
+    def stacked_step() -> None:
+        grads, _ = step.grads(stacked, x, y, None, 0)
+        opt.step(grads, None)
+
+    variants = {"plain, fp32": (plain, "fp32"), "plain, bf16": (plain, "bf16"),
+                "stacked step, fp32": (stacked_step, "fp32"), "stacked step, bf16": (stacked_step, "bf16")}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(max(repeats, 1) * 10):
+        for key, (fn, q) in variants.items():
+            with use_precision(q, "auto"):
+                times[key].append(_timed(fn, device)[0 if device.type == "cuda" else 1])
+    base = statistics.median(times["plain, fp32"])
+    print(f"\none optimiser step of {PER_ROUND} clients (MLP 784-200-200-10, batch {BATCH}), no round around it")
+    print("| variant | ms per step of all clients | × plain fp32 |")
+    print("|---|---|---|")
+    for key, ts in times.items():
+        print(f"| {key} | {1e3 * statistics.median(ts):.2f} | {base / statistics.median(ts):.2f}× |")
+
+
 MODELS = {  # variant → (label, registry model, options)
     "mlp": ("MLP 784-200-200-10", "mlp", {"widths": [200, 200]}),
     "cnn": ("McMahan CNN", "cnn", {}),
@@ -245,6 +297,7 @@ def main() -> None:
     p.add_argument("--peak-size", type=int, default=2048, help="size n of the n×n×n peak GEMM")
     p.add_argument("--gpu", action="store_true", help="run everything on cuda")
     p.add_argument("--gemm", action="store_true", help="only print the GEMM table (peak and the MLP's shapes)")
+    p.add_argument("--step", action="store_true", help="only time one step of 10 clients: plain vs stacked")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.gpu else "cpu")
@@ -256,6 +309,12 @@ def main() -> None:
         print_gemm_table(device, args.peak_size)
         return
     fed = make_federation(args.data_dir, device)
+    if args.step:
+        print(f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}, device {device}, "
+              f"threads {torch.get_num_threads()}; medians of {max(args.repeats, 1) * 10} interleaved repeats")
+        step_times(fed, args.repeats, device)
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
+        return
     executors = [e for e in args.executors.split(",") if e and not (args.gpu and e == "processes")]
     precisions = [q for q in args.precisions.split(",") if q]
     formats = [f for f in args.memory_formats.split(",") if f]
