@@ -171,3 +171,21 @@ def test_every_algorithm_runs_the_same_stacked(algorithm):
     _assert_close_history(seq.history, st.history, f"{algorithm} stacked vs sequential")
     if algorithm in STACKED_ALGORITHMS:
         assert set(st.executor.routes) == {"stacked"}, (algorithm, st.executor.routes)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "heterofl", "msfusion"])
+def test_bf16_runs_stacked(algorithm):
+    """``precision=bf16`` reaches the stacked step of whole runs: one round agrees with the sequential bf16 run
+    within the conformance suite's bf16 tolerances, and differs from the stacked fp32 run."""
+    from test_conformance import BF16_ACC_ATOL, BF16_LOSS_RTOL
+
+    seq = _run(algorithm, "sequential", precision="bf16", rounds=1)
+    st = _run(algorithm, "stacked", precision="bf16", rounds=1)
+    fp32 = _run(algorithm, "stacked", rounds=1)
+    assert st.summary()["precision"] == "bf16" and set(st.executor.routes) == {"stacked"}
+    a, b, f = seq.history[-1], st.history[-1], fp32.history[-1]
+    assert b["train_loss"] == pytest.approx(a["train_loss"], rel=BF16_LOSS_RTOL)
+    assert b["train_loss"] != f["train_loss"]
+    for k in a:
+        if "accuracy" in k and isinstance(a[k], float):
+            assert abs(a[k] - b[k]) <= BF16_ACC_ATOL, k
