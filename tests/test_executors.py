@@ -286,7 +286,8 @@ class Killed(Exception):
     pass
 
 
-@pytest.mark.parametrize("executor,algorithm", [("batched", "fedprox"), ("auto", "fedavg"), ("processes", "local")])
+@pytest.mark.parametrize("executor,algorithm", [("batched", "fedprox"), ("stacked", "fedprox"), ("auto", "fedavg"),
+                                                ("processes", "local")])
 def test_resume_is_bit_identical_within_an_executor(tmp_path, executor, algorithm):
     def kill(rec):
         if rec["round"] == 2:
