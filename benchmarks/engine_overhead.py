@@ -9,7 +9,9 @@ runs every variant once, so machine noise hits all alike), on the same data:
 - ``plain``: a minimal hand-written fp32 loop (one client after another, ``torch.optim.SGD``); ``plain-bf16``
   the same loop under bf16 autocast (with the engine's memory-format rule on a CNN);
 - ``EXECUTOR/PRECISION``: fedfuse's round loop with that executor and ``precision`` (``--executors`` ×
-  ``--precisions``; ``--memory-formats`` adds the CNN's layouts, ``auto`` by default).
+  ``--precisions``; ``--memory-formats`` adds the CNN's layouts, ``auto`` by default).  ``stacked`` is the
+  batched executor with stacked linear layers (``executors/stacked.py``); after the tables the benchmark prints
+  which route (stacked, or ``vmap`` and why) each algorithm's groups took.
 
 Reported per variant: median wall seconds per round (first round — FLOP counting, the auto probe, worker
 start — and the last, evaluation round excluded), median CPU seconds per round of *this* process, the speed
@@ -18,12 +20,16 @@ executor, whose work is in other processes), the achieved GFLOP/s (training FLOP
 ``torch.utils.flop_counter``, over the CPU seconds; per worker for ``processes``) and the fraction of the peak
 of the variant's precision.
 
+``--step`` times only one optimiser step of 10 clients on the MLP (the plain loop's 10 steps against the
+stacked executor's one step, no round around it), which separates the step from the engine's round.
+
 ``--algorithms fedprox,fedmr,...`` adds a table: each algorithm with its sequential fp32 run against its fastest
-configuration (``--fast``, default the batched executor at bf16) on the MLP.
+configurations (``--fast``, default the stacked and the batched executor at bf16) on the MLP.
 
     python benchmarks/engine_overhead.py [--data-dir ../shared/data] [--rounds 6] [--repeats 3] [--threads 1]
-        [--models mlp,cnn,mlp-small] [--executors sequential,batched,processes,auto] [--precisions fp32,bf16]
-        [--memory-formats auto,contiguous] [--workers 2] [--algorithms fedprox,fedmr,fedmerge,heterofl] [--gpu]
+        [--models mlp,cnn,mlp-small] [--executors sequential,batched,stacked,processes,auto]
+        [--precisions fp32,bf16] [--memory-formats auto,contiguous] [--workers 2]
+        [--algorithms fedprox,fedmr,fedmerge,heterofl] [--fast stacked/bf16,batched/bf16] [--gpu] [--gemm] [--step]
 
 With ``--data-dir`` the real MNIST training images are used (first 60,000 split into 100 × 600);
 otherwise random MNIST-shaped tensors (the timing does not depend on the pixel values).  ``--gpu`` runs the
@@ -46,6 +52,7 @@ from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import train_flops_per_sample
 from fedfuse.engine.executors import make_executor
 from fedfuse.executors.processes import ProcessExecutor
+from fedfuse.executors.stacked import StackedExecutor
 from fedfuse.models import build_model
 from fedfuse.rng import numpy_rng
 from fedfuse.runner import experiment
@@ -53,6 +60,7 @@ from fedfuse.runtime.precision import train_autocast, train_layout, use_precisio
 from fedfuse.types import ClientData, Federation, Split
 
 N_CLIENTS, PER_CLIENT, PER_ROUND, BATCH, LR = 100, 600, 10, 50, 0.05
+ROUTES: dict[str, dict[str, int]] = {}  # algorithm → the stacked executor's routes (stacked / vmap: reason)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -161,6 +169,10 @@ def engine_round_times(fed: Federation, model: str, opts: dict, rounds: int, exe
     exp = experiment(cfg, fed=fed, executor=ex, on_round=tick)
     last[0] = time.process_time()
     exp.run()
+    if isinstance(ex, StackedExecutor):
+        routes = ROUTES.setdefault(algorithm, {})
+        for route, n in ex.routes.items():
+            routes[route] = routes.get(route, 0) + n
     return [h["seconds"] for h in exp.history[1:-1]], cpu[1:-1]
 
 
@@ -205,6 +217,55 @@ def plain_round_times(fed: Federation, model_name: str, opts: dict, rounds: int,
     return walls[1:], cpus[1:]
 
 
+def step_times(fed: Federation, repeats: int, device: torch.device) -> None:
+    """One optimiser step of 10 clients on the 784-200-200-10 MLP, without the round around it (interleaved,
+    median CPU ms): the plain loop's 10 ``torch.optim.SGD`` steps, and the stacked executor's step (its
+    ``_StackedStep`` gradients and ``_StackedOptimizer`` update on the clients' stacked batches) per precision."""
+    from fedfuse.engine.client import TrainConfig
+    from fedfuse.engine.program import ClientProgram
+    from fedfuse.executors.batched import _Stacked, _StackedOptimizer
+    from fedfuse.executors.stacked import _StackedStep
+
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 28, 28), 10, widths=[200, 200]).to(device)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    spec = TrainConfig(batch_size=BATCH, lr=LR)
+    progs = [ClientProgram(model=model, init=init, spec=spec, finalize=lambda s, st: (s, st))
+             for _ in range(PER_ROUND)]
+    x = torch.stack([fed.clients[c].train.x[:BATCH] for c in range(PER_ROUND)])
+    y = torch.stack([fed.clients[c].train.y[:BATCH] for c in range(PER_ROUND)])
+    stacked = _Stacked(progs)
+    step = _StackedStep(progs[0], stacked.base, True)
+    opt = _StackedOptimizer(spec, [stacked.P[n] for n in step.opt_names])
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def plain() -> None:
+        for c in range(PER_ROUND):
+            with train_autocast(device):
+                loss = torch.nn.functional.cross_entropy(model(x[c]), y[c])
+            sgd.zero_grad()
+            loss.backward()
+            sgd.step()
+
+    def stacked_step() -> None:
+        grads, _ = step.grads(stacked, x, y, None, 0)
+        opt.step(grads, None)
+
+    variants = {"plain, fp32": (plain, "fp32"), "plain, bf16": (plain, "bf16"),
+                "stacked step, fp32": (stacked_step, "fp32"), "stacked step, bf16": (stacked_step, "bf16")}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(max(repeats, 1) * 10):
+        for key, (fn, q) in variants.items():
+            with use_precision(q, "auto"):
+                times[key].append(_timed(fn, device)[0 if device.type == "cuda" else 1])
+    base = statistics.median(times["plain, fp32"])
+    print(f"\none optimiser step of {PER_ROUND} clients (MLP 784-200-200-10, batch {BATCH}), no round around it")
+    print("| variant | ms per step of all clients | × plain fp32 |")
+    print("|---|---|---|")
+    for key, ts in times.items():
+        print(f"| {key} | {1e3 * statistics.median(ts):.2f} | {base / statistics.median(ts):.2f}× |")
+
+
 MODELS = {  # variant → (label, registry model, options)
     "mlp": ("MLP 784-200-200-10", "mlp", {"widths": [200, 200]}),
     "cnn": ("McMahan CNN", "cnn", {}),
@@ -226,15 +287,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process and of each worker")
     p.add_argument("--models", default="mlp,cnn", help="which of mlp,cnn,mlp-small to time")
-    p.add_argument("--executors", default="sequential,batched,processes,auto")
+    p.add_argument("--executors", default="sequential,batched,stacked,processes,auto")
     p.add_argument("--precisions", default="fp32,bf16", help="engine precisions to time (fp32, bf16)")
     p.add_argument("--memory-formats", default="auto", help="CNN layouts to time: auto, contiguous, channels_last")
     p.add_argument("--workers", type=int, default=2, help="worker processes of the processes executor")
     p.add_argument("--algorithms", default="", help="also time these algorithms, sequential fp32 vs --fast, on the MLP")
-    p.add_argument("--fast", default="batched/bf16", help="EXECUTOR/PRECISION the --algorithms table compares")
+    p.add_argument("--fast", default="stacked/bf16,batched/bf16",
+                   help="EXECUTOR/PRECISION list the --algorithms table compares with sequential fp32")
     p.add_argument("--peak-size", type=int, default=2048, help="size n of the n×n×n peak GEMM")
     p.add_argument("--gpu", action="store_true", help="run everything on cuda")
     p.add_argument("--gemm", action="store_true", help="only print the GEMM table (peak and the MLP's shapes)")
+    p.add_argument("--step", action="store_true", help="only time one step of 10 clients: plain vs stacked")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.gpu else "cpu")
@@ -246,6 +309,12 @@ def main() -> None:
         print_gemm_table(device, args.peak_size)
         return
     fed = make_federation(args.data_dir, device)
+    if args.step:
+        print(f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}, device {device}, "
+              f"threads {torch.get_num_threads()}; medians of {max(args.repeats, 1) * 10} interleaved repeats")
+        step_times(fed, args.repeats, device)
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
+        return
     executors = [e for e in args.executors.split(",") if e and not (args.gpu and e == "processes")]
     precisions = [q for q in args.precisions.split(",") if q]
     formats = [f for f in args.memory_formats.split(",") if f]
@@ -299,22 +368,29 @@ def main() -> None:
     algos = [a for a in args.algorithms.split(",") if a]
     if algos:
         name, _, opts = MODELS["mlp"]
-        fast_ex, fast_q = args.fast.split("/")
-        print(f"\nalgorithms on the {name}: sequential fp32 vs {args.fast}")
-        print("| algorithm | sequential fp32 CPU s/round | " + args.fast + " CPU s/round | speed-up (CPU) | "
-              "speed-up (wall) |")
-        print("|---|---|---|---|---|")
+        fast = [tuple(f.split("/")) for f in args.fast.split(",") if f]
+        print(f"\nalgorithms on the {name}: sequential fp32 vs {', '.join(args.fast.split(','))} (CPU-time speed-ups)")
+        print("| algorithm | sequential fp32 CPU s/round | " + " | ".join(
+            f"{ex}/{q} CPU s/round | speed-up (CPU) | speed-up (wall)" for ex, q in fast) + " |")
+        print("|---|---|" + "---|---|---|" * len(fast))
         for algo in algos:
-            res: dict[tuple, tuple[list, list]] = {("sequential", "fp32"): ([], []), (fast_ex, fast_q): ([], [])}
+            res: dict[tuple, tuple[list, list]] = {("sequential", "fp32"): ([], []), **{f: ([], []) for f in fast}}
             for _ in range(args.repeats):
                 for ex, q in res:
                     w, c = engine_round_times(fed, "mlp", opts, args.rounds, ex, algorithm=algo, threads=args.threads,
                                               precision=q, device=device)
                     res[(ex, q)][0].extend(w)
                     res[(ex, q)][1].extend(c)
-            (sw, sc), (fw, fc) = ((statistics.median(a), statistics.median(b)) for a, b in res.values())
-            print(f"| {algo} | {sc:.3f} | {fc:.3f} | {sc / fc:.2f}× | {sw / fw:.2f}× |")
-
+            sw, sc = (statistics.median(v) for v in res[("sequential", "fp32")])
+            cells = []
+            for f in fast:
+                fw, fc = (statistics.median(v) for v in res[f])
+                cells.append(f"{fc:.3f} | {sc / fc:.2f}× | {sw / fw:.2f}×")
+            print(f"| {algo} | {sc:.3f} | " + " | ".join(cells) + " |", flush=True)
+    if ROUTES:
+        print("\nstacked executor routes (groups): " + "; ".join(
+            f"{a}: " + ", ".join(f"{r} ×{n}" for r, n in routes.items()) for a, routes in ROUTES.items()))
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 if __name__ == "__main__":
     main()

@@ -286,7 +286,8 @@ class Killed(Exception):
     pass
 
 
-@pytest.mark.parametrize("executor,algorithm", [("batched", "fedprox"), ("auto", "fedavg"), ("processes", "local")])
+@pytest.mark.parametrize("executor,algorithm", [("batched", "fedprox"), ("stacked", "fedprox"), ("auto", "fedavg"),
+                                                ("processes", "local")])
 def test_resume_is_bit_identical_within_an_executor(tmp_path, executor, algorithm):
     def kill(rec):
         if rec["round"] == 2:
@@ -382,7 +383,7 @@ def test_executor_is_a_validated_config_key():
 
 def test_the_engine_registers_only_the_reference_and_fedfuse_executors_adds_the_rest():
     """In a fresh interpreter the engine's registry holds ``sequential`` alone and names who registers
-    ``batched``; importing :mod:`fedfuse.executors` (as the runner does) registers batched, processes and auto."""
+    ``batched``; importing :mod:`fedfuse.executors` (as the runner does) registers batched, stacked, processes and auto."""
     import subprocess
     import sys
 
@@ -396,7 +397,7 @@ def test_the_engine_registers_only_the_reference_and_fedfuse_executors_adds_the_
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "('sequential',)"
     assert "registered by fedfuse.runner" in out[1] and "importing fedfuse.executors" in out[1]
-    assert out[2] == "('sequential', 'batched', 'processes', 'auto')"
+    assert out[2] == "('sequential', 'batched', 'stacked', 'processes', 'auto')"
     assert out[3] == "BatchedExecutor"
 
 

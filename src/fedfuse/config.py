@@ -60,7 +60,7 @@ FLAGS: dict[str, tuple[str, type, str]] = {
     "--threads": ("threads", str, "torch intra-op threads: auto, 0 (PyTorch's default) or a count"),
     "--precision": ("precision", str, "training precision: fp32, bf16 or auto"),
     "--memory-format": ("memory_format", str, "layout of conv models in training: auto, contiguous, channels_last"),
-    "--executor": ("executor", str, "where client work runs: sequential, batched, processes or auto"),
+    "--executor": ("executor", str, "where client work runs: sequential, batched, stacked, processes or auto"),
 }
 
 
@@ -97,7 +97,7 @@ class RunConfig:
     data_dir: str | None = opt(None, "data directory (default: $FEDFUSE_DATA)")
     out: str | None = opt(None, "run directory")
     device: str = opt("auto", "auto, cpu, cuda, cuda:N or mps")
-    executor: str = opt("sequential", "how clients run: sequential | batched | processes | auto | flower "
+    executor: str = opt("sequential", "how clients run: sequential | batched | stacked | processes | auto | flower "
                                       "(engine/executors.py)")
     precision: str = opt("fp32", "training precision: fp32, bf16 (autocast for the local forward/backward; fp32 "
                                  "weights, optimiser and server), or auto = bf16 where the hardware has native "
@@ -171,7 +171,7 @@ class RunConfig:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("sgd", "adam"),
-    "executor": ("sequential", "batched", "processes", "auto", "flower"),
+    "executor": ("sequential", "batched", "stacked", "processes", "auto", "flower"),
     "sampling": ("auto", "uniform", "size-weighted", "clustered", "clustered-size", "poisson"),
 }
 

@@ -2,12 +2,14 @@
 
 - ``sequential`` — one client after another in this process (the reference, ``engine/executor.py``);
 - ``batched`` — clients of a declared program trained together with ``torch.func`` (``executors/batched.py``);
+- ``stacked`` — ``batched`` with one batched matrix product per layer for linear models (``executors/stacked.py``);
 - ``processes`` — a pool of worker processes (``executors/processes.py``);
 - ``auto`` — a short probe picks one of the above (``executors/auto.py``);
 - ``flower`` — Flower's simulation runtime, one message per job (``fedfuse/flower/``, ``pip install fedfuse[flower]``).
 
 The engine registers only its reference, ``sequential``.  The executors above the engine are registered by the
-composition root (:mod:`fedfuse.runner`) with :func:`register_executor`: ``batched``, ``processes`` and ``auto``
+composition root (:mod:`fedfuse.runner`) with :func:`register_executor`: ``batched``, ``stacked``, ``processes`` and
+``auto``
 when :mod:`fedfuse.executors` is imported, ``flower`` by the runner itself; the engine never imports them.
 """
 
@@ -33,6 +35,7 @@ _ABOVE = ("executor {!r} is registered by fedfuse.runner (fedfuse.run, the fedfu
 #: executors a composition root may register, with what the user must do when one is missing
 _KNOWN_ELSEWHERE = {
     "batched": _ABOVE.format("batched"),
+    "stacked": _ABOVE.format("stacked"),
     "processes": _ABOVE.format("processes"),
     "auto": _ABOVE.format("auto"),
     "flower": "executor 'flower' is registered by fedfuse.runner (fedfuse.run, the fedfuse command); it needs "

@@ -26,7 +26,9 @@ A program says
 
 One step function serves every executor: :func:`step_loss` computes the loss of one client on one batch from
 functional tensors; the sequential driver calls it with the module's own tensors, the batched one ``vmap`` s
-it over clients, and both apply ``transform`` per client.  A program cannot be honoured by one executor and
+it over clients, and both apply ``transform`` per client.  The stacked executor (linear models) computes the
+forward pass of all clients as batched products and then evaluates :func:`batch_loss`, the part of
+:func:`step_loss` after the forward pass, per client.  A program cannot be honoured by one executor and
 misread by another.
 
 Losses must reduce over samples with :meth:`Batch.mean` or :meth:`Batch.cross_entropy` (the batched executor
@@ -178,7 +180,13 @@ def step_loss(program: ClientProgram, params: Mapping[str, torch.Tensor], buffer
     the template is called as it is.  Every executor computes its gradients from this function."""
     state = None if own else {**(frozen or {}), **params, **buffers}
     z, logits = forward(program.model, state, x, features=program.features, tied=program.tied)
-    batch = Batch(x, y, logits, z, dict(params), dict(buffers), dict(refs), step, mask)
+    return batch_loss(program, Batch(x, y, logits, z, dict(params), dict(buffers), dict(refs), step, mask))
+
+
+def batch_loss(program: ClientProgram, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(minimised, reported)`` = (loss + terms, loss) of one client's forward pass ``batch``: the part of
+    :func:`step_loss` after the forward pass (the stacked executor computes the forward pass of all clients as
+    batched products and evaluates this per client)."""
     reported = program.loss(batch)
     extra: torch.Tensor | None = None
     for term in program.terms:

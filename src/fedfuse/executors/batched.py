@@ -188,7 +188,7 @@ class BatchedExecutor(SequentialExecutor):
         idx, mask = idx.to(device), mask.to(device)
         counts = mask.sum(-1)  # (C, T) real samples per step
         stacked = _Stacked(progs)
-        step = _GroupStep(p0, stacked.base, exact)
+        step = self.group_step(p0, stacked.base, exact)
         opt = _StackedOptimizer(spec, [stacked.P[n] for n in step.opt_names])
         acc_dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
         loss_acc = torch.zeros(C, dtype=acc_dtype, device=device)
@@ -198,7 +198,7 @@ class BatchedExecutor(SequentialExecutor):
         try:
             for t in range(T):
                 sel, m = (idx[:, t, : scheds[0][t]], None) if exact else (idx[:, t], mask[:, t])
-                grads, task = step.grads(stacked, x_all[sel], y_all[sel], m, t)
+                grads, task = step.grads(stacked, _rows(x_all, sel), _rows(y_all, sel), m, t)
                 opt.step(grads, None if exact else (t < steps_of))
                 loss_acc += task.detach().to(acc_dtype) * counts[:, t].to(acc_dtype)
         finally:
@@ -212,6 +212,10 @@ class BatchedExecutor(SequentialExecutor):
                                generator=gens[i])
             out[job.cid] = prog.finalize(state, stats)
         return out
+
+    def group_step(self, program: ClientProgram, base: dict[str, torch.Tensor], exact: bool) -> _GroupStep:
+        """The gradient computation of one group (the stacked executor overrides it for linear models)."""
+        return _GroupStep(program, base, exact)
 
     def _batches(self, group: list[tuple[Job, ClientProgram]], scheds: list[list[int]],
                  T: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Generator]]:
@@ -245,6 +249,12 @@ class BatchedExecutor(SequentialExecutor):
         return idx, mask, gens
 
 
+def _rows(data: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """``data[sel]`` for an index tensor ``sel`` into the first axis, as one ``index_select`` (the same values;
+    ~2× faster on a CPU than advanced indexing for a step's gather)."""
+    return data.index_select(0, sel.reshape(-1)).view(*sel.shape, *data.shape[1:])
+
+
 class _Stacked:
     """A group's per-client tensors stacked along a leading client axis: parameters ``P`` (the optimised ones
     require grad), buffers ``B``, constants ``R``; ``base``: the template's entries outside ``init`` (one frozen
@@ -253,9 +263,9 @@ class _Stacked:
     def __init__(self, progs: list[ClientProgram]) -> None:
         p0 = progs[0]
         model = p0.model
-        self.P = {n: torch.stack([p.init[n] for p in progs]).detach().clone()
+        self.P = {n: torch.stack([p.init[n] for p in progs]).detach()  # stack copies
                   for n, _ in model.named_parameters() if n in p0.init}
-        self.B = {n: torch.stack([p.init[n] for p in progs]).detach().clone()
+        self.B = {n: torch.stack([p.init[n] for p in progs]).detach()
                   for n, _ in model.named_buffers() if n in p0.init}
         self.R = {k: torch.stack([p.refs[k] for p in progs]).detach() for k in p0.refs}
         self.base = {n: t.detach() for n, t in (*model.named_parameters(), *model.named_buffers())
