@@ -383,7 +383,8 @@ def test_executor_is_a_validated_config_key():
 
 def test_the_engine_registers_only_the_reference_and_fedfuse_executors_adds_the_rest():
     """In a fresh interpreter the engine's registry holds ``sequential`` alone and names who registers
-    ``batched``; importing :mod:`fedfuse.executors` (as the runner does) registers batched, stacked, processes and auto."""
+    ``batched``; importing :mod:`fedfuse.executors` (as the runner does) registers batched, stacked, processes
+    and auto."""
     import subprocess
     import sys
 
