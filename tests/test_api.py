@@ -2,7 +2,6 @@
 
 import dataclasses
 import re
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -12,8 +11,9 @@ from fedfuse.api import show
 from fedfuse.config import ConfigError, RunConfig, config_hash, make_config
 from fedfuse.engine.loop import strip_timing
 from fedfuse.result import load
+from support import ROOT
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+DOCS = ROOT / "docs" / "api.md"
 SMALL = dict(dataset="digits", rounds=2, clients=4, clients_per_round=2, model="mlp",
              model_options={"widths": [16]}, threads=1)
 

@@ -23,6 +23,7 @@ from fedfuse.engine.loop import strip_timing
 from fedfuse.models.transformer import TransformerModel
 from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
+from support import SHARED_DATA
 
 TOK = CharTokenizer()
 TEXTS = [
@@ -272,7 +273,7 @@ def test_instruction_loader_formats(tmp_path):
 def test_shakespeare_roles_split():
     from fedfuse.data.lm_clients import shakespeare_roles
 
-    roots = [Path(__file__).resolve().parents[1].parent / "shared" / "data", Path(os.environ.get("FEDFUSE_DATA", "-"))]
+    roots = [SHARED_DATA, Path(os.environ.get("FEDFUSE_DATA", "-"))]
     root = next((r for r in roots if (r / "shakespeare-leaf").is_dir()), None)
     if root is None:
         pytest.skip("LEAF Shakespeare raw roles not available")

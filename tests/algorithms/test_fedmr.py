@@ -29,18 +29,7 @@ from fedfuse.models import build_model
 from fedfuse.rng import derive_seed, numpy_rng, torch_generator
 from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
-
-
-def cfg_for(tmp_path=None, **kw) -> RunConfig:
-    base = dict(
-        algorithm="fedmr", dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=3,
-        rounds=3, local_epochs=1, batch_size=32, lr=0.05, seed=5, plots=False,
-        out=str(tmp_path / "run") if tmp_path is not None else None,
-        model_options={"widths": [16, 16]}, partition_options={"alpha": 0.5, "min_size": 20},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
-
+from support import fedmr_cfg
 
 BN_MODEL = dict(model="resnet9", model_options={"width_mult": 0.25})
 
@@ -187,7 +176,7 @@ def test_secure_exchange_through_the_algorithm_hooks():
     ``num_batches_tracked``): the server's hands hold metadata, ciphertext and mixed models only."""
     from fedfuse.fusion.envelopes import ENVELOPE_OVERHEAD, new_key_pair
 
-    exp = experiment(cfg_for(clients=8, clients_per_round=5, algorithm_options={"secure": True}, **BN_MODEL))
+    exp = experiment(fedmr_cfg(clients=8, clients_per_round=5, algorithm_options={"secure": True}, **BN_MODEL))
     algo = exp.algo
     inputs = random_states(exp.ctx.model(), 5, seed=11)
     cids = [0, 2, 3, 5, 7]
@@ -221,10 +210,10 @@ def test_secure_exchange_through_the_algorithm_hooks():
 
 
 def test_secure_run_counts_peer_bytes(tmp_path):
-    exp = experiment(cfg_for(rounds=2, algorithm_options={"secure": True}))
+    exp = experiment(fedmr_cfg(rounds=2, algorithm_options={"secure": True}))
     exp.run()
     assert all(h["bytes_peer"] > 0 for h in exp.history)
-    plain = experiment(cfg_for(rounds=2), fed=exp.fed)
+    plain = experiment(fedmr_cfg(rounds=2), fed=exp.fed)
     plain.run()
     assert all(h["bytes_peer"] == 0 for h in plain.history)
     assert [h["bytes_up"] for h in plain.history] == [h["bytes_up"] for h in exp.history]
@@ -234,7 +223,7 @@ def test_secure_run_counts_peer_bytes(tmp_path):
 
 
 def test_k1_equals_sequential_training():
-    exp = experiment(cfg_for(clients=4, clients_per_round=1, rounds=3))
+    exp = experiment(fedmr_cfg(clients=4, clients_per_round=1, rounds=3))
     exp.run()
     seed = exp.cfg.seed
     current = {k: v.clone() for k, v in exp.algo.init_state()["global"].items()}
@@ -262,11 +251,11 @@ def warm_flop_cache(exp: Experiment) -> None:
 @pytest.mark.parametrize("warmup_weighting,fedavg_weighting", [("uniform", "uniform"), ("samples", "samples")])
 def test_warmup_for_all_rounds_equals_fedavg(warmup_weighting, fedavg_weighting):
     """Default warm-up = uniform average of the uploads (author code); ``samples`` = sample-weighted FedAvg."""
-    a = experiment(cfg_for(algorithm_options={"warmup_rounds": 3, "warmup_weighting": warmup_weighting},
+    a = experiment(fedmr_cfg(algorithm_options={"warmup_rounds": 3, "warmup_weighting": warmup_weighting},
                            **BN_MODEL))
     warm_flop_cache(a)
     a.run()
-    b = experiment(cfg_for(algorithm="fedavg", algorithm_options={"weighting": fedavg_weighting}, **BN_MODEL),
+    b = experiment(fedmr_cfg(algorithm="fedavg", algorithm_options={"weighting": fedavg_weighting}, **BN_MODEL),
                    fed=a.fed)
     b.run()
     for k, v in b.state["global"].items():
@@ -281,7 +270,7 @@ def test_uniform_warmup_differs_from_weighted_on_unequal_clients():
     """The two warm-up forms are different operators when clients hold different amounts of data."""
     runs = {}
     for w in ("uniform", "samples"):
-        exp = experiment(cfg_for(rounds=1, algorithm_options={"warmup_rounds": 1, "warmup_weighting": w}))
+        exp = experiment(fedmr_cfg(rounds=1, algorithm_options={"warmup_rounds": 1, "warmup_weighting": w}))
         exp.run()
         runs[w] = exp.state["global"]
     sizes = [len(c.train.y) for c in exp.fed.clients]
@@ -290,7 +279,7 @@ def test_uniform_warmup_differs_from_weighted_on_unequal_clients():
 
 
 def test_two_stage_switches_to_recombination_and_global_is_uniform_slot_average():
-    exp = experiment(cfg_for(rounds=3, algorithm_options={"warmup_rounds": 2}, **BN_MODEL))
+    exp = experiment(fedmr_cfg(rounds=3, algorithm_options={"warmup_rounds": 2}, **BN_MODEL))
     exp.run()
     slots = exp.state["slots"]
     assert slots is not None and len(slots) == 3
@@ -303,7 +292,7 @@ def test_two_stage_switches_to_recombination_and_global_is_uniform_slot_average(
 
 
 def test_algorithm_recombination_uses_each_uploaded_layer_once():
-    exp = experiment(cfg_for(clients=8, clients_per_round=4, **BN_MODEL))
+    exp = experiment(fedmr_cfg(clients=8, clients_per_round=4, **BN_MODEL))
     algo = exp.algo
     state = algo.init_state()
     inputs = random_states(exp.ctx.model(), 4, seed=3)
@@ -317,7 +306,7 @@ def test_algorithm_recombination_uses_each_uploaded_layer_once():
 
 
 def test_segments_option_in_the_algorithm():
-    exp = experiment(cfg_for(clients=8, clients_per_round=4, algorithm_options={"segments": 1}, **BN_MODEL))
+    exp = experiment(fedmr_cfg(clients=8, clients_per_round=4, algorithm_options={"segments": 1}, **BN_MODEL))
     algo = exp.algo
     inputs = random_states(exp.ctx.model(), 4, seed=4)
     results = {c: Message(s, stats=FitStats(num_examples=5)) for c, s in enumerate(inputs)}
@@ -327,7 +316,7 @@ def test_segments_option_in_the_algorithm():
 
 
 def test_metrics_have_cosine_and_plot(tmp_path):
-    exp = experiment(cfg_for(tmp_path, plots=True))
+    exp = experiment(fedmr_cfg(tmp_path, plots=True))
     exp.run()
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["model_cosine"] is not None and -1.0 <= r["model_cosine"] <= 1.0 + 1e-9 for r in recs)
@@ -341,9 +330,9 @@ class ReversedExecutor(SequentialExecutor):
 
 def test_deterministic_and_client_order_independent():
     opts = {"secure": True}
-    a = experiment(cfg_for(algorithm_options=opts))
+    a = experiment(fedmr_cfg(algorithm_options=opts))
     a.run()
-    b = experiment(cfg_for(algorithm_options=opts), fed=a.fed)
+    b = experiment(fedmr_cfg(algorithm_options=opts), fed=a.fed)
     b.executor = ReversedExecutor(b.fed.clients, b.cfg.seed)
     b.run()
     assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
@@ -357,7 +346,7 @@ class Killed(Exception):
 def test_resume_is_bit_identical(tmp_path, algorithm, opts):
     from fedfuse.config import load_yaml
 
-    full = experiment(cfg_for(tmp_path / "a", algorithm=algorithm, rounds=4, algorithm_options=opts))
+    full = experiment(fedmr_cfg(tmp_path / "a", algorithm=algorithm, rounds=4, algorithm_options=opts))
     full.run()
 
     def kill(rec):
@@ -365,7 +354,8 @@ def test_resume_is_bit_identical(tmp_path, algorithm, opts):
             raise Killed
 
     with pytest.raises(Killed):
-        experiment(cfg_for(tmp_path / "b", algorithm=algorithm, rounds=4, algorithm_options=opts), on_round=kill).run()
+        cfg_b = fedmr_cfg(tmp_path / "b", algorithm=algorithm, rounds=4, algorithm_options=opts)
+        experiment(cfg_b, on_round=kill).run()
     cfg = apply(RunConfig(), load_yaml(tmp_path / "b" / "run" / "config.yaml"))
     experiment(cfg).run(resume=True)
     ma = [strip_timing(json.loads(x)) for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -27,14 +27,14 @@ from fedfuse.fusion.recombine import assemble, secure_exchange, unit_bytes
 from fedfuse.rng import numpy_rng
 from fedfuse.runner import experiment
 from fedfuse.types import Message
-from test_fedmr import cfg_for
+from support import fedmr_cfg
 
 SECURE = {"secure": True}
 K = 5
 
 
 def secure_cfg(**kw):
-    return cfg_for(clients=8, clients_per_round=K, rounds=2, algorithm_options=SECURE, **kw)
+    return fedmr_cfg(clients=8, clients_per_round=K, rounds=2, algorithm_options=SECURE, **kw)
 
 
 class Recording(FedMR):
@@ -254,7 +254,7 @@ def mail(pairs: dict[int, list[str]]) -> dict[int, Message]:
 
 
 def test_settle_plan_by_hand():
-    exp = experiment(cfg_for(clients=6, clients_per_round=3, algorithm_options=SECURE))
+    exp = experiment(fedmr_cfg(clients=6, clients_per_round=3, algorithm_options=SECURE))
     algo = exp.algo
     assert len(algo.units()) == 3
     info = RoundInfo(index=0, total=1, stage=1)
@@ -295,7 +295,7 @@ def test_a_client_leaving_between_stages(stage):
 
 
 def test_two_clients_one_leaves_skips_the_round():
-    cfg = cfg_for(clients=4, clients_per_round=2, rounds=1, algorithm_options=SECURE)
+    cfg = fedmr_cfg(clients=4, clients_per_round=2, rounds=1, algorithm_options=SECURE)
     probe, _ = recorded_run(cfg)
     gone = probe.history[0]["clients"][0]
     exp, ex = recorded_run(cfg, drop={(0, 1): [gone]})

@@ -20,8 +20,9 @@ import torch
 from fedfuse.data import datasets as D
 from fedfuse.data.dataset import Dataset, DatasetNotFoundError
 from fedfuse.data.datasets import DATASETS, dataset_options, load_dataset, resolve_data_dir
+from support import SHARED_DATA
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = SHARED_DATA
 USER_CACHE = os.environ.get("FEDFUSE_CACHE")  # before the autouse fixture points it at a temp dir
 
 

@@ -15,6 +15,7 @@ import torch
 
 from fedfuse.cli import main
 from fedfuse.engine.loop import strip_timing
+from support import ROOT
 
 ARGS = ["--rounds", "4", "--clients", "6", "--clients-per-round", "4", "--local-epochs", "1", "--model", "mlp",
         "--set", "widths=[16]", "--set", "plots=false", "--set", "dropout=0.3", "--set", "stragglers=0.3",
@@ -34,7 +35,7 @@ def test_kill9_and_resume_under_faults_is_bit_identical(tmp_path, capsys):
     assert main(["run", *ARGS, "--out", str(ref)]) == 0
     killed = tmp_path / "killed"
     kill_after = random.Random(os.getpid()).randint(1, 3)  # a random round, reported on failure
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(ROOT / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "fedfuse.cli", "run", *ARGS, "--out", str(killed)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,4 +1,4 @@
-"""Client sampling policies (engine option ``sampling``) and CluSamp: Fraboni et al.'s inclusion property,
+"""Client sampling policies (engine option ``sampling``): Fraboni et al.'s inclusion property,
 determinism, resume, and that every policy runs with an ordinary algorithm."""
 
 import json
@@ -113,26 +113,6 @@ def test_every_policy_runs_with_fedavg_and_is_deterministic(tmp_path, policy):
     recs = [json.loads(x) for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
     for rec in recs:
         assert 1 <= len(rec["clients"]) <= 3 and rec["clients"] == sorted(set(rec["clients"]))
-
-
-def test_clusamp_uses_clustered_sampling_and_its_weights(tmp_path):
-    exp = experiment(_cfg(tmp_path, algorithm="clusamp", rounds=2))
-    assert type(exp.sampler).__name__ == "ClusteredSampler"
-    seen = []
-    orig = exp.algo.aggregate_fit
-
-    def spy(state, info, results):
-        seen.append({c: r.meta["sampling_weight"] for c, r in results.items()})
-        return orig(state, info, results)
-
-    exp.algo.aggregate_fit = spy
-    exp.run()
-    for w in seen:
-        assert abs(sum(w.values()) - 1.0) < 1e-9  # Σ (times drawn)/m = 1
-    # after round 1 the sampler holds gradients of the clients that took part, zeros elsewhere
-    g = exp.sampler.grads
-    assert g is not None
-    assert (np.abs(g).sum(axis=1) > 0).sum() >= 1
 
 
 def test_clustered_sampling_resumes_bit_identically(tmp_path):

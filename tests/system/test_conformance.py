@@ -28,43 +28,12 @@ from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.executors.batched import BatchedExecutor
 from fedfuse.runner import experiment
 from fedfuse.types import Federation
-from golden.make_golden import lora_base, token_federation
+from golden.make_golden import token_federation
+from support import LORA
+from support import conformance_cfg as _cfg
 
 LOSS_RTOL = 1e-4
 ACC_ATOL = 0.02
-
-
-LORA = {name for name, cls in ALGORITHMS.items() if cls.__module__ in ("fedfuse.algorithms.fedit",
-                                                                       "fedfuse.algorithms.fedmerge_lora")}
-_BASE: dict[str, str] = {}
-
-
-def _lora_base() -> str:
-    """A tiny frozen base (fedfuse transformer, vocabulary 30) for the LoRA algorithms, written once."""
-    if "path" not in _BASE:
-        _BASE["path"] = lora_base()
-    return _BASE["path"]
-
-
-def _cfg(algorithm: str, executor: str) -> RunConfig:
-    if algorithm in LORA:  # LoRA adapters on a frozen base LM: generated token sequences
-        return apply(RunConfig(), dict(
-            algorithm=algorithm, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
-            rounds=2, batch_size=8, lr=0.01, optimizer="adam", seed=2, plots=False, executor=executor,
-            local_epochs=1, eval_every=2, partition="iid",
-            algorithm_options=dict(base=_lora_base(), rank=2, rouge_samples=2, prompt_len=4, gen_tokens=3)))
-    if algorithm == "simple-fedma":
-        return apply(RunConfig(), dict(
-            algorithm=algorithm, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
-            rounds=2, batch_size=8, lr=0.1, seed=2, plots=False, executor=executor, local_epochs=1,
-            eval_every=2, partition="iid",
-            model_options=dict(d_model=8, n_heads=2, n_layers=1, d_ff=12, dropout=0.0, persistent_pe=True),
-        ))
-    return apply(RunConfig(), dict(
-        algorithm=algorithm, dataset="digits", model="mlp", clients=4, clients_per_round=3, rounds=2,
-        batch_size=32, lr=0.05, seed=1, plots=False, executor=executor, local_epochs=1, eval_every=2,
-        model_options={"widths": [16]}, partition_options={"alpha": 1.0, "min_size": 20},
-    ))
 
 
 _FEDS: dict[str, Federation] = {}

@@ -13,8 +13,8 @@ import pytest
 
 from fedfuse.cli import build_config, make_parser
 from fedfuse.config import ConfigError
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"```bash\n(.*?)```", re.S)

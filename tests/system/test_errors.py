@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,6 +13,7 @@ from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.cli import main
 from fedfuse.config import ConfigError, RunConfig, apply
 from fedfuse.errors import BUG, DivergenceError, UnsupportedModel, UserError, run_guarded
+from support import ROOT
 
 SMALL = ["--rounds", "1", "--clients", "3", "--clients-per-round", "2", "--local-epochs", "1", "--no-progress",
          "--model", "mlp", "--set", "widths=[8]", "--set", "plots=false", "--set", "dataset_options.train_limit=200"]
@@ -112,7 +112,7 @@ def test_debug_flag_prints_the_traceback_from_the_command_line(tmp_path):
               "FedAvg.aggregate_fit = broken\n"
               "from fedfuse.cli import main\n"
               "sys.exit(main(sys.argv[1:]))\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop("FEDFUSE_DEBUG", None)
     for flags in (["--debug"], []):
         argv = ["run", *SMALL, "--out", str(tmp_path / f"r{len(flags)}"), *flags]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import sys
 import types
-from pathlib import Path
 
 import torch
 
@@ -15,8 +14,9 @@ from fedfuse.algorithms.base import Algorithm
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.runner import experiment
+from support import ROOT
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
+DOC = ROOT / "docs" / "extending.md"
 
 
 def walkthrough_module() -> types.ModuleType:

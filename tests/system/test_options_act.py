@@ -25,7 +25,7 @@ from fedfuse.engine.loop import strip_timing
 from fedfuse.options import describe
 from fedfuse.runner import experiment
 from golden.make_golden import token_federation
-from test_conformance import LORA, _cfg
+from support import LORA, conformance_cfg
 
 NO_BN = "the MLP and the tiny transformer have no BatchNorm"
 LORA_TABLE = "one frozen base and its module names are the test's fixture"
@@ -139,7 +139,7 @@ _RUNS: dict[str, str] = {}
 def _fingerprint(algorithm: str, options: dict[str, Any], rounds: int) -> str:
     key = json.dumps([algorithm, options, rounds], sort_keys=True, default=str)
     if key not in _RUNS:
-        cfg = _cfg(algorithm, "sequential")
+        cfg = conformance_cfg(algorithm, "sequential")
         over: dict[str, Any] = dict(rounds=rounds, eval_every=rounds)
         if algorithm not in LORA and algorithm != "simple-fedma":
             over["dataset_options"] = {"train_limit": 240, "test_limit": 60}
@@ -168,7 +168,8 @@ def test_every_declared_option_acts(algorithm: str, option: str) -> None:
     if reason is not None:
         pytest.skip(reason)
     info = next(o for o in describe(ALGORITHMS[algorithm].Options) if o.name == option)
-    current = {**_cfg(algorithm, "sequential").algorithm_options, **BASE.get(algorithm, {})}.get(option, info.default)
+    declared = {**conformance_cfg(algorithm, "sequential").algorithm_options, **BASE.get(algorithm, {})}
+    current = declared.get(option, info.default)
     companion, value = _lookup(MOVES, algorithm, option) or ({}, _moved(info, current))
     for rounds in (1, ROUNDS.get((algorithm, option), 2)):
         if _fingerprint(algorithm, companion, rounds) != _fingerprint(algorithm, {**companion, option: value}, rounds):
