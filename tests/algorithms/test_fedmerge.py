@@ -25,7 +25,7 @@ from fedfuse.fusion.merge import (
 from fedfuse.rng import torch_generator
 from fedfuse.runner import experiment
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 

@@ -24,7 +24,8 @@ from fedfuse.flower.executor import FlowerExecutor, LocalGrid
 from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
 from golden.make_golden import token_federation
-from test_conformance import LORA, _cfg
+from support import LORA
+from support import conformance_cfg as _cfg
 
 
 # ---- wire -------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from fedfuse.api import TABLE_END, TABLE_START, privacy_table, show
 from fedfuse.config import ConfigError, RunConfig, apply, validate
 from fedfuse.types import MECHANISMS, Privacy, ServerView, Support
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
