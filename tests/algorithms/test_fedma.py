@@ -1,11 +1,10 @@
 """FedMA through the round loop (bundled digits, tiny models): one client, layer growth, Hungarian matching,
 frozen lower layers, the retraining schedule."""
 
-import numpy as np
 import pytest
 import torch
 
-from fedfuse.algorithms.base import RoundInfo, RunContext
+from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.loop import strip_timing
@@ -89,14 +88,6 @@ def test_fedma_freezes_lower_layers_during_retraining():
     assert set(out.tensors) == {"hidden.1.weight", "hidden.1.bias"}
     assert out.tensors["hidden.1.weight"].shape[1] == exp.state["partial_sizes"][0]
     assert out.stats.trained_params < sum(v.numel() for v in cs["model"].values())
-
-
-def _lm_ctx(model_options):
-    return RunContext(
-        model_name="transformer", model_options=model_options, input_shape=(10,), num_classes=30, task="lm",
-        train=TrainConfig(), num_clients=2, clients_per_round=2, client_sizes=np.array([5, 5]), seed=0,
-        device=torch.device("cpu"),
-    )
 
 
 def test_retrain_config_follows_the_code_schedule():

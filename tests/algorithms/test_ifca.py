@@ -23,10 +23,6 @@ def cfg_for(algorithm: str, **kw) -> RunConfig:
     return apply(RunConfig(), base)
 
 
-def nparams(exp: Experiment) -> int:
-    return sum(p.numel() for p in exp.ctx.model().parameters())
-
-
 def nbytes(exp: Experiment) -> int:
     return sum(t.numel() * t.element_size() for t in exp.ctx.model().state_dict().values())
 
