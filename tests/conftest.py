@@ -1,7 +1,15 @@
-"""Shared test settings."""
+"""Shared test settings.  ``tests/`` is on ``sys.path`` (pytest's default import mode puts it there for this file;
+the insert below keeps it so under ``--import-mode=importlib``), so test files import ``support`` and
+``golden.make_golden``; test folders mirror ``src/fedfuse`` (docs/design.md, *Tests*)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,19 +1,20 @@
-"""The Python API: the docs' notebook example, Result/load round trips, config building and discovery."""
+"""The Python API: the docs' notebook example, run/load round trips, in-memory runs, discovery and compare."""
 
-import dataclasses
 import re
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
 import fedfuse
 from fedfuse.api import show
-from fedfuse.config import ConfigError, RunConfig, config_hash, make_config
+from fedfuse.config import RunConfig
 from fedfuse.engine.loop import strip_timing
 from fedfuse.result import load
+from support import ROOT
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+DOCS = ROOT / "docs" / "api.md"
+
+
 SMALL = dict(dataset="digits", rounds=2, clients=4, clients_per_round=2, model="mlp",
              model_options={"widths": [16]}, threads=1)
 
@@ -66,31 +67,6 @@ def test_run_in_memory_writes_nothing_and_is_deterministic(tmp_path, monkeypatch
     b = fedfuse.run({"algorithm": "fedprox", "algorithm_options": {"mu": 0.1}, "seed": 3}, **SMALL)
     assert a.out is None and a.artefacts == {} and list(tmp_path.iterdir()) == []
     assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
-
-
-def test_make_config_sources_and_errors(tmp_path):
-    f = tmp_path / "c.yaml"
-    f.write_text("algorithm: fedprox\nrounds: 7\nalgorithm_options: {mu: 0.5}\n")
-    cfg = make_config(f, mu=0.25, lr=0.05)
-    assert (cfg.algorithm, cfg.rounds, cfg.lr, cfg.algorithm_options["mu"]) == ("fedprox", 7, 0.05, 0.25)
-    assert cfg.model == "mlp"  # resolved from the dataset
-    assert make_config(cfg) == cfg
-    with pytest.raises(ConfigError, match="unknown key 'bogus'"):
-        make_config(bogus=1)
-    with pytest.raises(ConfigError, match="unknown option 'mu' for algorithm 'fedavg'"):
-        make_config(algorithm_options={"mu": 1})
-    with pytest.raises(ConfigError, match=r"fedfuse\.compare"):
-        fedfuse.run(seeds=3)
-    with pytest.raises(ConfigError, match="nothing to resume"):
-        fedfuse.run(resume=True, out=str(tmp_path / "none"))
-
-
-def test_config_hash_ignores_outputs_but_not_anything_that_changes_metrics():
-    cfg = make_config(algorithm="fedprox")
-    same = dataclasses.replace(cfg, out="/elsewhere", plots=False, threads=4, data_dir="/d", checkpoint_every=5)
-    assert config_hash(same) == config_hash(cfg)
-    for change in ({"seed": 1}, {"lr": 0.01}, {"algorithm_options": {**cfg.algorithm_options, "mu": 0.5}}):
-        assert config_hash(dataclasses.replace(cfg, **change)) != config_hash(cfg)
 
 
 def test_discovery_lists_registries_and_show_matches_validation():

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from fedfuse.cli import main
+from support import ROOT
 
 FAST = ["--rounds", "2", "--clients", "4", "--clients-per-round", "2", "--set", "model_options.widths=[16]",
         "--model", "mlp", "--no-progress"]
@@ -226,7 +227,7 @@ def test_list_into_a_closed_pipe_exits_quietly():
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = f"{sys.executable} -m fedfuse list | head -1"  # the package's __main__
     p = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0 and p.stdout == "algorithms:\n" and "Traceback" not in p.stderr

@@ -6,7 +6,7 @@ versions* of the code it ran on (:data:`BEHAVIOUR`), the final metrics, the per-
 stability statistics (last-10 mean, best 10-round mean).  A **table spec** (``results/tables/<table>.json``)
 says which records form which rows and columns.  The Markdown tables in ``README.md`` and ``docs/`` that are
 delimited by ``<!-- results: <table> -->`` … ``<!-- /results -->`` are generated from the records by
-``fedfuse results render`` (``--check``: report, do not write; ``tests/test_results.py`` runs it).
+``fedfuse results render`` (``--check``: report, do not write; ``tests/test_records.py`` runs it).
 
 **Stale records.**  A commit that changes what an algorithm (or the engine, ``"*"``) computes bumps its entry
 in :data:`BEHAVIOUR` and says so in its message.  A record made on older code (a lower version for its

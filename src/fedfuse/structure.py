@@ -11,7 +11,7 @@ Two declarations, both plain data built from the model's state-dict keys:
   of Linear/Conv layers needs no declaration: :func:`fedfuse.fusion.permute.chain_spec` derives its groups from
   the torch module types.
 
-Any ``nn.Module`` may declare them (``tests/test_layers.py`` slices a custom module), not only fedfuse's models.
+Any ``nn.Module`` may declare them (``tests/system/test_layers.py`` slices a custom module), not only fedfuse's models.
 This module sits at the bottom of the layers (it imports only torch), next to :mod:`fedfuse.types`.
 """
 

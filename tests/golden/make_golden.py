@@ -1,6 +1,6 @@
 """Golden final metrics: every registered algorithm on a tiny run under every deterministic in-process executor.
 
-``python tests/golden/make_golden.py`` rewrites ``tests/golden/metrics.json``; ``tests/test_golden.py`` re-runs
+``python tests/golden/make_golden.py`` rewrites ``tests/golden/metrics.json``; ``tests/system/test_golden.py`` re-runs
 the cells and compares bit for bit.  Regenerate only for a change that is *meant* to move a number, and list the
 cell with its before/after in the commit message (docs/design.md, "Golden metrics").
 

@@ -68,7 +68,8 @@ class Algorithm:
     node_private: tuple[str, ...] = ()  # may be a property when it depends on the options
     #: What the server must see and which of central DP, local DP and SecAgg apply, with a reason each
     #: (:class:`fedfuse.types.Privacy`; the default entry first, option-dependent variants after it).  Every
-    #: registered algorithm declares its own (tests/test_privacy_table.py); docs/privacy.md is generated from them.
+    #: registered algorithm declares its own (tests/system/test_privacy_table.py); docs/privacy.md is generated
+    #: from them.
     privacy: ClassVar[tuple[Privacy, ...]] = ()
 
     @classmethod

@@ -28,7 +28,7 @@ executor's ``vmap`` step; the reason is counted in :attr:`StackedExecutor.routes
 - tied parameters.
 
 Results agree with the sequential executor up to floating-point summation order, as the batched executor's do
-(``tests/test_stacked.py``).  The stacked and the batched executors are separate names: the golden records pin
+(``tests/executors/test_stacked.py``).  The stacked and the batched executors are separate names: the golden records pin
 the batched executor's bits, and the stacked products round differently (docs/engine.md discusses the choice).
 """
 

@@ -337,7 +337,7 @@ def zero_unselected(
 ) -> TensorDict:
     """The full state with every unselected unit silenced: its weights, biases, BN affine parameters and
     running mean set to 0 (running variance to 1).  With ReLU/BN(eval) networks the full model's forward then
-    equals the sub-model's forward (the identity tested in ``tests/test_slicing.py``)."""
+    equals the sub-model's forward (the identity tested in ``tests/fusion/test_slicing.py``)."""
     out: TensorDict = {}
     for key, f in full.items():
         if not f.dim() or not f.is_floating_point():

@@ -1,0 +1,51 @@
+"""Reply checks (engine/validate.py): the reasons a reply is refused, and the round majority as the reference when
+nothing comparable was sent."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from fedfuse.algorithms.base import Algorithm
+from fedfuse.engine.validate import check_replies
+from fedfuse.types import FitStats, Message
+
+
+def _msg(**tensors) -> Message:
+    return Message({k: torch.as_tensor(v, dtype=torch.float32) for k, v in tensors.items()},
+                   stats=FitStats(num_examples=10, train_loss=0.5))
+
+
+PLAIN = Algorithm(None)  # declares nothing about its replies: the round's replies vote
+
+
+def test_check_replies_reasons():
+    sent = {c: _msg(w=[[0.0, 0.0], [0.0, 0.0]], b=[0.0, 0.0]) for c in range(8)}
+    good = {c: _msg(w=[[0.1 * c, 0.1], [0.1, 0.1]], b=[0.1, 0.2]) for c in range(8)}
+    assert check_replies(PLAIN, sent, good, [10] * 8, norm_bound=10) == {}
+    bad = dict(good)
+    bad[0] = _msg(w=[[math.nan, 0], [0, 0]], b=[0, 0])
+    bad[1] = _msg(w=[[0.1, 0.1]], b=[0.1, 0.1])  # broadcasts against (2, 2)
+    bad[2] = Message(good[2].tensors, stats=FitStats(num_examples=10**12))
+    bad[3] = _msg(w=[[1e4, 0], [0, 0]], b=[0, 0])
+    bad[4] = Message({**good[4].tensors, "extra": torch.zeros(1)}, stats=FitStats(num_examples=10))
+    why = check_replies(PLAIN, sent, bad, [10] * 8, norm_bound=10)
+    assert "NaN" in why[0] and "shape (1, 2)" in why[1] and "holds 10" in why[2]
+    assert "norm" in why[3] and "unexpected key extra" in why[4]
+    assert set(why) == {0, 1, 2, 3, 4}
+    assert check_replies(PLAIN, sent, bad, [10] * 8, norm_bound=0).keys() == {0, 1, 2, 4}
+
+
+def test_check_replies_uses_round_majority_when_nothing_comparable_was_sent():
+    sent = {c: Message() for c in range(4)}
+    replies = {c: _msg(h=np.ones((3, 2)) * c) for c in range(4)}
+    replies[2] = _msg(h=np.ones((1, 2)))
+    why = check_replies(PLAIN, sent, replies, None, norm_bound=0)
+    assert list(why) == [2] and "other replies (3, 2)" in why[2]
+    # negative or fractional example counts and a non-finite loss are rejected too
+    replies = {0: Message({}, stats=FitStats(num_examples=-1)), 1: Message({}, stats=FitStats(num_examples=2.5)),
+               2: Message({}, stats=FitStats(train_loss=float("inf")))}
+    why = check_replies(PLAIN, {c: Message() for c in range(3)}, replies, [5, 5, 5])
+    assert "negative" in why[0] and "not an integer" in why[1] and "loss" in why[2]

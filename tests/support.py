@@ -1,0 +1,282 @@
+"""Helpers shared by several test files (``tests/`` is on ``sys.path`` through ``conftest.py``): the repository's
+paths, the conformance suite's tiny run per algorithm and FedMR's tiny run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedfuse.algorithms import ALGORITHMS
+from fedfuse.config import RunConfig, apply
+from golden.make_golden import lora_base
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository (worktree) root."""
+SHARED_DATA = ROOT.parent / "shared" / "data"
+"""Shared datasets beside the repository (``../shared/data``)."""
+
+
+LORA = {name for name, cls in ALGORITHMS.items() if cls.__module__ in ("fedfuse.algorithms.fedit",
+                                                                       "fedfuse.algorithms.fedmerge_lora")}
+_BASE: dict[str, str] = {}
+
+
+def _lora_base() -> str:
+    """A tiny frozen base (fedfuse transformer, vocabulary 30) for the LoRA algorithms, written once."""
+    if "path" not in _BASE:
+        _BASE["path"] = lora_base()
+    return _BASE["path"]
+
+
+def conformance_cfg(algorithm: str, executor: str) -> RunConfig:
+    """A tiny run of ``algorithm`` under ``executor``: digits + MLP, or generated token sequences + a transformer
+    for Simple-FedMA and the LoRA algorithms (the conformance, options-act and Flower suites share it)."""
+    if algorithm in LORA:  # LoRA adapters on a frozen base LM: generated token sequences
+        return apply(RunConfig(), dict(
+            algorithm=algorithm, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
+            rounds=2, batch_size=8, lr=0.01, optimizer="adam", seed=2, plots=False, executor=executor,
+            local_epochs=1, eval_every=2, partition="iid",
+            algorithm_options=dict(base=_lora_base(), rank=2, rouge_samples=2, prompt_len=4, gen_tokens=3)))
+    if algorithm == "simple-fedma":
+        return apply(RunConfig(), dict(
+            algorithm=algorithm, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
+            rounds=2, batch_size=8, lr=0.1, seed=2, plots=False, executor=executor, local_epochs=1,
+            eval_every=2, partition="iid",
+            model_options=dict(d_model=8, n_heads=2, n_layers=1, d_ff=12, dropout=0.0, persistent_pe=True),
+        ))
+    return apply(RunConfig(), dict(
+        algorithm=algorithm, dataset="digits", model="mlp", clients=4, clients_per_round=3, rounds=2,
+        batch_size=32, lr=0.05, seed=1, plots=False, executor=executor, local_epochs=1, eval_every=2,
+        model_options={"widths": [16]}, partition_options={"alpha": 1.0, "min_size": 20},
+    ))
+
+
+def fedmr_cfg(tmp_path=None, **kw) -> RunConfig:
+    """FedMR on digits (6 clients, 3 per round, 3 rounds, MLP 64-16-16-10); ``kw`` overrides any key."""
+    base = dict(
+        algorithm="fedmr", dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=3,
+        rounds=3, local_epochs=1, batch_size=32, lr=0.05, seed=5, plots=False,
+        out=str(tmp_path / "run") if tmp_path is not None else None,
+        model_options={"widths": [16, 16]}, partition_options={"alpha": 0.5, "min_size": 20},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+def small_cfg(tmp_path, **kw) -> RunConfig:
+    """FedAvg on digits (6 clients, 3 per round, 3 rounds, MLP 64-32-10) writing to ``tmp_path/run``."""
+    base = dict(
+        dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=3, rounds=3,
+        batch_size=32, lr=0.05, seed=3, out=str(tmp_path / "run"), plots=False,
+        model_options={"widths": [32]}, partition_options={"alpha": 0.5, "min_size": 20},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+def server_steps(algorithm: str, options: dict, rounds: int = 2) -> list[tuple[dict, dict, dict]]:
+    """``rounds`` server steps of ``algorithm`` (MLP 64-16-10 on digits) on made-up replies of two clients
+    (10 and 30 examples, seeded noise around the current model): per round ``(x, mean of the replies, new x)``
+    in float64, for checking a server optimiser's recurrence by hand."""
+    import torch
+
+    from fedfuse.algorithms.base import RoundInfo
+    from fedfuse.runner import experiment
+    from fedfuse.types import FitStats, Message
+
+    cfg = apply(RunConfig(), dict(algorithm=algorithm, dataset="digits", model="mlp", clients=4, clients_per_round=2,
+                                  rounds=rounds, plots=False, out=None, model_options={"widths": [16]},
+                                  algorithm_options=options))
+    algo = experiment(cfg).algo
+    state = algo.init_state()
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for r in range(rounds):
+        x = state["global"]
+        replies = [{k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in x.items()} for _ in range(2)]
+        msgs = {0: Message(replies[0], stats=FitStats(num_examples=10)),
+                1: Message(replies[1], stats=FitStats(num_examples=30))}
+        state = algo.aggregate_fit(state, RoundInfo(r, rounds), msgs)
+        mean = {k: 0.25 * replies[0][k].double() + 0.75 * replies[1][k].double() for k in x}
+        out.append(({k: v.double() for k, v in x.items()}, mean, {k: v.double() for k, v in state["global"].items()}))
+    return out
+
+
+LORA_TEXTS = [
+    "the king is dead, long live the king. " * 12,
+    "what light through yonder window breaks? " * 12,
+    "to be or not to be, that is the question. " * 12,
+]
+"""Three clients' text for the LoRA tests (one role each)."""
+
+
+def lora_tiny_base(directory: Path) -> str:
+    """A tiny fedfuse transformer LM (character vocabulary, seed 0) saved in ``directory``, as a ``base`` option."""
+    import torch
+
+    from fedfuse.adapters.text import CharTokenizer
+    from fedfuse.models.transformer import TransformerModel
+
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    kw = {"d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "dropout": 0.0, "norm_first": True, "max_len": 64}
+    m = TransformerModel(len(tok), len(tok), task="lm", **kw)
+    path = directory / "tiny.pt"
+    torch.save({"kind": "fedfuse-lm", "model": kw, "vocab": tok.vocab, "state": m.state_dict(), "info": {}}, path)
+    return f"fedfuse:{path}"
+
+
+def lora_toy_federation():
+    """:data:`LORA_TEXTS` as a federation of three clients, windows of 16 characters (½ train, ¼ val, ¼ test)."""
+    from fedfuse.adapters.text import CharTokenizer
+    from fedfuse.data.lm_clients import make_federation, windows
+
+    tok = CharTokenizer()
+    rows = []
+    for i, t in enumerate(LORA_TEXTS):
+        ids = tok.encode(t)
+        n = len(ids)
+        rows.append((f"role{i}", windows(ids[: n // 2], 16), windows(ids[n // 2 : 3 * n // 4], 16),
+                     windows(ids[3 * n // 4 :], 16)))
+    return make_federation(rows, len(tok), dataset="toy", partition="role")
+
+
+def lora_run(fed, algo: str, base: str, rounds: int = 2, seed: int = 0, **opts):
+    """Run the LoRA algorithm ``algo`` (rank 2) on ``fed`` over the frozen ``base``: ``(experiment, summary)``."""
+    from fedfuse.config import validate
+    from fedfuse.runner import experiment
+
+    cfg = validate(apply(RunConfig(), {
+        "algorithm": algo, "dataset": "shakespeare", "partition": "natural", "model": "transformer",
+        "clients": fed.num_clients, "clients_per_round": fed.num_clients, "rounds": rounds, "local_epochs": 1,
+        "batch_size": 4, "lr": 0.01, "optimizer": "adam", "seed": seed, "plots": False,
+        "algorithm_options": {"base": base, "rank": 2, "rouge_samples": 2, "gen_tokens": 4, **opts}}))
+    exp = experiment(cfg, fed=fed)
+    summary = exp.run()
+    return exp, summary
+
+
+def lora_fake_results(am, sizes, seed=0):
+    """Seeded random adapters as the replies of clients with ``sizes`` examples."""
+    import torch
+
+    from fedfuse.types import FitStats, Message
+
+    g = torch.Generator().manual_seed(seed)
+    return {c: Message({k: torch.randn(v.shape, generator=g) for k, v in am.adapter().items()},
+                       stats=FitStats(num_examples=n)) for c, n in enumerate(sizes)}
+
+
+# ---- the conformance suite's run and comparison (system/test_conformance.py, executors/test_stacked.py) ----
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from fedfuse.engine.executor import Job  # noqa: E402
+from fedfuse.engine.loop import Experiment, strip_timing  # noqa: E402
+from fedfuse.engine.program import ClientProgram  # noqa: E402
+from fedfuse.runner import experiment  # noqa: E402
+from fedfuse.types import ClientData, Federation, Message, Split  # noqa: E402
+from golden.make_golden import token_federation  # noqa: E402
+
+LOSS_RTOL = 1e-4
+ACC_ATOL = 0.02
+
+
+_FEDS: dict[str, Federation] = {}
+
+
+def conformance_fed(algorithm: str) -> Federation | None:
+    """The federation an earlier :func:`conformance_run` built for ``algorithm``'s data kind, if any."""
+    key = "lm" if algorithm == "simple-fedma" or algorithm in LORA else "digits"
+    return _FEDS.get(key)
+
+
+def conformance_run(algorithm: str, executor: str, executor_obj=None, **changes) -> Experiment:
+    """Run :func:`conformance_cfg` of ``algorithm`` under ``executor`` (or ``executor_obj``), sharing one federation
+    per data kind across calls."""
+    lm = algorithm == "simple-fedma" or algorithm in LORA
+    if algorithm in LORA:
+        pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
+    cfg = dataclasses.replace(conformance_cfg(algorithm, executor), **changes)
+    exp = experiment(cfg, fed=conformance_fed(algorithm) or (
+        token_federation() if lm else None), executor=executor_obj)
+    _FEDS.setdefault("lm" if lm else "digits", exp.fed)
+    exp.run()
+    return exp
+
+
+BF16_LOSS_RTOL = 2e-2  # bf16 products round to 8 bits of mantissa: the batched kernels round differently
+BF16_ACC_ATOL = 0.05
+
+# float metrics that must match bit for bit (lists and ints always do)
+EXACT = ("bytes", "flops", "parameters", "round")
+
+
+def conformance_close(ref: list[dict], other: list[dict], label: str) -> None:
+    """Two runs' histories agree: counts exactly, accuracies within ACC_ATOL, losses within LOSS_RTOL."""
+    assert len(ref) == len(other)
+    for a, b in zip(ref, other, strict=True):
+        a, b = strip_timing(a), strip_timing(b)
+        assert a.keys() == b.keys(), label
+        for k, va in a.items():
+            vb = b[k]
+            where = f"{label}: round {a['round']} {k}"
+            if any(t in k for t in EXACT) or not isinstance(va, float) or not isinstance(vb, float):
+                assert va == vb, f"{where}: {va} != {vb}"
+            elif math.isnan(va):
+                assert math.isnan(vb), where
+            elif "accuracy" in k:
+                assert abs(va - vb) <= ACC_ATOL, f"{where}: {va} vs {vb}"
+            else:
+                assert vb == pytest.approx(va, rel=LOSS_RTOL, abs=1e-6), f"{where}: {va} vs {vb}"
+
+
+# ---- tiny clients and programs for the executors' tests (engine/test_executors.py, executors/test_stacked.py) ----
+EMPTY = Split(torch.zeros(0, 1, 6, 6), torch.zeros(0, dtype=torch.long))
+
+
+def tiny_clients(sizes, shape=(1, 6, 6), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [ClientData(c, Split(torch.randn(n, *shape, generator=g), torch.randint(0, 5, (n,), generator=g)),
+                       EMPTY, EMPTY) for c, n in enumerate(sizes)]
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(36, 12), nn.ReLU(), nn.Dropout(dropout), nn.Linear(12, 5))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def identity_finalize(state, stats):
+    return state, stats
+
+
+def tiny_program(model, spec, **kw) -> ClientProgram:
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ClientProgram(model=model, init=init, spec=spec, finalize=identity_finalize, **kw)
+
+
+def tiny_jobs(n):
+    return [Job(c, Message(), None, ("fit", 3, 0)) for c in range(n)]
+
+
+def compare_with_reference(ex, group, atol=2e-5):
+    batched = ex.train_group(group)
+    for job, prog in group:
+        ref_state, ref_stats = ex._run_program(prog, job)
+        state, stats = batched[job.cid]
+        assert stats.steps == ref_stats.steps and stats.samples == ref_stats.samples
+        assert stats.loss_sum == pytest.approx(ref_stats.loss_sum, rel=1e-5)
+        assert list(state) == list(ref_state)
+        for k in ref_state:
+            if ref_state[k].dtype == torch.int64:
+                assert torch.equal(state[k], ref_state[k]), k
+            else:
+                torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=atol, msg=k)
+    return batched
