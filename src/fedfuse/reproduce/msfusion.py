@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings(quick: bool) -> dict[str, Any]:
     if quick:
         return {"rounds": 3, "train_limit": 3000, "test_limit": 1000, "eval_every": 3, "ptb_rounds": 2,
-                "ptb_seqs": 40, "ptb_test": 200, "mus": [0.25], "iid": False, "mnist_mus": [0.125, 0.25]}
+                "ptb_seqs": 40, "ptb_test": 200, "mus": [0.25], "iid": False, "mnist_mus": [0.25]}
     return {"rounds": 8, "train_limit": 3000, "test_limit": 1000, "eval_every": 4, "ptb_rounds": 3,
             "ptb_seqs": 100, "ptb_test": 400, "mus": [0.125, 0.25, 0.5], "iid": True,
             "mnist_mus": [0.125, 0.25, 0.5]}
