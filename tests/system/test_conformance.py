@@ -20,6 +20,7 @@ import math
 
 import pytest
 
+import support
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.config import RunConfig, apply
@@ -125,7 +126,7 @@ def test_lora_adapter_programs_run_vmapped_on_a_shared_base(algorithm, monkeypat
         cfg = _BASE_CFG(algorithm, executor)
         return apply(cfg, {"algorithm_options": {**cfg.algorithm_options, "lora_dropout": 0.0}})
 
-    monkeypatch.setitem(globals(), "_cfg", no_dropout)
+    monkeypatch.setattr(support, "conformance_cfg", no_dropout)  # conformance_run reads it there
     seq, bat = _run(algorithm, "sequential"), _run(algorithm, "batched")
     assert bat.executor.fallbacks == {}
     _assert_close_history(seq.history, bat.history, f"{algorithm} batched vs sequential")
