@@ -162,3 +162,30 @@ def test_claims_rows_computed_from_records_and_typed_rows_marked(tmp_path):
     assert lines[4] == f"| B | typed | 1 > 0 {records.TYPED} | **yes** | there |"
     block = records.render_block(root, "claims")
     assert "2 rows computed from 6 records (`t`); the 1 rows marked ✎ are typed by hand" in block
+
+
+def test_claims_row_with_parts_over_two_tables(tmp_path):
+    """A row with ``parts`` joins each part's comparison (its own table and group) and its verdict covers every
+    pair: better in both parts but one not significant → yes (n.s.); worse in one part → partly."""
+    root = tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    for r in (_rec("a", 0, 0.90), _rec("a", 1, 0.80), _rec("a", 2, 0.85),
+              _rec("b", 0, 0.70), _rec("b", 1, 0.72), _rec("b", 2, 0.68)):
+        records.write_record(root, r)
+    for r in (_rec("a", 0, 0.50), _rec("a", 1, 0.60), _rec("a", 2, 0.55),
+              _rec("b", 0, 0.40), _rec("b", 1, 0.50), _rec("b", 2, 0.45)):
+        records.write_record(root, {**r, "table": "u"})
+    row = {"family": "A", "claim": "a > b", "metric": "global_accuracy", "pairs": [["a", "b"]],
+           "parts": [{"table": "t", "label": "T"}, {"table": "u", "label": "U"}]}
+    measured, holds = records.claim_cells(row, root=root)
+    # u: a − b = +0.10 on every seed: no variance, so no test (p n/a, not significant)
+    assert measured == "T: a 85.0 vs b 70.0 % (+15.0, p = 0.053); U: a 55.0 vs b 45.0 % (+10.0, p = n/a)"
+    assert holds == "yes (n.s.)"
+    flipped = {**row, "parts": [{"table": "t", "label": "T"}, {"table": "u", "label": "U", "pairs": [["b", "a"]]}]}
+    assert records.claim_cells(flipped, root=root)[1] == "partly"
+    assert records.claim_cells({**row, "parts": [{"table": "none"}]}, root=root) == ("no records", "—")
+    spec = {"id": "claims", "kind": "claims", "rows": [{**row, "family": "A", "claim": "a > b", "where": ""}]}
+    (root / "results" / "tables" / "claims.json").write_text(json.dumps(spec))
+    assert "1 rows computed from 12 records (`t`, `u`)" in records.render_block(root, "claims")
+    assert records.claim_verdict([True, True], [True, True]) == "**yes**"
+    assert records.claim_verdict([False, False], [True, False]) == "no (n.s.)"
