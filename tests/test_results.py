@@ -85,15 +85,30 @@ def test_paired_table_by_hand():
     assert row.endswith("| yes (n.s.) |")
 
 
-def _tiny_run(tmp_path, seed=0):
+def _tiny_run(tmp_path, seed=0, algorithm="fedavg"):
     from fedfuse.config import RunConfig, apply
     from fedfuse.runner import experiment
 
-    cfg = apply(RunConfig(), dict(algorithm="fedavg", dataset="digits", model="mlp", clients=4, clients_per_round=2,
+    cfg = apply(RunConfig(), dict(algorithm=algorithm, dataset="digits", model="mlp", clients=4, clients_per_round=2,
                                   rounds=2, eval_every=1, seed=seed, plots=False, threads=1,
                                   out=str(tmp_path / f"run{seed}")))
     experiment(cfg, progress=False).run()
     return tmp_path / f"run{seed}"
+
+
+def test_record_of_a_run_without_global_model_keeps_the_personalised_curve(tmp_path):
+    """FedMerge has no global model: the record's curve is the personalised accuracy per round (named by
+    ``curve_metric``), and its final value is the recorded ``personal_accuracy``."""
+    from fedfuse.result import load
+
+    run = _tiny_run(tmp_path, 0, algorithm="fedmerge")
+    rec = make_record(run, "tiny", {"method": "fedmerge"}, commit="0" * 40)
+    hist = load(run).history
+    assert rec["curve_metric"] == "personal_accuracy" and rec["metrics"]["global_accuracy"] is None
+    assert rec["curve"] == [[h["round"], h["personal_accuracy"]] for h in hist]
+    assert rec["curve"][-1][1] == rec["metrics"]["personal_accuracy"] is not None
+    fedavg = make_record(_tiny_run(tmp_path / "b", 0), "tiny", {"method": "fedavg"}, commit="0" * 40)
+    assert "curve_metric" not in fedavg and fedavg["curve"][-1][1] == fedavg["metrics"]["global_accuracy"]
 
 
 def test_record_render_and_verify_a_real_run(tmp_path):

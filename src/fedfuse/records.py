@@ -2,8 +2,9 @@
 
 A **record** is one run of one table cell (one seed): a small JSON file under ``results/records/<table>/`` with
 the resolved config, its hash (:func:`fedfuse.config.config_hash`), the fedfuse commit it ran on, the *behaviour
-versions* of the code it ran on (:data:`BEHAVIOUR`), the final metrics, the per-round global accuracy and the
-stability statistics (last-10 mean, best 10-round mean).  A **table spec** (``results/tables/<table>.json``)
+versions* of the code it ran on (:data:`BEHAVIOUR`), the final metrics, the per-round global accuracy (the
+personalised accuracy for methods without a global model: ``curve_metric``) and the stability statistics
+(last-10 mean, best 10-round mean).  A **table spec** (``results/tables/<table>.json``)
 says which records form which rows and columns.  The Markdown tables in ``README.md`` and ``docs/`` that are
 delimited by ``<!-- results: <table> -->`` … ``<!-- /results -->`` are generated from the records by
 ``fedfuse results render`` (``--check``: report, do not write; ``tests/test_results.py`` runs it).
@@ -90,7 +91,10 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
     if not res.summary:
         raise ValueError(f"{run_dir}: the run has not finished (no summary.json)")
     algo = cfg.algorithm
-    curve = [[int(h["round"]), h.get("global_accuracy")] for h in hist if "personal_accuracy" in h]
+    # the per-round accuracy: the global model's, or (methods without one, e.g. FedMerge) the personalised one
+    has_global = any(h.get("global_accuracy") is not None for h in hist)
+    curve_metric = "global_accuracy" if has_global else "personal_accuracy"
+    curve = [[int(h["round"]), h.get(curve_metric)] for h in hist if "personal_accuracy" in h]
     d = cfg.to_dict()
     for k in ("out", "data_dir", "threads"):
         d.pop(k, None)
@@ -107,6 +111,7 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
         "federation": federation,
         "metrics": {**_scalars(res.summary.get("final", {})), **_stability_metrics(hist)},
         "curve": curve,
+        **({} if has_global else {"curve_metric": curve_metric}),
     }
 
 
