@@ -85,15 +85,30 @@ def test_paired_table_by_hand():
     assert row.endswith("| yes (n.s.) |")
 
 
-def _tiny_run(tmp_path, seed=0):
+def _tiny_run(tmp_path, seed=0, algorithm="fedavg"):
     from fedfuse.config import RunConfig, apply
     from fedfuse.runner import experiment
 
-    cfg = apply(RunConfig(), dict(algorithm="fedavg", dataset="digits", model="mlp", clients=4, clients_per_round=2,
+    cfg = apply(RunConfig(), dict(algorithm=algorithm, dataset="digits", model="mlp", clients=4, clients_per_round=2,
                                   rounds=2, eval_every=1, seed=seed, plots=False, threads=1,
                                   out=str(tmp_path / f"run{seed}")))
     experiment(cfg, progress=False).run()
     return tmp_path / f"run{seed}"
+
+
+def test_record_of_a_run_without_global_model_keeps_the_personalised_curve(tmp_path):
+    """FedMerge has no global model: the record's curve is the personalised accuracy per round (named by
+    ``curve_metric``), and its final value is the recorded ``personal_accuracy``."""
+    from fedfuse.result import load
+
+    run = _tiny_run(tmp_path, 0, algorithm="fedmerge")
+    rec = make_record(run, "tiny", {"method": "fedmerge"}, commit="0" * 40)
+    hist = load(run).history
+    assert rec["curve_metric"] == "personal_accuracy" and rec["metrics"]["global_accuracy"] is None
+    assert rec["curve"] == [[h["round"], h["personal_accuracy"]] for h in hist]
+    assert rec["curve"][-1][1] == rec["metrics"]["personal_accuracy"] is not None
+    fedavg = make_record(_tiny_run(tmp_path / "b", 0), "tiny", {"method": "fedavg"}, commit="0" * 40)
+    assert "curve_metric" not in fedavg and fedavg["curve"][-1][1] == fedavg["metrics"]["global_accuracy"]
 
 
 def test_record_render_and_verify_a_real_run(tmp_path):
@@ -162,3 +177,30 @@ def test_claims_rows_computed_from_records_and_typed_rows_marked(tmp_path):
     assert lines[4] == f"| B | typed | 1 > 0 {records.TYPED} | **yes** | there |"
     block = records.render_block(root, "claims")
     assert "2 rows computed from 6 records (`t`); the 1 rows marked ✎ are typed by hand" in block
+
+
+def test_claims_row_with_parts_over_two_tables(tmp_path):
+    """A row with ``parts`` joins each part's comparison (its own table and group) and its verdict covers every
+    pair: better in both parts but one not significant → yes (n.s.); worse in one part → partly."""
+    root = tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    for r in (_rec("a", 0, 0.90), _rec("a", 1, 0.80), _rec("a", 2, 0.85),
+              _rec("b", 0, 0.70), _rec("b", 1, 0.72), _rec("b", 2, 0.68)):
+        records.write_record(root, r)
+    for r in (_rec("a", 0, 0.50), _rec("a", 1, 0.60), _rec("a", 2, 0.55),
+              _rec("b", 0, 0.40), _rec("b", 1, 0.50), _rec("b", 2, 0.45)):
+        records.write_record(root, {**r, "table": "u"})
+    row = {"family": "A", "claim": "a > b", "metric": "global_accuracy", "pairs": [["a", "b"]],
+           "parts": [{"table": "t", "label": "T"}, {"table": "u", "label": "U"}]}
+    measured, holds = records.claim_cells(row, root=root)
+    # u: a − b = +0.10 on every seed: no variance, so no test (p n/a, not significant)
+    assert measured == "T: a 85.0 vs b 70.0 % (+15.0, p = 0.053); U: a 55.0 vs b 45.0 % (+10.0, p = n/a)"
+    assert holds == "yes (n.s.)"
+    flipped = {**row, "parts": [{"table": "t", "label": "T"}, {"table": "u", "label": "U", "pairs": [["b", "a"]]}]}
+    assert records.claim_cells(flipped, root=root)[1] == "partly"
+    assert records.claim_cells({**row, "parts": [{"table": "none"}]}, root=root) == ("no records", "—")
+    spec = {"id": "claims", "kind": "claims", "rows": [{**row, "family": "A", "claim": "a > b", "where": ""}]}
+    (root / "results" / "tables" / "claims.json").write_text(json.dumps(spec))
+    assert "1 rows computed from 12 records (`t`, `u`)" in records.render_block(root, "claims")
+    assert records.claim_verdict([True, True], [True, True]) == "**yes**"
+    assert records.claim_verdict([False, False], [True, False]) == "no (n.s.)"

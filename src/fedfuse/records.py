@@ -2,8 +2,9 @@
 
 A **record** is one run of one table cell (one seed): a small JSON file under ``results/records/<table>/`` with
 the resolved config, its hash (:func:`fedfuse.config.config_hash`), the fedfuse commit it ran on, the *behaviour
-versions* of the code it ran on (:data:`BEHAVIOUR`), the final metrics, the per-round global accuracy and the
-stability statistics (last-10 mean, best 10-round mean).  A **table spec** (``results/tables/<table>.json``)
+versions* of the code it ran on (:data:`BEHAVIOUR`), the final metrics, the per-round global accuracy (the
+personalised accuracy for methods without a global model: ``curve_metric``) and the stability statistics
+(last-10 mean, best 10-round mean).  A **table spec** (``results/tables/<table>.json``)
 says which records form which rows and columns.  The Markdown tables in ``README.md`` and ``docs/`` that are
 delimited by ``<!-- results: <table> -->`` … ``<!-- /results -->`` are generated from the records by
 ``fedfuse results render`` (``--check``: report, do not write; ``tests/test_records.py`` runs it).
@@ -90,7 +91,10 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
     if not res.summary:
         raise ValueError(f"{run_dir}: the run has not finished (no summary.json)")
     algo = cfg.algorithm
-    curve = [[int(h["round"]), h.get("global_accuracy")] for h in hist if "personal_accuracy" in h]
+    # the per-round accuracy: the global model's, or (methods without one, e.g. FedMerge) the personalised one
+    has_global = any(h.get("global_accuracy") is not None for h in hist)
+    curve_metric = "global_accuracy" if has_global else "personal_accuracy"
+    curve = [[int(h["round"]), h.get(curve_metric)] for h in hist if "personal_accuracy" in h]
     d = cfg.to_dict()
     for k in ("out", "data_dir", "threads"):
         d.pop(k, None)
@@ -107,6 +111,7 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
         "federation": federation,
         "metrics": {**_scalars(res.summary.get("final", {})), **_stability_metrics(hist)},
         "curve": curve,
+        **({} if has_global else {"curve_metric": curve_metric}),
     }
 
 
@@ -239,10 +244,9 @@ def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
 TYPED = "✎"
 
 
-def claim_cells(row: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[str, str]:
-    """("measured here", "holds?") of a claims row from its records: each (a, b) of ``row["pairs"]`` over the
-    same seeds within ``row["group"]`` — means, difference, paired-t p; holds = every pair better, **yes** when
-    every pair is also significant."""
+def _claim_part(row: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[str, list[bool], list[bool], bool] | None:
+    """One part of a claims row over ``recs``: (text, holds per pair, significant per pair, stale); None when a
+    pair has no records."""
     scale, digits = float(row.get("scale", 100.0)), int(row.get("digits", 1))
     sign = 1.0 if row.get("higher_is_better", True) else -1.0
     unit = row.get("unit", " %")
@@ -253,7 +257,7 @@ def claim_cells(row: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[str, s
     parts, holds, sig, stale = [], [], [], False
     for a, b in row["pairs"]:
         if a not in by or b not in by:
-            return "no records", "—"
+            return None
         seeds = sorted(set(by[a]) & set(by[b]))
         va = [by[a][x]["metrics"].get(row["metric"]) for x in seeds]
         vb = [by[b][x]["metrics"].get(row["metric"]) for x in seeds]
@@ -265,25 +269,53 @@ def claim_cells(row: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[str, s
         holds.append(sign * t.diff > 0)
         sig.append(t.significant())
         stale = stale or any(stale_reason(by[m][x]) for m in (a, b) for x in seeds)
-    if all(holds):
-        verdict = "**yes**" if all(sig) else "yes (n.s.)"
-    elif not any(holds):
-        verdict = "no" if all(sig) else "no (n.s.)"
-    else:
-        verdict = "partly"
     text = f"{row.get('label', '')}: " + "; ".join(parts) if row.get("label") else "; ".join(parts)
-    return text + (f" {STALE}" if stale else ""), verdict
+    return text, holds, sig, stale
+
+
+def claim_verdict(holds: list[bool], sig: list[bool]) -> str:
+    """**yes** when every pair is better and significant, yes (n.s.) when every pair is better, no / no (n.s.)
+    when none is, partly otherwise."""
+    if all(holds):
+        return "**yes**" if all(sig) else "yes (n.s.)"
+    if not any(holds):
+        return "no" if all(sig) else "no (n.s.)"
+    return "partly"
+
+
+def claim_cells(row: dict[str, Any], recs: list[dict[str, Any]] | None = None,
+                root: Path | None = None) -> tuple[str, str]:
+    """("measured here", "holds?") of a claims row from its records: each (a, b) of ``row["pairs"]`` over the
+    same seeds within ``row["group"]`` — means, difference, paired-t p; holds = every pair better, **yes** when
+    every pair is also significant.  A row with ``parts`` (each a ``table``/``group``/``pairs``/``label`` of its
+    own, inheriting the row's other keys) joins its parts with "; " and its verdict covers every pair of every
+    part (``root`` finds their records)."""
+    texts, holds, sig, stale = [], [], [], False
+    for part in row.get("parts") or [row]:
+        sub = {**{k: v for k, v in row.items() if k != "parts"}, **part}
+        got = _claim_part(sub, recs if "parts" not in row else load_records(root or repo_root(), sub["table"]))
+        if got is None:
+            return "no records", "—"
+        texts.append(got[0])
+        holds += got[1]
+        sig += got[2]
+        stale = stale or got[3]
+    return "; ".join(texts) + (f" {STALE}" if stale else ""), claim_verdict(holds, sig)
+
+
+def _claim_tables(row: dict[str, Any]) -> list[str]:
+    return [p["table"] for p in row.get("parts") or [row] if "table" in p]
 
 
 def render_claims(spec: dict[str, Any], root: Path) -> str:
-    """A claims table: rows with ``table``/``pairs`` are computed from that table's records
+    """A claims table: rows with ``table``/``pairs`` (or ``parts``) are computed from records
     (:func:`claim_cells`); rows with ``measured``/``holds`` text are typed by hand and marked ✎."""
     cols = spec.get("columns", ["family", "paper's claim", "measured here", "holds?", "where"])
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for row in spec["rows"]:
-        if "table" in row:
-            recs = load_records(root, row["table"])
-            measured, holds = claim_cells(row, recs)
+        if _claim_tables(row):
+            recs = load_records(root, row["table"]) if "table" in row else None
+            measured, holds = claim_cells(row, recs, root)
             note = row.get("note")
             if note:
                 measured = f"{measured}; {note}"
@@ -304,9 +336,9 @@ def provenance_line(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
 def render_block(root: Path, table: str) -> str:
     spec = load_spec(root, table)
     if spec.get("kind") == "claims":
-        tables = sorted({r["table"] for r in spec["rows"] if "table" in r})
+        tables = sorted({t for r in spec["rows"] for t in _claim_tables(r)})
         recs = [r for t in tables for r in load_records(root, t)]
-        typed = sum(1 for r in spec["rows"] if "table" not in r)
+        typed = sum(1 for r in spec["rows"] if not _claim_tables(r))
         return (f"\n{render_claims(spec, root)}\n\n<sub>Rendered by `fedfuse results render` from "
                 f"`results/tables/{table}.json`: {len(spec['rows']) - typed} rows computed from {len(recs)} records "
                 f"({', '.join(f'`{t}`' for t in tables) or '—'}); the {typed} rows marked {TYPED} are typed by hand "
