@@ -177,8 +177,9 @@ from torch import nn  # noqa: E402
 from fedfuse.engine.executor import Job  # noqa: E402
 from fedfuse.engine.loop import Experiment, strip_timing  # noqa: E402
 from fedfuse.engine.program import ClientProgram  # noqa: E402
+from fedfuse.fusion.slicing import slice_state  # noqa: E402
 from fedfuse.runner import experiment  # noqa: E402
-from fedfuse.types import ClientData, Federation, Message, Split  # noqa: E402
+from fedfuse.types import ClientData, Federation, FitStats, Message, Split  # noqa: E402
 from golden.make_golden import token_federation  # noqa: E402
 
 LOSS_RTOL = 1e-4
@@ -280,3 +281,105 @@ def compare_with_reference(ex, group, atol=2e-5):
             else:
                 torch.testing.assert_close(state[k], ref_state[k], rtol=1e-4, atol=atol, msg=k)
     return batched
+
+
+# ---- HeteroFL and FedRolex (algorithms/test_heterofl.py, algorithms/test_fedrolex.py) ----
+def sliced_cfg(algorithm: str = "heterofl", **kw) -> RunConfig:
+    """HeteroFL/FedRolex on digits: 3 shard clients, MLP 64-8-10, μ = 0.5, 2 rounds; ``kw`` overrides any key."""
+    base = dict(
+        dataset="digits", partition="shards", partition_options={"classes_per_client": 3}, model="mlp", clients=3,
+        clients_per_round=3, rounds=2, eval_every=1, batch_size=64, local_epochs=1, lr=0.05, seed=2, plots=False,
+        out=None, model_options={"widths": [8]}, algorithm=algorithm,
+        dataset_options={"train_limit": 300, "test_limit": 100},
+    )
+    opts = {"mu": 0.5, "lr_schedule": "constant"}
+    opts.update(kw.pop("algorithm_options", {}))
+    base.update(kw)
+    base["algorithm_options"] = opts
+    return apply(RunConfig(), base)
+
+
+def check_same_seed_identical_metrics(algorithm: str) -> None:
+    runs = []
+    for _ in range(2):
+        e = experiment(sliced_cfg(algorithm))
+        e.run()
+        runs.append([strip_timing(r) for r in e.history])
+    assert runs[0] == runs[1]
+    assert runs[0][0]["bytes_up"] < runs[0][0]["bytes_down"] * 1.01  # sub-models both ways
+
+
+def check_scaler_auto_only_with_normalisation_layers(algorithm: str) -> None:
+    """The authors' Scaler always feeds a norm layer; on a norm-free MLP its ×1/μ per layer compounds and the
+    default lr 0.1 diverged (MNIST, μ = 0.125: training loss 1e23, then NaN).  ``auto`` therefore applies it only
+    to models with normalisation; ``always`` and ``never`` force it."""
+    mlp = experiment(sliced_cfg(algorithm)).algo
+    assert mlp.opt.scaler == "auto" and not mlp.use_scaler()
+    assert experiment(sliced_cfg(algorithm, algorithm_options={"scaler": "always"})).algo.use_scaler()
+    kw = dict(model="resnet18", model_options={"width_mult": 0.0625, "norm": "bn-static"})
+    assert experiment(sliced_cfg(algorithm, **kw)).algo.use_scaler()
+    assert not experiment(sliced_cfg(algorithm, **kw, algorithm_options={"scaler": "never"})).algo.use_scaler()
+    # a client's training under auto equals training with the Scaler off on the MLP, and differs from always
+    out = {}
+    for mode in ("auto", "never", "always"):
+        exp = experiment(sliced_cfg(algorithm, algorithm_options={"scaler": mode}))
+        algo, data = exp.algo, exp.fed.clients[0]
+        sel = algo.selection(0, 0)
+        payload = Message(slice_state(algo.init_state()["global"], algo.spec, sel),
+                          {"round": 0, "total": 2, "sel": {k: v.tolist() for k, v in sel.items()}})
+        out[mode] = algo.fit(payload, None, data, torch.Generator().manual_seed(0))[0].tensors
+    for k in out["auto"]:
+        torch.testing.assert_close(out["auto"][k], out["never"][k], rtol=0, atol=0)
+    assert any(not torch.equal(out["auto"][k], out["always"][k]) for k in out["auto"])
+
+
+def check_batched_sub_models_equal_sequential(algorithm: str) -> None:
+    """The declared training stage (a static-BN ResNet sub-model with the Scaler's hooks, each client's logit
+    mask) runs vmapped and gives the sequential run; only HeteroFL's BN-statistics stage stays custom."""
+    kw = dict(model="resnet18", model_options={"width_mult": 0.0625, "norm": "bn-static"}, rounds=2, clients=3,
+              clients_per_round=3, algorithm_options={"stats_every": 2})
+    runs = {}
+    for executor in ("sequential", "batched"):
+        exp = experiment(sliced_cfg(algorithm, executor=executor, **kw))
+        assert exp.algo.use_scaler()
+        exp.run()
+        runs[executor] = exp
+    fallbacks = runs["batched"].executor.fallbacks
+    stats_clients = 3 if algorithm == "heterofl" else 0  # one BN pass per client at the last round
+    assert fallbacks == ({"no declared client program": stats_clients} if stats_clients else {})
+    for a, b in zip(runs["sequential"].history, runs["batched"].history, strict=True):
+        a, b = strip_timing(a), strip_timing(b)
+        assert a["bytes_up"] == b["bytes_up"] and a["client_flops"] == b["client_flops"]
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+    ga, gb = (runs[e].algo.global_model(runs[e].state)[0] for e in ("sequential", "batched"))
+    for k in ga:
+        if ga[k].is_floating_point():
+            torch.testing.assert_close(gb[k], ga[k], rtol=1e-3, atol=1e-4, msg=k)
+
+
+# ---- FedMR's baselines: FedExP, FedMut, FedSAM (algorithms/test_fedexp.py, test_fedmut.py, test_fedsam.py) ----
+def baseline_cfg(**kw) -> RunConfig:
+    """A FedAvg-family run on digits (6 clients, 4 per round, 3 rounds, MLP 64-16-10); ``kw`` overrides any key."""
+    base = dict(
+        dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=4, rounds=3,
+        local_epochs=1, batch_size=32, lr=0.05, seed=7, plots=False, out=None,
+        model_options={"widths": [16]}, partition_options={"alpha": 0.5, "min_size": 20},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+BN_MODEL = dict(model="resnet9", model_options={"width_mult": 0.25})
+"""A small ResNet with BatchNorm for the BN-statistics cases."""
+
+
+def fake_state_results(model, k, seed=0, nbt_step=3):
+    """``k`` replies: the model's state plus seeded noise, integer buffers stepped by ``nbt_step·(i+1)``."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(k):
+        s = {}
+        for key, v in model.state_dict().items():
+            s[key] = v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v + nbt_step * (i + 1)
+        out[i] = Message(s, stats=FitStats(num_examples=10 + i))
+    return out

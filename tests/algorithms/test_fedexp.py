@@ -7,34 +7,11 @@ import torch
 
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedexp import fedexp_step_size
-from fedfuse.config import RunConfig, apply
 from fedfuse.engine.loop import strip_timing
 from fedfuse.runner import experiment
-from fedfuse.types import FitStats, Message
-
-
-def cfg_for(**kw) -> RunConfig:
-    base = dict(
-        dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=4, rounds=3,
-        local_epochs=1, batch_size=32, lr=0.05, seed=7, plots=False, out=None,
-        model_options={"widths": [16]}, partition_options={"alpha": 0.5, "min_size": 20},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
-
-
-BN_MODEL = dict(model="resnet9", model_options={"width_mult": 0.25})
-
-
-def fake_results(model, k, seed=0, nbt_step=3):
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for i in range(k):
-        s = {}
-        for key, v in model.state_dict().items():
-            s[key] = v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v + nbt_step * (i + 1)
-        out[i] = Message(s, stats=FitStats(num_examples=10 + i))
-    return out
+from support import BN_MODEL
+from support import baseline_cfg as cfg_for
+from support import fake_state_results as fake_results
 
 
 def test_fedexp_step_size_hand_case():

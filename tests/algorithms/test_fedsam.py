@@ -8,23 +8,13 @@ import torch
 from torch import nn
 
 from fedfuse.algorithms.fedsam import train_sam
-from fedfuse.config import RunConfig, apply
 from fedfuse.engine.client import TrainConfig, train_local
 from fedfuse.engine.loop import strip_timing
 from fedfuse.engine.sam import sam_perturbation
 from fedfuse.models import build_model
 from fedfuse.runner import experiment
 from fedfuse.types import Split
-
-
-def cfg_for(**kw) -> RunConfig:
-    base = dict(
-        dataset="digits", partition="dirichlet", model="mlp", clients=6, clients_per_round=4, rounds=3,
-        local_epochs=1, batch_size=32, lr=0.05, seed=7, plots=False, out=None,
-        model_options={"widths": [16]}, partition_options={"alpha": 0.5, "min_size": 20},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
+from support import baseline_cfg as cfg_for
 
 
 def test_sam_and_asam_perturbation_hand_case():
