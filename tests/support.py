@@ -1,13 +1,29 @@
 """Helpers shared by several test files (``tests/`` is on ``sys.path`` through ``conftest.py``): the repository's
-paths, the conformance suite's tiny run per algorithm and FedMR's tiny run."""
+paths, the tiny runs several files share (conformance, FedMR, the HeteroFL and mixture families, matching), the
+executors' tiny clients and programs, checks one algorithm family runs for each member, and the data tests'
+synthetic dataset.  A helper lives here once instead of in each file that needs it."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
 
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.config import RunConfig, apply
-from golden.make_golden import lora_base
+from fedfuse.data.dataset import Dataset
+from fedfuse.engine.executor import Job
+from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.engine.program import ClientProgram
+from fedfuse.fusion.slicing import slice_state
+from fedfuse.runner import experiment
+from fedfuse.types import ClientData, Federation, FitStats, Message, Split
+from golden.make_golden import lora_base, token_federation
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository (worktree) root."""
@@ -167,20 +183,7 @@ def lora_fake_results(am, sizes, seed=0):
 
 
 # ---- the conformance suite's run and comparison (system/test_conformance.py, executors/test_stacked.py) ----
-import dataclasses  # noqa: E402
-import math  # noqa: E402
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from fedfuse.engine.executor import Job  # noqa: E402
-from fedfuse.engine.loop import Experiment, strip_timing  # noqa: E402
-from fedfuse.engine.program import ClientProgram  # noqa: E402
-from fedfuse.fusion.slicing import slice_state  # noqa: E402
-from fedfuse.runner import experiment  # noqa: E402
-from fedfuse.types import ClientData, Federation, FitStats, Message, Split  # noqa: E402
-from golden.make_golden import token_federation  # noqa: E402
 
 LOSS_RTOL = 1e-4
 ACC_ATOL = 0.02
@@ -383,3 +386,118 @@ def fake_state_results(model, k, seed=0, nbt_step=3):
             s[key] = v + torch.randn(v.shape, generator=g) if v.is_floating_point() else v + nbt_step * (i + 1)
         out[i] = Message(s, stats=FitStats(num_examples=10 + i))
     return out
+
+
+# ---- the data tests' synthetic dataset (data/test_partition.py, data/test_federation.py) ----
+
+
+def synthetic(
+    n_train: int = 1000,
+    n_test: int = 300,
+    num_classes: int = 10,
+    seed: int = 0,
+    users: int | None = None,
+    domains: int | None = None,
+) -> Dataset:
+    """Random 1×4×4 images with random labels (and optional users / domains)."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    ds = Dataset(
+        name="synthetic",
+        task="classification",
+        train_x=torch.randn(n_train, 1, 4, 4, generator=g),
+        train_y=torch.randint(0, num_classes, (n_train,), generator=g),
+        test_x=torch.randn(n_test, 1, 4, 4, generator=g),
+        test_y=torch.randint(0, num_classes, (n_test,), generator=g),
+        num_classes=num_classes,
+        input_shape=(1, 4, 4),
+    )
+    if users:
+        ds.train_groups = rng.integers(0, users, n_train)
+        ds.test_groups = rng.integers(0, users, n_test)
+    if domains:
+        ds.train_domains = rng.integers(0, domains, n_train)
+        ds.test_domains = rng.integers(0, domains, n_test)
+    return ds
+
+
+# ---- FedMR and recombination (algorithms/test_fedmr.py, fusion/test_recombine.py) ----
+
+
+def random_states(model, k: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """K distinct 'trained' states: every float tensor perturbed, num_batches_tracked distinct per model."""
+    g = torch.Generator().manual_seed(seed)
+    base = model.state_dict()
+    out = []
+    for i in range(k):
+        s = {}
+        for key, v in base.items():
+            if v.is_floating_point():
+                s[key] = v + torch.randn(v.shape, generator=g)
+            else:
+                s[key] = v + 10 * (i + 1)
+        out.append(s)
+    return out
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def source_of(unit, out_state, inputs) -> int:
+    hits = [i for i, s in enumerate(inputs) if all(same_tensor(out_state[k], s[k]) for k in unit)]
+    assert len(hits) == 1, f"unit {unit[0]} matches inputs {hits}"
+    return hits[0]
+
+
+# ---- IFCA, FedEM, pFedMoE (algorithms/test_ifca.py, test_fedem.py, test_pfedmoe.py) ----
+
+
+def mixture_cfg(algorithm: str, **kw) -> RunConfig:
+    base = dict(
+        dataset="digits", partition="label-cluster", model="mlp", clients=6, clients_per_round=3, rounds=2,
+        batch_size=32, lr=0.1, local_epochs=1, seed=7, out=None, plots=False, algorithm=algorithm,
+        model_options={"widths": [16]}, partition_options={"clusters": 3},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+def nparams(exp: Experiment) -> int:
+    return sum(p.numel() for p in exp.ctx.model().parameters())
+
+
+def nbytes(exp: Experiment) -> int:
+    return sum(t.numel() * t.element_size() for t in exp.ctx.model().state_dict().values())
+
+
+# ---- FedMA and the one-shot baselines (algorithms/test_fedma.py, test_oneshot.py) ----
+
+
+def matching_cfg(algorithm, clients=3, rounds=1, model="mlp", model_options=None, **kw):
+    base = dict(
+        algorithm=algorithm, dataset="digits", partition="dirichlet", model=model, clients=clients,
+        clients_per_round=clients, rounds=rounds, local_epochs=1, batch_size=32, lr=0.1, momentum=0.5, seed=1,
+        plots=False, model_options=model_options or {"widths": [16, 12]},
+        partition_options={"alpha": 0.5, "min_size": 20},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+def run_experiment(c):
+    exp = experiment(c)
+    exp.run()
+    return exp
+
+
+# ---- determinism, as every algorithm's file checks it ----
+def check_same_seed_same_run(cfg: RunConfig, metric: str = "global_accuracy") -> None:
+    """Two runs of ``cfg`` on one federation write the same metrics (all but wall-clock time), and ``metric`` is
+    reported."""
+    a = experiment(cfg)
+    a.run()
+    b = experiment(cfg, fed=a.fed)
+    b.run()
+    assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
+    assert a.history[-1][metric] is not None

@@ -7,9 +7,8 @@ import torch
 
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedexp import fedexp_step_size
-from fedfuse.engine.loop import strip_timing
 from fedfuse.runner import experiment
-from support import BN_MODEL
+from support import BN_MODEL, check_same_seed_same_run
 from support import baseline_cfg as cfg_for
 from support import fake_state_results as fake_results
 
@@ -70,9 +69,4 @@ def test_fedexp_aggregate_extrapolates_params_and_averages_bn_stats(opts):
 
 @pytest.mark.parametrize("algorithm", ["fedexp"])
 def test_same_seed_same_metrics(algorithm):
-    a = experiment(cfg_for(algorithm=algorithm))
-    a.run()
-    b = experiment(cfg_for(algorithm=algorithm), fed=a.fed)
-    b.run()
-    assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
-    assert a.history[-1]["global_accuracy"] is not None
+    check_same_seed_same_run(cfg_for(algorithm=algorithm), "global_accuracy")

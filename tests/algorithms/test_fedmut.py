@@ -8,11 +8,10 @@ import torch
 
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedmut import mutate, mutation_coefficients, mutation_radius
-from fedfuse.engine.loop import strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.rng import numpy_rng
 from fedfuse.runner import experiment
-from support import BN_MODEL
+from support import BN_MODEL, check_same_seed_same_run
 from support import baseline_cfg as cfg_for
 from support import fake_state_results as fake_results
 
@@ -79,9 +78,4 @@ def test_fedmut_round_matches_the_construction():
 
 @pytest.mark.parametrize("algorithm", ["fedmut"])
 def test_same_seed_same_metrics(algorithm):
-    a = experiment(cfg_for(algorithm=algorithm))
-    a.run()
-    b = experiment(cfg_for(algorithm=algorithm), fed=a.fed)
-    b.run()
-    assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
-    assert a.history[-1]["global_accuracy"] is not None
+    check_same_seed_same_run(cfg_for(algorithm=algorithm), "global_accuracy")

@@ -9,12 +9,12 @@ from torch import nn
 
 from fedfuse.algorithms.fedsam import train_sam
 from fedfuse.engine.client import TrainConfig, train_local
-from fedfuse.engine.loop import strip_timing
 from fedfuse.engine.sam import sam_perturbation
 from fedfuse.models import build_model
 from fedfuse.runner import experiment
 from fedfuse.types import Split
 from support import baseline_cfg as cfg_for
+from support import check_same_seed_same_run
 
 
 def test_sam_and_asam_perturbation_hand_case():
@@ -58,9 +58,4 @@ def test_sam_changes_the_trajectory_and_counts_double_flops():
 
 @pytest.mark.parametrize("algorithm", ["fedsam", "fedasam"])
 def test_same_seed_same_metrics(algorithm):
-    a = experiment(cfg_for(algorithm=algorithm))
-    a.run()
-    b = experiment(cfg_for(algorithm=algorithm), fed=a.fed)
-    b.run()
-    assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
-    assert a.history[-1]["global_accuracy"] is not None
+    check_same_seed_same_run(cfg_for(algorithm=algorithm), "global_accuracy")

@@ -6,25 +6,11 @@ import torch
 
 from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.ifca import pack, per_sample_losses, pick_cluster, unpack
-from fedfuse.config import RunConfig, apply
-from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.fusion.average import weighted_average
 from fedfuse.rng import torch_generator
 from fedfuse.runner import experiment
-
-
-def cfg_for(algorithm: str, **kw) -> RunConfig:
-    base = dict(
-        dataset="digits", partition="label-cluster", model="mlp", clients=6, clients_per_round=3, rounds=2,
-        batch_size=32, lr=0.1, local_epochs=1, seed=7, out=None, plots=False, algorithm=algorithm,
-        model_options={"widths": [16]}, partition_options={"clusters": 3},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
-
-
-def nbytes(exp: Experiment) -> int:
-    return sum(t.numel() * t.element_size() for t in exp.ctx.model().state_dict().values())
+from support import check_same_seed_same_run, nbytes
+from support import mixture_cfg as cfg_for
 
 
 def test_ifca_picks_the_lowest_loss_cluster_and_untouched_clusters_keep_their_model():
@@ -67,9 +53,4 @@ def test_ifca_uniform_vs_sample_weighting():
 
 @pytest.mark.parametrize("algorithm", ["ifca"])
 def test_same_seed_identical_metrics(algorithm):
-    a = experiment(cfg_for(algorithm))
-    a.run()
-    b = experiment(cfg_for(algorithm), fed=a.fed)
-    b.run()
-    assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
-    assert a.history[-1]["personal_accuracy"] is not None
+    check_same_seed_same_run(cfg_for(algorithm), "personal_accuracy")

@@ -3,25 +3,8 @@ one-shot average."""
 
 import pytest
 
-from fedfuse.config import RunConfig, apply
-from fedfuse.runner import experiment
-
-
-def cfg(algorithm, clients=3, rounds=1, model="mlp", model_options=None, **kw):
-    base = dict(
-        algorithm=algorithm, dataset="digits", partition="dirichlet", model=model, clients=clients,
-        clients_per_round=clients, rounds=rounds, local_epochs=1, batch_size=32, lr=0.1, momentum=0.5, seed=1,
-        plots=False, model_options=model_options or {"widths": [16, 12]},
-        partition_options={"alpha": 0.5, "min_size": 20},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
-
-
-def run(c):
-    exp = experiment(c)
-    exp.run()
-    return exp
+from support import matching_cfg as cfg
+from support import run_experiment as run
 
 
 def test_baselines_share_the_local_models_and_ensemble_is_reported():

@@ -4,29 +4,11 @@ import pytest
 import torch
 
 from fedfuse.algorithms.base import RoundInfo
-from fedfuse.config import RunConfig, apply
-from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.rng import torch_generator
 from fedfuse.runner import experiment
 from fedfuse.types import Message
-
-
-def cfg_for(algorithm: str, **kw) -> RunConfig:
-    base = dict(
-        dataset="digits", partition="label-cluster", model="mlp", clients=6, clients_per_round=3, rounds=2,
-        batch_size=32, lr=0.1, local_epochs=1, seed=7, out=None, plots=False, algorithm=algorithm,
-        model_options={"widths": [16]}, partition_options={"clusters": 3},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
-
-
-def nparams(exp: Experiment) -> int:
-    return sum(p.numel() for p in exp.ctx.model().parameters())
-
-
-def nbytes(exp: Experiment) -> int:
-    return sum(t.numel() * t.element_size() for t in exp.ctx.model().state_dict().values())
+from support import check_same_seed_same_run, nparams
+from support import mixture_cfg as cfg_for
 
 
 def test_pfedmoe_only_the_global_expert_travels_and_costs_show():
@@ -53,9 +35,4 @@ def test_pfedmoe_only_the_global_expert_travels_and_costs_show():
 
 @pytest.mark.parametrize("algorithm", ["pfedmoe"])
 def test_same_seed_identical_metrics(algorithm):
-    a = experiment(cfg_for(algorithm))
-    a.run()
-    b = experiment(cfg_for(algorithm), fed=a.fed)
-    b.run()
-    assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
-    assert a.history[-1]["personal_accuracy"] is not None
+    check_same_seed_same_run(cfg_for(algorithm), "personal_accuracy")

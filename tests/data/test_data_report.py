@@ -3,37 +3,11 @@ ids and headroom."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-import torch
-
 import fedfuse
 from fedfuse.data.dataset import Dataset
 from fedfuse.data.federation import build_federation
 from fedfuse.data.partition import make_partition
 from fedfuse.data.report import label_histograms, partition_table, plot_partition
-
-
-@pytest.fixture(scope="module")
-def digits() -> Dataset:
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
-    y = torch.tensor(d.target, dtype=torch.int64)
-    perm = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))
-    x, y = x[perm], y[perm]
-    return Dataset(
-        "digits",
-        "classification",
-        x[:1400],
-        y[:1400],
-        x[1400:],
-        y[1400:],
-        10,
-        (1, 8, 8),
-        class_names=[str(i) for i in range(10)],
-    )
 
 
 def test_reports(digits: Dataset, tmp_path) -> None:

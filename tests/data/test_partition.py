@@ -5,62 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
-from fedfuse.data.dataset import Dataset
 from fedfuse.data.partition import PARTITIONS, Partition, make_partition, partition_options
-
-
-def synthetic(
-    n_train: int = 1000,
-    n_test: int = 300,
-    num_classes: int = 10,
-    seed: int = 0,
-    users: int | None = None,
-    domains: int | None = None,
-) -> Dataset:
-    """Random 1×4×4 images with random labels (and optional users / domains)."""
-    g = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    ds = Dataset(
-        name="synthetic",
-        task="classification",
-        train_x=torch.randn(n_train, 1, 4, 4, generator=g),
-        train_y=torch.randint(0, num_classes, (n_train,), generator=g),
-        test_x=torch.randn(n_test, 1, 4, 4, generator=g),
-        test_y=torch.randint(0, num_classes, (n_test,), generator=g),
-        num_classes=num_classes,
-        input_shape=(1, 4, 4),
-    )
-    if users:
-        ds.train_groups = rng.integers(0, users, n_train)
-        ds.test_groups = rng.integers(0, users, n_test)
-    if domains:
-        ds.train_domains = rng.integers(0, domains, n_train)
-        ds.test_domains = rng.integers(0, domains, n_test)
-    return ds
-
-
-@pytest.fixture(scope="module")
-def digits() -> Dataset:
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
-    y = torch.tensor(d.target, dtype=torch.int64)
-    perm = torch.from_numpy(np.random.default_rng(0).permutation(len(y)))
-    x, y = x[perm], y[perm]
-    return Dataset(
-        "digits",
-        "classification",
-        x[:1400],
-        y[:1400],
-        x[1400:],
-        y[1400:],
-        10,
-        (1, 8, 8),
-        class_names=[str(i) for i in range(10)],
-    )
+from support import synthetic
 
 
 def check_disjoint(part: Partition, n: int, cover: bool) -> None:

@@ -17,36 +17,12 @@ from fedfuse.fusion.recombine import (
     units_from_layers,
 )
 from fedfuse.models import build_model
+from support import random_states, source_of
+from support import same_tensor as same
 
 
 def bn_net():
     return build_model("resnet9", (1, 8, 8), 10, width_mult=0.25)
-
-
-def random_states(model, k: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """K distinct 'trained' states: every float tensor perturbed, num_batches_tracked distinct per model."""
-    g = torch.Generator().manual_seed(seed)
-    base = model.state_dict()
-    out = []
-    for i in range(k):
-        s = {}
-        for key, v in base.items():
-            if v.is_floating_point():
-                s[key] = v + torch.randn(v.shape, generator=g)
-            else:
-                s[key] = v + 10 * (i + 1)
-        out.append(s)
-    return out
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-
-
-def source_of(unit, out_state, inputs) -> int:
-    hits = [i for i, s in enumerate(inputs) if all(same(out_state[k], s[k]) for k in unit)]
-    assert len(hits) == 1, f"unit {unit[0]} matches inputs {hits}"
-    return hits[0]
 
 
 def test_recombine_hand_case():
