@@ -10,7 +10,7 @@ SMALL = dict(dataset="digits", rounds=2, clients=4, clients_per_round=2, model="
 
 
 def test_run_cached(tmp_path):
-    from fedfuse.sweep import run_cached
+    from fedfuse.cached_runs import run_cached
 
     cfg = make_config(out=str(tmp_path / "r"), algorithm="fedavg", **SMALL)
     first = run_cached(cfg)

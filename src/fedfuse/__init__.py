@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 
 _API = ("run", "compare", "sweep", "list_algorithms", "list_datasets", "list_models", "list_partitions", "show",
         "Component")
-_OTHER = {"ResultTable": "fedfuse.sweep", "Sweep": "fedfuse.sweep", "RunConfig": "fedfuse.config",
+_OTHER = {"ResultTable": "fedfuse.result_table", "Sweep": "fedfuse.sweep", "RunConfig": "fedfuse.config",
           "ConfigError": "fedfuse.config", "make_config": "fedfuse.config", "config_hash": "fedfuse.config",
           "Result": "fedfuse.result", "load": "fedfuse.result", "Callback": "fedfuse.engine.callbacks",
           "write_report": "fedfuse.report"}
@@ -54,7 +54,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedfuse.engine.callbacks import Callback
     from fedfuse.report import write_report
     from fedfuse.result import Result, load
-    from fedfuse.sweep import ResultTable, Sweep
+    from fedfuse.result_table import ResultTable
+    from fedfuse.sweep import Sweep
 
 
 _ALIASES = {"datasets": "list_datasets", "partitions": "list_partitions"}

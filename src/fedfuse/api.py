@@ -29,7 +29,7 @@ from fedfuse.types import Admits, Privacy
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedfuse.engine.callbacks import Callback
-    from fedfuse.sweep import ResultTable
+    from fedfuse.result_table import ResultTable
 
 __all__ = ["Component", "compare", "list_algorithms", "list_datasets", "list_models", "list_partitions",
            "privacy_table", "run", "show", "sweep", "write_privacy_table"]

@@ -7,7 +7,7 @@ named by the hash of its full resolved config (:func:`fedfuse.config.config_hash
 loaded, an interrupted one resumes from its checkpoint, so rerunning a sweep with more seeds or more grid values
 runs only the new runs.  With ``jobs > 1`` runs execute in separate processes; every random draw depends only on
 the seed, so the metrics are the same as a serial run's.  :meth:`Sweep.table` gives the statistics table over
-the runs (:class:`fedfuse.result_table.ResultTable`, importable from here too).
+the runs (:class:`fedfuse.result_table.ResultTable`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfuse.cached_runs import run_cached as run_cached
-from fedfuse.cached_runs import run_dir_name as run_dir_name
 from fedfuse.cached_runs import run_parallel, run_serial, split_stored
 from fedfuse.config import ConfigError, ConfigLike, RunConfig, apply, config_hash, make_config, parse_value, validate
 from fedfuse.result import Result, is_run_dir, load

@@ -11,7 +11,7 @@ from fedfuse.reproduce import fedmerge as rf
 from fedfuse.reproduce import msfusion as rm
 from fedfuse.reproduce.preset import Table, details, ordering, pairs_within, pick, section
 from fedfuse.result import Result
-from fedfuse.sweep import ResultTable
+from fedfuse.result_table import ResultTable
 
 
 def fake(seed: int, value: float, key: str = "personal_accuracy", **extra) -> Result:

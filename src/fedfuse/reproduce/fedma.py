@@ -44,8 +44,8 @@ import torch
 
 from fedfuse.reproduce.common import data_root, seeds
 from fedfuse.reproduce.preset import Family, Table
+from fedfuse.result_table import ResultTable
 from fedfuse.stats import mean_std, paired_test
-from fedfuse.sweep import ResultTable
 from fedfuse.tables import markdown
 
 LR = {"sgd": 0.01, "adam": 0.001}

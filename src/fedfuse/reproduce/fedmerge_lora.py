@@ -22,7 +22,7 @@ from typing import Any
 from fedfuse.config import RunConfig
 from fedfuse.reproduce.common import data_root
 from fedfuse.reproduce.preset import Family, Table, pick
-from fedfuse.sweep import ResultTable
+from fedfuse.result_table import ResultTable
 from fedfuse.types import Federation
 
 D_SWEEP = (2, 4, 8, 12)

@@ -49,7 +49,7 @@ import yaml
 
 from fedfuse.reproduce.common import data_root
 from fedfuse.reproduce.preset import Family, Table
-from fedfuse.sweep import ResultTable
+from fedfuse.result_table import ResultTable
 
 #: The authors' local training (FedMR code ``utils/options.py`` defaults and ``LocalUpdate_*``).
 AUTHORS_TRAINING: dict[str, Any] = dict(

@@ -1,5 +1,5 @@
 """A reproduction as data: tables of labelled run configurations, run by :class:`fedfuse.sweep.Sweep` and
-summarised by :class:`fedfuse.sweep.ResultTable`, the machinery of ``fedfuse compare``.
+summarised by :class:`fedfuse.result_table.ResultTable`, the machinery of ``fedfuse compare``.
 
 A family module (``fedmerge.py`` → ``fedfuse reproduce fedmerge``) defines ``FAMILY``, a :class:`Family`: its
 description, its flags and ``tables(args) -> list[Table]``, the preset its flags select, built without running
@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedfuse.cached_runs import run_cached, run_dir_name
 from fedfuse.config import RunConfig, apply, validate
 from fedfuse.result import Result
+from fedfuse.result_table import ResultTable
 from fedfuse.stats import paired_test, stability
-from fedfuse.sweep import Point, ResultTable, Sweep, run_cached, run_dir_name
+from fedfuse.sweep import Point, Sweep
 from fedfuse.tables import markdown
 from fedfuse.types import Federation
 
