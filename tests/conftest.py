@@ -2,6 +2,7 @@
 the insert below keeps it so under ``--import-mode=importlib``), so test files import ``support`` and
 ``golden.make_golden``; test folders mirror ``src/fedfuse`` (docs/design.md, *Tests*)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,10 @@ import torch
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
+
+# ``threads = auto`` follows the load average unless this is set; a test that compares two runs needs the same
+# count in both (float sums, and FedMA's matching through them, depend on it).  Subprocesses inherit it.
+os.environ.setdefault("FEDFUSE_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -46,6 +46,22 @@ def test_threads_setting_parses_auto_and_counts():
     assert worker_threads("auto") == worker_threads(0) == 1 and worker_threads(3) == 3
 
 
+def test_fedfuse_threads_fixes_what_auto_resolves_to(monkeypatch):
+    import fedfuse.runtime.threads as threads
+
+    monkeypatch.setattr(threads, "auto_threads", lambda: 7)  # the load rule, made independent of the load
+    monkeypatch.setenv("FEDFUSE_THREADS", "3")
+    assert resolve_threads("auto") == 3
+    assert resolve_threads(2) == 2  # an explicit count wins over the variable
+    monkeypatch.setenv("FEDFUSE_THREADS", "auto")
+    assert resolve_threads("auto") == 7
+    monkeypatch.setenv("FEDFUSE_THREADS", "")
+    assert resolve_threads("auto") == 7
+    monkeypatch.setenv("FEDFUSE_THREADS", "many")
+    with pytest.raises(ConfigError, match="FEDFUSE_THREADS='many'"):
+        resolve_threads("auto")
+
+
 def test_config_threads_default_auto_and_validation():
     assert RunConfig().threads == "auto"
     assert validate(apply(RunConfig(), {"threads": 2})).threads == "2"

@@ -8,8 +8,13 @@ than with one).  fedfuse therefore
 - sets ``OMP_WAIT_POLICY=PASSIVE`` in its own environment when ``fedfuse`` is imported (OpenMP reads it once,
   when torch loads it, so this holds for the command line and for programs that import fedfuse before torch)
   unless the user has set it, and every worker process it starts inherits it;
-- resolves ``threads = "auto"`` (the default) to a count that helps on a busy machine:
-  ``min(physical cores, cores left idle by the 1-minute load average)``, at least 1.
+- resolves ``threads = "auto"`` (the default) to ``$FEDFUSE_THREADS`` when that is set, else to a count that
+  helps on a busy machine: ``min(physical cores, cores left idle by the 1-minute load average)``, at least 1.
+
+The load-based count can differ between two runs of one command, and float sums (hence, through discrete steps
+such as FedMA's matching, whole results) depend on the thread count.  Bit-identical re-runs therefore need a fixed
+count: ``--threads N``, or ``FEDFUSE_THREADS=N`` for every run a shell or a test session starts.  The count a run
+used is in its accounting (``threads``).
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ import math
 import os
 
 from fedfuse.config import parse_threads
+from fedfuse.errors import ConfigError
 
 #: the wait policy fedfuse asks OpenMP for unless ``OMP_WAIT_POLICY`` is already set
 WAIT_POLICY = "PASSIVE"
+#: the environment variable that fixes what ``threads = auto`` resolves to (a count, or ``auto`` for the load rule)
+THREADS_ENV = "FEDFUSE_THREADS"
 
 
 def set_passive_wait_policy() -> None:
@@ -75,9 +83,24 @@ def auto_threads(load: float | None = None, cpus: int | None = None, cores: int 
     return max(1, min(cores, idle_cores(load, cpus)))
 
 
+def pinned_threads() -> int | str | None:
+    """``$FEDFUSE_THREADS`` parsed (a count or ``"auto"``), None when unset or empty."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return parse_threads(raw)
+    except ValueError as e:
+        raise ConfigError(f"{THREADS_ENV}={raw!r}: {e}") from None
+
+
 def resolve_threads(value: object) -> int:
-    """The torch thread count of a ``threads`` setting (0 = leave PyTorch's default)."""
+    """The torch thread count of a ``threads`` setting (0 = leave PyTorch's default); ``auto`` is
+    ``$FEDFUSE_THREADS`` when set, else the load rule of :func:`auto_threads`."""
     parsed = parse_threads(value)
+    if parsed == "auto":
+        pinned = pinned_threads()
+        parsed = pinned if pinned is not None else "auto"
     return auto_threads() if parsed == "auto" else int(parsed)
 
 
