@@ -5,8 +5,13 @@ import torch
 
 from fedfuse.engine.client import train_flops_per_sample
 from fedfuse.fusion.slicing import (
+    _positions,
+    accumulate,
     combine,
+    dim_indices,
+    dim_positions,
     dss_indices,
+    group_positions,
     load_submodel,
     overlap_fraction,
     overlap_part,
@@ -220,3 +225,48 @@ def test_overlap_part_sends_only_common_elements():
     assert part["fc1.weight"].shape == (1, hw)
     assert torch.equal(part["fc1.weight"][0], full["fc1.weight"][1, 5 * hw: 6 * hw])
     assert set(part) == set(full) and common  # every tensor has a common part here
+
+
+def _random_selection(spec, g):
+    """A random subset of every group's units, in a random order (DSS windows wrap, so order matters)."""
+    out = {}
+    for name, k in spec.groups.items():
+        n = int(torch.randint(1, k + 1, (1,), generator=g))
+        out[name] = torch.randperm(k, generator=g)[:n]
+    return out
+
+
+@pytest.mark.parametrize("name,shape,opts,task", MODELS)
+def test_group_positions_equal_the_per_dimension_index_matching(name, shape, opts, task):
+    # the fast path (positions per unit group, expanded per dimension) against _positions of the global index
+    # lists of every dimension, and combine() against the generic accumulate() it replaces
+    m = make(name, shape, opts, task)
+    spec = slice_spec(m)
+    full = m.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in full.items()}
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        src, tgt = _random_selection(spec, g), _random_selection(spec, g)
+        gpos = group_positions(spec, src, tgt)
+        for key, shape_k in shapes.items():
+            spos, tpos = dim_positions(spec, key, gpos, src, tgt)
+            ref = [_positions(a, b, n) for a, b, n in zip(dim_indices(spec, src, key, shape_k),
+                                                          dim_indices(spec, tgt, key, shape_k), shape_k)]
+            for d, (rs, rt) in enumerate(ref):
+                fs = torch.arange(rs.numel()) if spos[d] is None else spos[d]
+                ft = torch.arange(rt.numel()) if tpos[d] is None else tpos[d]
+                assert torch.equal(fs, rs) and torch.equal(ft, rt), (key, d)
+        sources = [(slice_state({k: v + j for k, v in full.items()}, spec, sel), sel)
+                   for j, sel in enumerate([src, _random_selection(spec, g)])]
+        base = slice_state(full, spec, tgt)
+        out, cnt = combine(base, tgt, spec, shapes, sources)
+        for key, b in base.items():
+            total = torch.zeros(b.shape, dtype=torch.float64 if b.is_floating_point() else b.dtype)
+            c = torch.zeros(b.shape, dtype=torch.long)
+            for st, sel in sources:
+                accumulate(total, c, st[key], dim_indices(spec, sel, key, shapes[key]),
+                           dim_indices(spec, tgt, key, shapes[key]), shapes[key])
+            assert torch.equal(c, cnt[key]), key
+            want = (torch.where(c > 0, (total / c.clamp_min(1)).to(b.dtype), b) if b.is_floating_point()
+                    else torch.where(c > 0, total, b))
+            assert torch.equal(out[key], want), key

@@ -72,7 +72,7 @@ from fedfuse.engine.client import (
     scheduled_lr,
 )
 from fedfuse.engine.context import seeded_state
-from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers
+from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers, unpack_mail
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.errors import UserError
 from fedfuse.fusion.slice_stats import adjacent_overlap, coverage, holder_churn
@@ -250,6 +250,7 @@ class MSfusion(Algorithm):
         self.spec: SliceSpec = slice_spec(self._full)
         self.shapes = {k: tuple(v.shape) for k, v in self._full.state_dict().items()}
         self._w0: TensorDict | None = None
+        self._selections: dict[tuple[int, int, int], Selection] = {}
 
     # ---- consensus quantities (every participant can compute them) ---------------------------------
     def mu_of(self, n: int) -> float:
@@ -268,8 +269,15 @@ class MSfusion(Algorithm):
         return float(self.opt.c0) * (1.0 - min(ru / max(horizon, 1), 1.0) * float(self.opt.p))
 
     def selection(self, n: int, r: int, total: int) -> Selection:
-        c, num = self.overlap_control(r, total), self.ctx.num_clients
-        return {g: dss_indices(k, self.mu_of(n), n, num, c, r, self.opt.zeta) for g, k in self.spec.groups.items()}
+        """φ_n of round r (Eq. 4) for every unit group; a pure function of (n, r, total), computed once."""
+        key = (n, r, total)
+        if key not in self._selections:
+            if len(self._selections) > 8 * max(self.ctx.num_clients, 1):  # keep about the last few rounds
+                self._selections.clear()
+            c, num = self.overlap_control(r, total), self.ctx.num_clients
+            self._selections[key] = {g: dss_indices(k, self.mu_of(n), n, num, c, r, self.opt.zeta)
+                                     for g, k in self.spec.groups.items()}
+        return self._selections[key]
 
     def initial_state(self) -> TensorDict:
         """W⁰: the common initial full model (same seed as :meth:`init_state`)."""
@@ -434,10 +442,9 @@ class MSfusion(Algorithm):
         sources = []
         if client_state is not None:
             sources.append((client_state["sub"], client_state["sel"]))
+        mail = unpack_mail({k: v for k, v in payload.tensors.items() if not k.startswith("sim/latest/")})
         for s in payload.meta.get("senders", []):
-            prefix = f"sim/{s}/"
-            tensors = {k[len(prefix):]: v for k, v in payload.tensors.items() if k.startswith(prefix)}
-            sources.append((tensors, intersect_selection(self.selection(s, r - 1, total), sel)))
+            sources.append((mail.get(s, {}), intersect_selection(self.selection(s, r - 1, total), sel)))
         w_star, counts = combine(base, sel, self.spec, self.shapes, sources)
         if client_state is None:
             return w_star, sel, 0, 0

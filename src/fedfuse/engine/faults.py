@@ -109,13 +109,12 @@ def reference_tensors(sent: Message, reply: Message, state_like: bool) -> Mappin
 def update_norm(sent: Message, reply: Message, state_like: bool) -> float:
     """L2 norm of a reply's update over its floating tensors (simulation-only ``sim/`` relays included)."""
     base = reference_tensors(sent, reply, state_like)
-    total = 0.0
-    for k, v in reply.tensors.items():
-        if not v.is_floating_point():
-            continue
-        d = v.double() - base[k].double() if k in base else v.double()
-        total += float((d * d).sum())
-    return math.sqrt(total)
+    parts = [(v.double() - base[k].double() if k in base else v.double()).reshape(-1).cpu()
+             for k, v in reply.tensors.items() if v.is_floating_point()]
+    if not parts:
+        return 0.0
+    d = torch.cat(parts)
+    return math.sqrt(float(torch.dot(d, d)))
 
 
 __all__ = ["DROPOUT", "LATE", "OK", "SCALE", "SIM_PREFIX", "FaultPlan", "reference_tensors", "update_norm"]

@@ -68,10 +68,21 @@ def check_meta(reply: Message, known_size: int | None) -> str | None:
 
 
 def check_values(reply: Message) -> str | None:
+    """The first tensor holding a NaN or Inf, if any.  All tensors of one dtype and device are checked in one
+    call (a reply may hold hundreds of small peer tensors); only a failing group is searched key by key."""
+    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
     for k, v in reply.tensors.items():
-        if (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all()):
-            what = "NaN" if bool(torch.isnan(v).any()) else "Inf"
-            return f"non-finite values ({what}) in {k}"
+        if v.is_floating_point() or v.is_complex():
+            groups.setdefault((v.dtype, v.device), []).append(k)
+    for keys in groups.values():
+        flat = torch.cat([reply.tensors[k].reshape(-1) for k in keys])
+        if bool(torch.isfinite(flat).all()):
+            continue
+        for k in keys:
+            v = reply.tensors[k]
+            if not bool(torch.isfinite(v).all()):
+                what = "NaN" if bool(torch.isnan(v).any()) else "Inf"
+                return f"non-finite values ({what}) in {k}"
     return None
 
 

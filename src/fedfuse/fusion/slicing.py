@@ -34,6 +34,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -123,9 +124,11 @@ def dim_indices(spec: SliceSpec, sel: Mapping[str, torch.Tensor], key: str, full
 # Pure operators on named tensors
 
 
-def _take(t: torch.Tensor, pos: Sequence[torch.Tensor]) -> torch.Tensor:
+def _take(t: torch.Tensor, pos: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """``t`` restricted to positions ``pos[d]`` along every dimension ``d`` (``None``: the whole dimension)."""
     for d, p in enumerate(pos):
-        t = t.index_select(d, p.to(t.device))
+        if p is not None:
+            t = t.index_select(d, p.to(t.device))
     return t
 
 
@@ -135,12 +138,93 @@ def slice_state(full: Mapping[str, torch.Tensor], spec: SliceSpec, sel: Mapping[
 
 
 def _positions(src_idx: torch.Tensor, tgt_idx: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (in source, in target) of the global indices both lists hold."""
+    """Positions (in source, in target) of the global indices both lists hold, in source order."""
     where = torch.full((size,), -1, dtype=torch.long)
     where[tgt_idx] = torch.arange(tgt_idx.numel())
     tgt = where[src_idx]
     keep = tgt >= 0
     return torch.nonzero(keep).flatten(), tgt[keep]
+
+
+#: per unit group, (positions in the source's units, positions in the target's units) of the units both hold
+GroupPositions = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def _index_array(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().astype(np.int64, copy=False)
+
+
+def _np_positions(src_idx: np.ndarray, tgt_idx: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_positions` on index arrays (NumPy: a microsecond a step where a small torch op costs ~10)."""
+    where = np.full(size, -1, dtype=np.int64)
+    where[tgt_idx] = np.arange(tgt_idx.size, dtype=np.int64)
+    tgt = where[src_idx]
+    keep = np.flatnonzero(tgt >= 0)
+    return keep, tgt[keep]
+
+
+def group_positions(spec: SliceSpec, src: Mapping[str, torch.Tensor], tgt: Mapping[str, torch.Tensor]
+                    ) -> GroupPositions:
+    """:func:`_positions` of every unit group, computed once per (source, target) pair: every dimension of every
+    tensor indexed by a group derives its positions from these (:func:`dim_positions`)."""
+    return {g: _np_positions(_index_array(src[g]), _index_array(tgt[g]), k) for g, k in spec.groups.items()}
+
+
+def _dim_positions(spec: SliceSpec, key: str, gpos: GroupPositions, src: Mapping[str, torch.Tensor],
+                   tgt: Mapping[str, torch.Tensor]) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
+    spos: list[np.ndarray | None] = []
+    tpos: list[np.ndarray | None] = []
+    for dim in spec.dims[key]:
+        if dim is None:
+            spos.append(None)
+            tpos.append(None)
+            continue
+        group, outer, inner = dim
+        ps, pt = gpos[group]
+        if outer == 1 and inner == 1:
+            spos.append(ps)
+            tpos.append(pt)
+            continue
+        o = np.arange(outer, dtype=np.int64).reshape(-1, 1, 1)
+        i = np.arange(inner, dtype=np.int64).reshape(1, 1, -1)
+        spos.append((o * (src[group].numel() * inner) + ps.reshape(1, -1, 1) * inner + i).reshape(-1))
+        tpos.append((o * (tgt[group].numel() * inner) + pt.reshape(1, -1, 1) * inner + i).reshape(-1))
+    return spos, tpos
+
+
+def dim_positions(spec: SliceSpec, key: str, gpos: GroupPositions, src: Mapping[str, torch.Tensor],
+                  tgt: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Per dimension of ``key``, the positions (in the source's, in the target's sliced tensor) of the elements
+    both hold; ``None`` for an unsliced dimension (every position, on both sides).
+
+    Equal to :func:`_positions` of the two :func:`dim_indices` lists, without building them: a dimension
+    ``(group, outer, inner)`` holds global element ``o·K·inner + unit·inner + i``, so a common unit at positions
+    (p, q) gives source position ``o·|src|·inner + p·inner + i`` and target position ``o·|tgt|·inner + q·inner + i``
+    (in source order, as :func:`_positions` returns them)."""
+    spos, tpos = _dim_positions(spec, key, gpos, src, tgt)
+    as_t = [None if p is None else torch.from_numpy(p) for p in spos]
+    return as_t, [None if p is None else torch.from_numpy(p) for p in tpos]
+
+
+def _flat(pos: Sequence[np.ndarray | None], shape: Sequence[int]) -> np.ndarray:
+    """Row-major flat indices of the grid ``pos[0] × pos[1] × …`` in a contiguous array of ``shape``."""
+    flat = np.zeros((), dtype=np.int64)
+    stride = 1
+    for d in range(len(shape) - 1, -1, -1):
+        p = np.arange(shape[d], dtype=np.int64) if pos[d] is None else pos[d]
+        view = [1] * len(shape)
+        view[d] = -1
+        flat = flat + p.reshape(view) * stride
+        stride *= int(shape[d])
+    return flat.reshape(-1)
+
+
+def _as_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU NumPy view of ``t`` (float64 for dtypes NumPy lacks, e.g. bfloat16: exact)."""
+    t = t.detach().cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.double()
+    return t.contiguous().numpy()
 
 
 def accumulate(
@@ -192,30 +276,33 @@ def combine(
     """
     out: TensorDict = {}
     counts: TensorDict = {}
+    gpos = [group_positions(spec, sel, base_sel) for _, sel in sources]
     for key, b in base.items():
         full_shape = shapes[key]
-        tgt = dim_indices(spec, base_sel, key, full_shape)
-        total = torch.zeros_like(b, dtype=b.dtype if not b.is_floating_point() else torch.float64)
+        if b.dim() and b.is_floating_point() and not (restrict and any((r or {}).get(key) for r in restrict)):
+            out[key], counts[key] = _average_onto(b, key, spec, base_sel, sources, gpos)
+            continue
+        total = torch.zeros(b.shape, dtype=b.dtype if not b.is_floating_point() else torch.float64, device=b.device)
         cnt = torch.zeros(b.shape, dtype=torch.long, device=b.device)
         for j, (st, sel) in enumerate(sources):
             if key not in st:
                 continue
-            src = dim_indices(spec, sel, key, full_shape)
             narrow = (restrict[j] or {}).get(key) if restrict else None
-            if narrow is not None:
-                src_t = st[key]
-                pos = []
-                for d, nar in enumerate(narrow):
-                    if nar is None:
-                        pos.append(torch.arange(src[d].numel()))
-                    else:
-                        keep = torch.isin(src[d], nar.long())
-                        pos.append(torch.nonzero(keep).flatten())
-                        src[d] = src[d][keep]
-                src_t = _take(src_t, pos)
-            else:
-                src_t = st[key]
-            accumulate(total, cnt, src_t, src, tgt, full_shape)
+            if narrow is None:
+                accumulate(total, cnt, st[key], dim_indices(spec, sel, key, full_shape),
+                           dim_indices(spec, base_sel, key, full_shape), full_shape)
+                continue
+            src = dim_indices(spec, sel, key, full_shape)
+            pos = []
+            for d, nar in enumerate(narrow):
+                if nar is None:
+                    pos.append(torch.arange(src[d].numel()))
+                else:
+                    keep = torch.isin(src[d], nar.long())
+                    pos.append(torch.nonzero(keep).flatten())
+                    src[d] = src[d][keep]
+            accumulate(total, cnt, _take(st[key], pos), src, dim_indices(spec, base_sel, key, full_shape),
+                       full_shape)
         if b.is_floating_point():
             avg = (total / cnt.clamp_min(1).to(total.dtype)).to(b.dtype)
             out[key] = torch.where(cnt > 0, avg, b)
@@ -223,6 +310,38 @@ def combine(
             out[key] = torch.where(cnt > 0, total.to(b.dtype), b)
         counts[key] = cnt
     return out, counts
+
+
+def _average_onto(b: torch.Tensor, key: str, spec: SliceSpec, base_sel: Mapping[str, torch.Tensor],
+                  sources: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]],
+                  gpos: Sequence[GroupPositions]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`combine` of one floating tensor without narrowing: every source's common elements gathered by flat
+    position, summed in float64 in source order (``bincount`` adds sequentially, as one ``index_add_`` per source
+    would) and divided by the holder count; unheld elements keep ``b``'s value."""
+    flats, vals = [], []
+    for (st, sel), gp in zip(sources, gpos):
+        if key not in st:
+            continue
+        spos, tpos = _dim_positions(spec, key, gp, sel, base_sel)
+        if any(p is not None and p.size == 0 for p in spos):
+            continue
+        src = _as_array(st[key]).reshape(-1)
+        if all(p is None for p in spos):  # an unsliced tensor: every element, in order
+            flats.append(np.arange(b.numel(), dtype=np.int64))
+            vals.append(src)
+        else:
+            flats.append(_flat(tpos, b.shape))
+            vals.append(src[_flat(spos, st[key].shape)])
+    n = b.numel()
+    if flats:
+        flat = np.concatenate(flats)
+        total = np.bincount(flat, weights=np.concatenate(vals).astype(np.float64, copy=False), minlength=n)
+        cnt = torch.from_numpy(np.bincount(flat, minlength=n)).view(b.shape).to(b.device)
+    else:
+        total, cnt = np.zeros(n), torch.zeros(b.shape, dtype=torch.long, device=b.device)
+    total_t = torch.from_numpy(total).view(b.shape).to(b.device)
+    avg = (total_t / cnt.clamp_min(1).to(total_t.dtype)).to(b.dtype)
+    return torch.where(cnt > 0, avg, b), cnt
 
 
 def write_back(
@@ -253,21 +372,31 @@ def overlap_part(
     Tensors with no common element are omitted; scalars (``num_batches_tracked``) are sent.
     """
     out: TensorDict = {}
+    gpos = group_positions(spec, sel, other)
     for key, v in state.items():
         if not v.dim():
             out[key] = v.clone()
             continue
-        src = dim_indices(spec, sel, key, shapes[key])
-        tgt = dim_indices(spec, other, key, shapes[key])
-        pos = [_positions(s, t, n)[0] for s, t, n in zip(src, tgt, shapes[key])]
-        if all(p.numel() for p in pos):
-            out[key] = _take(v, pos).clone()
+        pos, _ = _dim_positions(spec, key, gpos, sel, other)
+        if any(p is not None and p.size == 0 for p in pos):
+            continue
+        part = _take(v, [None if p is None else torch.from_numpy(p) for p in pos])
+        out[key] = part.clone() if part is v else part
     return out
 
 
 def intersect_selection(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> Selection:
     """Per group, the indices of ``a`` also in ``b`` (in ``a``'s order)."""
-    return {g: a[g][torch.isin(a[g], b[g])] for g in a}
+    out: Selection = {}
+    for g in a:
+        ag, bg = _index_array(a[g]), _index_array(b[g])
+        if not (ag.size and bg.size):
+            out[g] = torch.from_numpy(ag[:0].copy())
+            continue
+        table = np.zeros(int(max(ag.max(), bg.max())) + 1, dtype=bool)
+        table[bg] = True
+        out[g] = torch.from_numpy(ag[table[ag]])
+    return out
 
 
 def overlap_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
