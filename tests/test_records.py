@@ -85,6 +85,16 @@ def test_paired_table_by_hand():
     assert row.endswith("| yes (n.s.) |")
 
 
+def test_paired_groups_in_numeric_order():
+    """Groups are ordered by value: 2 clients before 10 (not "10" < "2" as text), numbers before text."""
+    spec = {"id": "t", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "b"]],
+            "metric": "global_accuracy", "scale": 100, "digits": 2}
+    recs = [{**_rec(m, s, acc), "cell": {"method": m, "mu": mu}} for mu in (10, 2, "x", 0.5)
+            for m, acc in (("a", 0.9), ("b", 0.7)) for s in (0, 1)]
+    rows = render_table(spec, recs).splitlines()[2:]
+    assert [r.split(" | ")[0] for r in rows] == ["| 0.5", "| 2", "| 10", "| x"]
+
+
 def _tiny_run(tmp_path, seed=0, algorithm="fedavg"):
     from fedfuse.config import RunConfig, apply
     from fedfuse.runner import experiment

@@ -218,6 +218,12 @@ def render_table(spec: dict[str, Any], recs: list[dict[str, Any]], root: Path | 
     return "\n".join(lines)
 
 
+def _natural(key: tuple) -> tuple:
+    """Sort key of a group: numbers by value (2 before 10), before text, text alphabetically."""
+    return tuple((0, v, "") if isinstance(v, int | float) and not isinstance(v, bool) else (1, 0, str(v))
+                 for v in key)
+
+
 def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     """Paired comparisons over the same seeds: for each group of ``spec["group"]`` and each (a, b) in
     ``spec["pairs"]`` (values of ``spec["by"]``), the mean difference of ``metric`` (per method:
@@ -231,7 +237,7 @@ def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     for r in recs:
         by.setdefault(tuple(r["cell"].get(g) for g in group), {}).setdefault(r["cell"][spec["by"]], {})[
             r["seed"]] = r
-    for gkey in sorted(by, key=str):
+    for gkey in sorted(by, key=_natural):
         methods = by[gkey]
         for a, b in spec["pairs"]:
             if a not in methods or b not in methods:
