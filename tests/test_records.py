@@ -85,6 +85,16 @@ def test_paired_table_by_hand():
     assert row.endswith("| yes (n.s.) |")
 
 
+def test_paired_groups_in_numeric_order():
+    """Groups are ordered by value: 2 clients before 10 (not "10" < "2" as text), numbers before text."""
+    spec = {"id": "t", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "b"]],
+            "metric": "global_accuracy", "scale": 100, "digits": 2}
+    recs = [{**_rec(m, s, acc), "cell": {"method": m, "mu": mu}} for mu in (10, 2, "x", 0.5)
+            for m, acc in (("a", 0.9), ("b", 0.7)) for s in (0, 1)]
+    rows = render_table(spec, recs).splitlines()[2:]
+    assert [r.split(" | ")[0] for r in rows] == ["| 0.5", "| 2", "| 10", "| x"]
+
+
 def _tiny_run(tmp_path, seed=0, algorithm="fedavg"):
     from fedfuse.config import RunConfig, apply
     from fedfuse.runner import experiment
@@ -109,6 +119,53 @@ def test_record_of_a_run_without_global_model_keeps_the_personalised_curve(tmp_p
     assert rec["curve"][-1][1] == rec["metrics"]["personal_accuracy"] is not None
     fedavg = make_record(_tiny_run(tmp_path / "b", 0), "tiny", {"method": "fedavg"}, commit="0" * 40)
     assert "curve_metric" not in fedavg and fedavg["curve"][-1][1] == fedavg["metrics"]["global_accuracy"]
+
+
+def test_record_of_an_ensemble_run_keeps_its_ensemble_accuracy_and_verify_checks_it(tmp_path):
+    """The ensemble has no single global model: its record has no global accuracy, its global-test accuracy is
+    the final ``ensemble_accuracy`` of its history, and ``verify`` re-runs that number bit for bit."""
+    from fedfuse.result import load
+
+    run = _tiny_run(tmp_path, 0, algorithm="ensemble")
+    rec = make_record(run, "tiny", {"method": "ensemble"}, commit="0" * 40)
+    hist = load(run).history
+    assert rec["metrics"]["global_accuracy"] is None and rec["curve_metric"] == "personal_accuracy"
+    assert rec["metrics"]["ensemble_accuracy"] == hist[-1]["ensemble_accuracy"] is not None
+    assert records.is_table_metric("ensemble_accuracy")
+    ok, rows = records.verify(rec, tol=0.0)
+    assert ok and dict((k, d) for k, _, _, d in rows)["ensemble_accuracy"] == 0.0
+    bad = {**rec, "metrics": {**rec["metrics"], "ensemble_accuracy": rec["metrics"]["ensemble_accuracy"] - 0.25}}
+    assert not records.verify(bad)[0]
+
+
+def test_metric_of_reads_each_methods_own_metric_in_claims_paired_and_columns(tmp_path):
+    """``metric_of`` names the metric of one method (an ensemble's ``ensemble_accuracy``) in a claims row, a
+    paired spec and a table column; every other method keeps ``metric``."""
+    def ens(seed, acc):
+        r = _rec("ens", seed, None)
+        return {**r, "metrics": {**r["metrics"], "ensemble_accuracy": acc}}
+
+    recs = [_rec("a", 0, 0.90), _rec("a", 1, 0.80), _rec("a", 2, 0.85), ens(0, 0.70), ens(1, 0.72), ens(2, 0.68)]
+    of = {"ens": "ensemble_accuracy"}
+    assert records.metric_for({"metric": "global_accuracy", "metric_of": of}, {"method": "ens"}) == "ensemble_accuracy"
+    assert records.metric_for({"metric": "global_accuracy", "metric_of": of}, {"method": "a"}) == "global_accuracy"
+    row = {"family": "A", "claim": "a > ens", "pairs": [["a", "ens"]], "metric": "global_accuracy", "metric_of": of}
+    # the same numbers as a vs b in test_paired_table_by_hand: differences 0.20, 0.08, 0.17, p = 0.053
+    assert records.claim_cells(row, recs) == ("a 85.0 vs ens 70.0 % (+15.0, p = 0.053)", "yes (n.s.)")
+    no_of = records.claim_cells({**row, "metric_of": {}}, recs)[0]  # an ensemble has no global model
+    assert no_of == "a 85.0 vs ens nan % (+nan, p = n/a)"
+    paired = {"id": "t", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "ens"]],
+              "metric": "global_accuracy", "metric_of": of, "scale": 100, "digits": 2}
+    assert render_table(paired, recs).splitlines()[2].startswith("| 0.5 | a vs ens | +15.00 | 0.053")
+    spec = {"id": "t", "rows": ["method"], "order": {"method": ["a", "ens"]},
+            "columns": [{"header": "method", "key": "method"},
+                        {"header": "acc %", "metric": "global_accuracy", "metric_of": of, "agg": "mean_std",
+                         "scale": 100, "digits": 2},
+                        {"header": "global model %", "metric": "global_accuracy", "agg": "mean_std", "scale": 100,
+                         "digits": 2}]}
+    lines = render_table(spec, recs).splitlines()
+    assert lines[2] == "| a | 85.00 ± 5.00 | 85.00 ± 5.00 |"
+    assert lines[3] == "| ens | 70.00 ± 2.00 | — |"
 
 
 def test_record_render_and_verify_a_real_run(tmp_path):

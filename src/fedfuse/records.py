@@ -150,6 +150,14 @@ def load_spec(root: Path, table: str) -> dict[str, Any]:
     return json.loads(p.read_text())
 
 
+def metric_for(spec: dict[str, Any], cell: dict[str, Any]) -> str:
+    """The metric a table column, paired spec or claims row reads from a record of ``cell``: ``spec["metric"]``,
+    or ``spec["metric_of"][value]`` for the cell's value of ``spec["by"]`` (default ``method``) when given — e.g.
+    ``{"ensemble": "ensemble_accuracy"}``: an ensemble has no single global model, so its global-test accuracy is
+    its ``ensemble_accuracy``."""
+    return spec.get("metric_of", {}).get(cell.get(spec.get("by", "method")), spec["metric"])
+
+
 def _num(v: Any, scale: float, digits: int) -> str:
     return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{scale * float(v):.{digits}f}"
 
@@ -170,7 +178,7 @@ def _groups(spec: dict[str, Any], recs: list[dict[str, Any]]) -> list[tuple[tupl
 def _cell_text(col: dict[str, Any], key: tuple, spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     agg = col.get("agg", "key")
     scale, digits = float(col.get("scale", 1.0)), int(col.get("digits", 2))
-    vals = [r["metrics"].get(col["metric"]) for r in recs] if "metric" in col else []
+    vals = [r["metrics"].get(metric_for(col, r["cell"])) for r in recs] if "metric" in col else []
     if agg == "key":
         v = key[spec["rows"].index(col["key"])]
         return "—" if v is None else str(v)
@@ -210,10 +218,16 @@ def render_table(spec: dict[str, Any], recs: list[dict[str, Any]], root: Path | 
     return "\n".join(lines)
 
 
+def _natural(key: tuple) -> tuple:
+    """Sort key of a group: numbers by value (2 before 10), before text, text alphabetically."""
+    return tuple((0, v, "") if isinstance(v, int | float) and not isinstance(v, bool) else (1, 0, str(v))
+                 for v in key)
+
+
 def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     """Paired comparisons over the same seeds: for each group of ``spec["group"]`` and each (a, b) in
-    ``spec["pairs"]`` (values of ``spec["by"]``), the mean difference of ``metric``, the paired t-test's p and
-    whether "a better than b" holds (``higher_is_better``)."""
+    ``spec["pairs"]`` (values of ``spec["by"]``), the mean difference of ``metric`` (per method:
+    :func:`metric_for`), the paired t-test's p and whether "a better than b" holds (``higher_is_better``)."""
     scale, digits = float(spec.get("scale", 1.0)), int(spec.get("digits", 2))
     sign = 1.0 if spec.get("higher_is_better", True) else -1.0
     group = spec.get("group", [])
@@ -223,14 +237,14 @@ def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     for r in recs:
         by.setdefault(tuple(r["cell"].get(g) for g in group), {}).setdefault(r["cell"][spec["by"]], {})[
             r["seed"]] = r
-    for gkey in sorted(by, key=str):
+    for gkey in sorted(by, key=_natural):
         methods = by[gkey]
         for a, b in spec["pairs"]:
             if a not in methods or b not in methods:
                 continue
             seeds = sorted(set(methods[a]) & set(methods[b]))
-            va = [methods[a][s]["metrics"].get(spec["metric"]) for s in seeds]
-            vb = [methods[b][s]["metrics"].get(spec["metric"]) for s in seeds]
+            va = [methods[a][s]["metrics"].get(metric_for(spec, methods[a][s]["cell"])) for s in seeds]
+            vb = [methods[b][s]["metrics"].get(metric_for(spec, methods[b][s]["cell"])) for s in seeds]
             t = paired_test(va, vb)
             holds = ("yes" if sign * t.diff > 0 else "no") + ("" if t.significant() else " (n.s.)")
             stale = any(stale_reason(methods[m][s]) for m in (a, b) for s in seeds)
@@ -259,8 +273,8 @@ def _claim_part(row: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[str, l
         if a not in by or b not in by:
             return None
         seeds = sorted(set(by[a]) & set(by[b]))
-        va = [by[a][x]["metrics"].get(row["metric"]) for x in seeds]
-        vb = [by[b][x]["metrics"].get(row["metric"]) for x in seeds]
+        va = [by[a][x]["metrics"].get(metric_for(row, by[a][x]["cell"])) for x in seeds]
+        vb = [by[b][x]["metrics"].get(metric_for(row, by[b][x]["cell"])) for x in seeds]
         t = paired_test(va, vb)
         ma, mb = mean_std(va).mean, mean_std(vb).mean
         p = "n/a" if t.p_value != t.p_value else f"{t.p_value:.2g}"
@@ -286,10 +300,10 @@ def claim_verdict(holds: list[bool], sig: list[bool]) -> str:
 def claim_cells(row: dict[str, Any], recs: list[dict[str, Any]] | None = None,
                 root: Path | None = None) -> tuple[str, str]:
     """("measured here", "holds?") of a claims row from its records: each (a, b) of ``row["pairs"]`` over the
-    same seeds within ``row["group"]`` — means, difference, paired-t p; holds = every pair better, **yes** when
-    every pair is also significant.  A row with ``parts`` (each a ``table``/``group``/``pairs``/``label`` of its
-    own, inheriting the row's other keys) joins its parts with "; " and its verdict covers every pair of every
-    part (``root`` finds their records)."""
+    same seeds within ``row["group"]`` (each method's metric: :func:`metric_for`) — means, difference, paired-t
+    p; holds = every pair better, **yes** when every pair is also significant.  A row with ``parts`` (each a
+    ``table``/``group``/``pairs``/``label`` of its own, inheriting the row's other keys) joins its parts with "; "
+    and its verdict covers every pair of every part (``root`` finds their records)."""
     texts, holds, sig, stale = [], [], [], False
     for part in row.get("parts") or [row]:
         sub = {**{k: v for k, v in row.items() if k != "parts"}, **part}
@@ -428,7 +442,7 @@ def compare(recorded: dict[str, Any], now: dict[str, Any], keys: Iterable[str] |
     return rows
 
 
-TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy")
+TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy", "ensemble_accuracy")
 
 
 def is_table_metric(name: str) -> bool:
