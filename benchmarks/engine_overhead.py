@@ -29,7 +29,8 @@ configurations (``--fast``, default the stacked and the batched executor at bf16
     python benchmarks/engine_overhead.py [--data-dir ../shared/data] [--rounds 6] [--repeats 3] [--threads 1]
         [--models mlp,cnn,mlp-small] [--executors sequential,batched,stacked,processes,auto]
         [--precisions fp32,bf16] [--memory-formats auto,contiguous] [--workers 2]
-        [--algorithms fedprox,fedmr,fedmerge,heterofl] [--fast stacked/bf16,batched/bf16] [--gpu] [--gemm] [--step]
+        [--algorithms fedprox,fedmr,fedmerge,heterofl] [--fast stacked/bf16,batched/bf16] [--all-participants]
+        [--gpu] [--gemm] [--step]
 
 With ``--data-dir`` the real MNIST training images are used (first 60,000 split into 100 × 600);
 otherwise random MNIST-shaped tensors (the timing does not depend on the pixel values).  ``--gpu`` runs the
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
 import time
@@ -60,6 +62,10 @@ from fedfuse.runtime.precision import train_autocast, train_layout, use_precisio
 from fedfuse.types import ClientData, Federation, Split
 
 N_CLIENTS, PER_CLIENT, PER_ROUND, BATCH, LR = 100, 600, 10, 50, 0.05
+#: algorithms that train every participant every round (no client sampling): the ``--algorithms`` table gives
+#: them PER_ROUND participants (MSfusion's paper uses 10), so their round trains as many clients as the others'
+#: (``--all-participants`` keeps all N_CLIENTS: 10x the training and, for MSfusion, ~100x the peer exchange)
+EVERY_CLIENT_EVERY_ROUND = ("msfusion", "dpsgd")
 ROUTES: dict[str, dict[str, int]] = {}  # algorithm → the stacked executor's routes (stacked / vmap: reason)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -150,7 +156,7 @@ def engine_round_times(fed: Federation, model: str, opts: dict, rounds: int, exe
                        memory_format: str = "auto", device: torch.device) -> tuple[list, list]:
     """(wall, CPU) seconds of every timed round of the engine with ``executor``."""
     cfg = apply(RunConfig(), dict(
-        algorithm=algorithm, dataset="mnist", model=model, model_options=opts, clients=N_CLIENTS,
+        algorithm=algorithm, dataset="mnist", model=model, model_options=opts, clients=len(fed.clients),
         clients_per_round=PER_ROUND, rounds=rounds + 2, local_epochs=1, batch_size=BATCH, lr=LR,
         eval_every=10_000, plots=False, partition="iid", device=str(device), executor=executor,
         precision=precision, memory_format=memory_format, threads=threads,
@@ -292,6 +298,9 @@ def main() -> None:
     p.add_argument("--memory-formats", default="auto", help="CNN layouts to time: auto, contiguous, channels_last")
     p.add_argument("--workers", type=int, default=2, help="worker processes of the processes executor")
     p.add_argument("--algorithms", default="", help="also time these algorithms, sequential fp32 vs --fast, on the MLP")
+    p.add_argument("--all-participants", action="store_true",
+                   help="give algorithms that train every participant every round (msfusion, dpsgd) all 100 clients "
+                        "(default: 10, as many clients per round as the others train)")
     p.add_argument("--fast", default="stacked/bf16,batched/bf16",
                    help="EXECUTOR/PRECISION list the --algorithms table compares with sequential fp32")
     p.add_argument("--peak-size", type=int, default=2048, help="size n of the n×n×n peak GEMM")
@@ -374,11 +383,14 @@ def main() -> None:
             f"{ex}/{q} CPU s/round | speed-up (CPU) | speed-up (wall)" for ex, q in fast) + " |")
         print("|---|---|" + "---|---|---|" * len(fast))
         for algo in algos:
+            afed = fed
+            if algo in EVERY_CLIENT_EVERY_ROUND and not args.all_participants:
+                afed = dataclasses.replace(fed, clients=fed.clients[:PER_ROUND])
             res: dict[tuple, tuple[list, list]] = {("sequential", "fp32"): ([], []), **{f: ([], []) for f in fast}}
             for _ in range(args.repeats):
                 for ex, q in res:
-                    w, c = engine_round_times(fed, "mlp", opts, args.rounds, ex, algorithm=algo, threads=args.threads,
-                                              precision=q, device=device)
+                    w, c = engine_round_times(afed, "mlp", opts, args.rounds, ex, algorithm=algo,
+                                              threads=args.threads, precision=q, device=device)
                     res[(ex, q)][0].extend(w)
                     res[(ex, q)][1].extend(c)
             sw, sc = (statistics.median(v) for v in res[("sequential", "fp32")])
@@ -386,7 +398,8 @@ def main() -> None:
             for f in fast:
                 fw, fc = (statistics.median(v) for v in res[f])
                 cells.append(f"{fc:.3f} | {sc / fc:.2f}× | {sw / fw:.2f}×")
-            print(f"| {algo} | {sc:.3f} | " + " | ".join(cells) + " |", flush=True)
+            label = f"{algo} ({len(afed.clients)} participants)" if algo in EVERY_CLIENT_EVERY_ROUND else algo
+            print(f"| {label} | {sc:.3f} | " + " | ".join(cells) + " |", flush=True)
     if ROUTES:
         print("\nstacked executor routes (groups): " + "; ".join(
             f"{a}: " + ", ".join(f"{r} ×{n}" for r, n in routes.items()) for a, routes in ROUTES.items()))

@@ -4,7 +4,8 @@ The probe trains copies of the first jobs' declared programs for a few steps (no
 the round itself then runs normally) and times, per client-step,
 
 - the sequential executor (two clients, ``probe_steps`` steps each, after one warm-up step);
-- the batched executor (all probed clients together, same steps) when the program can be batched;
+- the batched executor (all probed clients together, same steps) when the program can be batched, and the
+  stacked executor the same way when its stacked step applies (``executors/stacked.py``: linear models);
 
 and estimates the process executor as the sequential time divided by the usable workers (cores available,
 at most the clients per round) plus a 15 % transfer margin, considered only with ≥ 2 cores.  The fastest
@@ -23,8 +24,10 @@ import torch
 from fedfuse.engine.context import RunContext
 from fedfuse.engine.contract import Algorithm, ClientFn, Executor, Job
 from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
+from fedfuse.engine.program import ClientProgram
 from fedfuse.executors.batched import BatchedExecutor, unbatchable_reason
 from fedfuse.executors.processes import ProcessExecutor, available_cores
+from fedfuse.executors.stacked import StackedExecutor, stacked_reason
 from fedfuse.types import ClientData
 
 
@@ -63,6 +66,8 @@ class AutoExecutor:
     def _use(self, name: str) -> None:
         if name == "batched":
             self.inner = BatchedExecutor(self.clients, self.seed)
+        elif name == "stacked":
+            self.inner = StackedExecutor(self.clients, self.seed)
         elif name == "processes":
             self.inner = ProcessExecutor(self.clients, self.seed, threads=self.threads)
         else:
@@ -88,18 +93,24 @@ class AutoExecutor:
                 seq._run_program(p, j)
             self.timings["sequential"] = (self._clock() - t0) / (n * steps)
             if len(jobs) > 1 and unbatchable_reason(progs[0].model) is None:
-                bat = BatchedExecutor(self.clients, self.seed)
-                try:
-                    group = list(zip(jobs, [p.with_spec(max_steps=1) for p in progs], strict=True))
-                    bat.train_group(group)  # warm-up
-                    t0 = self._clock()
-                    bat.train_group(list(zip(jobs, short, strict=True)))
-                    self.timings["batched"] = (self._clock() - t0) / (len(jobs) * steps)
-                except (RuntimeError, NotImplementedError):
-                    pass
+                self._time_group("batched", BatchedExecutor(self.clients, self.seed), jobs, progs, steps)
+                if stacked_reason(progs[0]) is None:
+                    self._time_group("stacked", StackedExecutor(self.clients, self.seed), jobs, progs, steps)
         if workers >= 2:
             self.timings["processes"] = self.timings["sequential"] / workers * 1.15
         return min(self.timings, key=self.timings.__getitem__)
+
+    def _time_group(self, name: str, executor: BatchedExecutor, jobs: list[Job], progs: list[ClientProgram],
+                    steps: int) -> None:
+        """Seconds per client-step of ``executor`` training the probed clients as one group for ``steps`` steps
+        (after a one-step warm-up); nothing is recorded when the group cannot run that way."""
+        try:
+            executor.train_group(list(zip(jobs, [p.with_spec(max_steps=1) for p in progs], strict=True)))
+            t0 = self._clock()
+            executor.train_group(list(zip(jobs, [p.with_spec(max_steps=steps) for p in progs], strict=True)))
+            self.timings[name] = (self._clock() - t0) / (len(jobs) * steps)
+        except (RuntimeError, NotImplementedError):
+            pass
 
     # ---- the seam ------------------------------------------------------------------------------
     def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
