@@ -261,3 +261,29 @@ def test_claims_row_with_parts_over_two_tables(tmp_path):
     assert "1 rows computed from 12 records (`t`, `u`)" in records.render_block(root, "claims")
     assert records.claim_verdict([True, True], [True, True]) == "**yes**"
     assert records.claim_verdict([False, False], [True, False]) == "no (n.s.)"
+
+
+def test_claims_row_and_paired_table_where_lower_is_better(tmp_path):
+    """Perplexity: with ``higher_is_better: false`` "a better than b" means a below b; the text keeps the signed
+    difference a − b, in the row's own unit and scale."""
+    root = tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    ppl = {"a": [800.0, 810.0, 815.0], "b": [830.0, 829.0, 850.0]}
+    for m, vals in ppl.items():
+        for seed, v in enumerate(vals):
+            records.write_record(root, {**_rec(m, seed, None), "metrics": {"perplexity": v}})
+    row = {"family": "A", "claim": "lowest perplexity", "table": "t", "pairs": [["a", "b"], ["b", "a"]],
+           "metric": "perplexity", "scale": 1, "digits": 0, "unit": "", "higher_is_better": False}
+    recs = records.load_records(root, "t")
+    measured, holds = records.claim_cells(row, recs)
+    # a − b = −30, −19, −35: mean −28, sd 8.19, t = −5.92 on 2 df, p = 1 − |t| / √(t² + 2) = 0.0273
+    assert measured == "a 808 vs b 836 (-28, p = 0.027); b 836 vs a 808 (+28, p = 0.027)"
+    assert holds == "partly"  # a below b holds; b below a does not
+    assert records.claim_cells({**row, "pairs": [["a", "b"]]}, recs)[1] == "**yes**"
+    assert records.claim_cells({**row, "pairs": [["b", "a"]]}, recs)[1] == "no"
+    assert records.claim_cells({**row, "pairs": [["a", "b"]], "higher_is_better": True}, recs)[1] == "no"
+    spec = {"id": "t", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "b"], ["b", "a"]],
+            "metric": "perplexity", "scale": 1, "digits": 1, "higher_is_better": False}
+    lines = render_table(spec, recs).splitlines()
+    assert lines[2] == "| 0.5 | a vs b | -28.0 | 0.0273 | yes |"
+    assert lines[3] == "| 0.5 | b vs a | +28.0 | 0.0273 | no |"
