@@ -416,7 +416,11 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
                                        "plots": False}))
     fed = None
     spec = rec.get("federation")
-    if spec:
+    if spec and spec.get("kind") == "lora":  # `reproduce fedmerge-lora`: clients built from the base's tokenizer
+        from fedfuse.reproduce.fedmerge_lora import rebuild
+
+        cfg, fed = rebuild(spec, cfg)
+    elif spec:
         from fedfuse.reproduce.common import federation_for
 
         if spec.get("kind") != "truncated":

@@ -139,6 +139,65 @@ def federation(args: argparse.Namespace, base: str, s: dict[str, Any], data_dir:
     return instruction_federation(args.instructions, tok, seed=seed, device=device)
 
 
+def record_federation(task: str, quick: bool = True, clients: int = 0, rank: int = 8,
+                      targets: str = "q_proj,v_proj", base_sha256: str = "") -> dict[str, Any]:
+    """The ``--federation`` of ``fedfuse results record`` for this preset's runs (the config alone names a
+    Shakespeare run; the clients are built from the base's tokenizer): what :func:`rebuild` needs."""
+    return {"kind": "lora", "task": task, "quick": quick, "clients": clients, "rank": rank, "targets": targets,
+            "base_sha256": base_sha256}
+
+
+def file_sha256(path: str | Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rebuild(spec: dict[str, Any], cfg: RunConfig) -> tuple[RunConfig, Federation]:
+    """The config and federation of a recorded run of this preset (``spec``: :func:`record_federation`).
+
+    The base is the recorded ``fedfuse:`` file; where it is missing, this machine's ``fedfuse pretrain`` base
+    of the same file name (the name keys the pretraining settings and corpora), pretrained when missing.  A
+    base whose sha256 differs from the recorded one stops the re-run: it could not reproduce the record."""
+    from dataclasses import replace
+
+    from fedfuse.config import resolve_device
+
+    if spec.get("task") not in ("roles", "tasks"):
+        raise SystemExit(f"fedfuse results verify: cannot rebuild the LoRA federation {spec}")
+    data_dir = cfg.data_dir or data_root(argparse.Namespace(data_dir=None))
+    opts = dict(cfg.algorithm_options)
+    base = str(opts.get("base", ""))
+    if not base.startswith("fedfuse:"):
+        raise SystemExit(f"fedfuse results verify: base {base!r} is not a fedfuse pretrain file")
+    path = Path(base[len("fedfuse:"):])
+    if not path.is_file():
+        from fedfuse.adapters.text import PretrainConfig, default_base_path, pretrain
+
+        here = default_base_path(PretrainConfig(), data_dir)
+        if here.name != path.name:
+            raise SystemExit(f"fedfuse results verify: the recorded base {path} is missing and this machine's "
+                             f"`fedfuse pretrain` base is {here.name}, other settings or corpora")
+        if not here.is_file():
+            print(f"no pretrained base at {here}: running `fedfuse pretrain` first", flush=True)
+            pretrain(PretrainConfig(), here, data_dir)
+        path = here
+        cfg = replace(cfg, algorithm_options={**opts, "base": f"fedfuse:{path}"})
+    want = spec.get("base_sha256")
+    if want and file_sha256(path) != want:
+        raise SystemExit(f"fedfuse results verify: the base {path} is not the recorded one (sha256 "
+                         f"{file_sha256(path)[:12]}…, recorded {str(want)[:12]}…)")
+    args = argparse.Namespace(task=spec["task"], quick=bool(spec.get("quick", True)),
+                              clients=int(spec.get("clients", 0)), rank=int(spec.get("rank", 8)),
+                              targets=str(spec.get("targets", "q_proj,v_proj")), instructions="")
+    s = settings(args.quick, args.task)
+    return cfg, federation(args, f"fedfuse:{path}", s, data_dir, int(cfg.seed), resolve_device(cfg.device))
+
+
 def tables(args: argparse.Namespace) -> list[Table]:
     """One table: the main methods (and with ``--sweep`` the parameter-scale rows) on one federation per seed."""
     from fedfuse.config import resolve_device
