@@ -261,3 +261,60 @@ def test_claims_row_with_parts_over_two_tables(tmp_path):
     assert "1 rows computed from 12 records (`t`, `u`)" in records.render_block(root, "claims")
     assert records.claim_verdict([True, True], [True, True]) == "**yes**"
     assert records.claim_verdict([False, False], [True, False]) == "no (n.s.)"
+
+
+def _ppl(method, seed, ppl):
+    r = _rec(method, seed, None)
+    return {**r, "metrics": {**r["metrics"], "personal_perplexity": ppl}}
+
+
+def test_lower_is_better_in_claims_rows_and_paired_tables(tmp_path):
+    """``higher_is_better: false`` (perplexity): a lower a holds "a better than b"; the text keeps a − b."""
+    recs = [_ppl("a", 0, 9.0), _ppl("a", 1, 9.1), _ppl("a", 2, 9.2),
+            _ppl("b", 0, 10.0), _ppl("b", 1, 10.3), _ppl("b", 2, 10.1)]
+    row = {"family": "A", "claim": "a better than b", "pairs": [["a", "b"]], "metric": "personal_perplexity",
+           "scale": 1, "digits": 2, "unit": " ppl", "higher_is_better": False}
+    # differences −1.0, −1.2, −0.9: mean −1.033, sample std 0.153, t = −11.7 on 2 degrees of freedom, p = 0.0072
+    assert records.claim_cells(row, recs) == ("a 9.10 vs b 10.13 ppl (-1.03, p = 0.0072)", "**yes**")
+    assert records.claim_cells({**row, "pairs": [["b", "a"]]}, recs)[1] == "no"
+    assert records.claim_cells({**row, "higher_is_better": True}, recs)[1] == "no"
+    paired = {"id": "t", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "b"], ["b", "a"]],
+              "metric": "personal_perplexity", "scale": 1, "digits": 3, "higher_is_better": False}
+    lines = render_table(paired, recs).splitlines()
+    assert lines[2] == "| 0.5 | a vs b | -1.033 | 0.00721 | yes |"
+    assert lines[3] == "| 0.5 | b vs a | +1.033 | 0.00721 | no |"
+
+
+def test_verify_rebuilds_a_lora_reproduction_run_on_its_recorded_base(tmp_path):
+    """A `reproduce fedmerge-lora` run builds its clients from the base's tokenizer (the config names a plain
+    Shakespeare run): the record's ``lora`` federation lets ``verify`` rebuild them and re-run bit for bit; a
+    base other than the recorded one (sha256) or a missing base of another name stops the re-run."""
+    import os
+    from pathlib import Path
+
+    from fedfuse.cli import main
+    from fedfuse.reproduce.fedmerge_lora import file_sha256, record_federation
+    from support import SHARED_DATA, lora_tiny_base
+
+    roots = [SHARED_DATA, Path(os.environ.get("FEDFUSE_DATA", "-"))]
+    data = next((r for r in roots if (r / "shakespeare-leaf").is_dir()), None)
+    if data is None:
+        pytest.skip("LEAF Shakespeare raw roles not available")
+    base = lora_tiny_base(tmp_path)
+    out = tmp_path / "out"
+    assert main(["reproduce", "fedmerge-lora", "--quick", "--base", base, "--rounds", "1", "--clients", "3",
+                 "--methods", "fedit", "--seeds", "0,", "--data-dir", str(data), "--out", str(out),
+                 "--no-progress", "--no-report"]) in (0, None)
+    run = json.loads((out / "results.json").read_text())["lora-roles"]["runs"]["fedit"][0]["dir"]
+    sha = file_sha256(base.removeprefix("fedfuse:"))
+    fed = record_federation("roles", quick=True, clients=3, base_sha256=sha)
+    rec = make_record(run, "t", {"split": "roles", "method": "fedit"}, commit="0" * 40, federation=fed)
+    assert rec["metrics"]["personal_perplexity"] > 1 and rec["federation"]["kind"] == "lora"
+    ok, rows = records.verify(rec, data_dir=str(data), tol=0.0)
+    assert ok and dict((k, d) for k, _, _, d in rows)["personal_perplexity"] == 0.0
+    with pytest.raises(SystemExit, match="not the recorded one"):
+        records.verify({**rec, "federation": {**fed, "base_sha256": "0" * 64}}, data_dir=str(data))
+    gone = {**rec["config"], "algorithm_options": {**rec["config"]["algorithm_options"],
+                                                   "base": f"fedfuse:{tmp_path / 'gone.pt'}"}}
+    with pytest.raises(SystemExit, match="missing"):
+        records.verify({**rec, "config": gone}, data_dir=str(data))
