@@ -140,20 +140,27 @@ def federation(args: argparse.Namespace, base: str, s: dict[str, Any], data_dir:
 
 
 def record_federation(task: str, quick: bool = True, clients: int = 0, rank: int = 8,
-                      targets: str = "q_proj,v_proj", base_sha256: str = "") -> dict[str, Any]:
+                      targets: str = "q_proj,v_proj", base_sha: str = "") -> dict[str, Any]:
     """The ``--federation`` of ``fedfuse results record`` for this preset's runs (the config alone names a
     Shakespeare run; the clients are built from the base's tokenizer): what :func:`rebuild` needs."""
     return {"kind": "lora", "task": task, "quick": quick, "clients": clients, "rank": rank, "targets": targets,
-            "base_sha256": base_sha256}
+            "base_state_sha256": base_sha}
 
 
-def file_sha256(path: str | Path) -> str:
+def base_state_sha256(path: str | Path) -> str:
+    """sha256 of a ``fedfuse pretrain`` base's model: its settings, vocabulary and every weight tensor (name,
+    dtype, shape, bytes) — not of the file, which also holds the pretraining's wall time."""
     import hashlib
+    import json
 
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    import torch
+
+    ck = torch.load(path, map_location="cpu", weights_only=True)
+    h = hashlib.sha256(json.dumps({"model": ck["model"], "vocab": list(ck["vocab"])}, sort_keys=True).encode())
+    for name in sorted(ck["state"]):
+        t = ck["state"][name].contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
@@ -162,7 +169,7 @@ def rebuild(spec: dict[str, Any], cfg: RunConfig) -> tuple[RunConfig, Federation
 
     The base is the recorded ``fedfuse:`` file; where it is missing, this machine's ``fedfuse pretrain`` base
     of the same file name (the name keys the pretraining settings and corpora), pretrained when missing.  A
-    base whose sha256 differs from the recorded one stops the re-run: it could not reproduce the record."""
+    base whose weights differ from the recorded ones (:func:`base_state_sha256`) stops the re-run."""
     from dataclasses import replace
 
     from fedfuse.config import resolve_device
@@ -187,10 +194,10 @@ def rebuild(spec: dict[str, Any], cfg: RunConfig) -> tuple[RunConfig, Federation
             pretrain(PretrainConfig(), here, data_dir)
         path = here
         cfg = replace(cfg, algorithm_options={**opts, "base": f"fedfuse:{path}"})
-    want = spec.get("base_sha256")
-    if want and file_sha256(path) != want:
-        raise SystemExit(f"fedfuse results verify: the base {path} is not the recorded one (sha256 "
-                         f"{file_sha256(path)[:12]}…, recorded {str(want)[:12]}…)")
+    want, have = spec.get("base_state_sha256"), base_state_sha256(path)
+    if want and have != want:
+        raise SystemExit(f"fedfuse results verify: the base {path} is not the recorded one (weights sha256 "
+                         f"{have[:12]}…, recorded {str(want)[:12]}…)")
     args = argparse.Namespace(task=spec["task"], quick=bool(spec.get("quick", True)),
                               clients=int(spec.get("clients", 0)), rank=int(spec.get("rank", 8)),
                               targets=str(spec.get("targets", "q_proj,v_proj")), instructions="")
