@@ -287,3 +287,60 @@ def test_claims_row_and_paired_table_where_lower_is_better(tmp_path):
     lines = render_table(spec, recs).splitlines()
     assert lines[2] == "| 0.5 | a vs b | -28.0 | 0.0273 | yes |"
     assert lines[3] == "| 0.5 | b vs a | +28.0 | 0.0273 | no |"
+
+
+def test_verify_rebuilds_a_lora_reproduction_run_on_its_recorded_base(tmp_path):
+    """A `reproduce fedmerge-lora` run builds its clients from the base's tokenizer (the config names a plain
+    Shakespeare run): the record's ``lora`` federation lets ``verify`` rebuild them and re-run bit for bit; a
+    base whose weights differ from the recorded ones or a missing base of another name stops the re-run."""
+    import os
+    from pathlib import Path
+
+    from fedfuse.cli import main
+    from fedfuse.reproduce.fedmerge_lora import base_state_sha256, record_federation
+    from support import SHARED_DATA, lora_tiny_base
+
+    roots = [SHARED_DATA, Path(os.environ.get("FEDFUSE_DATA", "-"))]
+    data = next((r for r in roots if (r / "shakespeare-leaf").is_dir()), None)
+    if data is None:
+        pytest.skip("LEAF Shakespeare raw roles not available")
+    base = lora_tiny_base(tmp_path)
+    out = tmp_path / "out"
+    assert main(["reproduce", "fedmerge-lora", "--quick", "--base", base, "--rounds", "1", "--clients", "3",
+                 "--methods", "fedit", "--seeds", "0,", "--data-dir", str(data), "--out", str(out),
+                 "--no-progress", "--no-report"]) in (0, None)
+    run = json.loads((out / "results.json").read_text())["lora-roles"]["runs"]["fedit"][0]["dir"]
+    sha = base_state_sha256(base.removeprefix("fedfuse:"))
+    fed = record_federation("roles", quick=True, clients=3, base_sha=sha)
+    rec = make_record(run, "t", {"split": "roles", "method": "fedit"}, commit="0" * 40, federation=fed)
+    assert rec["metrics"]["personal_perplexity"] > 1 and rec["federation"]["kind"] == "lora"
+    ok, rows = records.verify(rec, data_dir=str(data), tol=0.0)
+    assert ok and dict((k, d) for k, _, _, d in rows)["personal_perplexity"] == 0.0
+    with pytest.raises(SystemExit, match="not the recorded one"):
+        records.verify({**rec, "federation": {**fed, "base_state_sha256": "0" * 64}}, data_dir=str(data))
+    gone = {**rec["config"], "algorithm_options": {**rec["config"]["algorithm_options"],
+                                                   "base": f"fedfuse:{tmp_path / 'gone.pt'}"}}
+    with pytest.raises(SystemExit, match="missing"):
+        records.verify({**rec, "config": gone}, data_dir=str(data))
+
+
+def test_base_state_hash_reads_the_weights_not_the_file(tmp_path):
+    """A re-pretrained base differs in its file (the wall time in ``info``) but not in its weights: same hash;
+    one changed weight changes it."""
+    from pathlib import Path
+
+    import torch
+
+    from fedfuse.reproduce.fedmerge_lora import base_state_sha256
+    from support import lora_tiny_base
+
+    path = lora_tiny_base(tmp_path).removeprefix("fedfuse:")
+    ck = torch.load(path, weights_only=True)
+    torch.save({**ck, "info": {"seconds": 12.5}}, tmp_path / "again.pt")
+    assert (tmp_path / "again.pt").read_bytes() != Path(path).read_bytes()
+    assert base_state_sha256(tmp_path / "again.pt") == base_state_sha256(path)
+    name = sorted(ck["state"])[0]
+    state = {**ck["state"], name: ck["state"][name].clone()}
+    state[name].view(-1)[0] += 1e-6
+    torch.save({**ck, "state": state}, tmp_path / "changed.pt")
+    assert base_state_sha256(tmp_path / "changed.pt") != base_state_sha256(path)

@@ -416,7 +416,11 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
                                        "plots": False}))
     fed = None
     spec = rec.get("federation")
-    if spec:
+    if spec and spec.get("kind") == "lora":  # `reproduce fedmerge-lora`: clients built from the base's tokenizer
+        from fedfuse.reproduce.fedmerge_lora import rebuild
+
+        cfg, fed = rebuild(spec, cfg)
+    elif spec:
         from fedfuse.reproduce.common import federation_for
 
         if spec.get("kind") != "truncated":
@@ -442,11 +446,12 @@ def compare(recorded: dict[str, Any], now: dict[str, Any], keys: Iterable[str] |
     return rows
 
 
-TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy", "ensemble_accuracy")
+TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy", "ensemble_accuracy", "personal_perplexity",
+                 "personal_rouge1")
 
 
 def is_table_metric(name: str) -> bool:
-    """Metrics the tables use: accuracies, perplexity and the stability means."""
+    """Metrics the tables use: accuracies, perplexities, ROUGE-1 and the stability means."""
     return name in TABLE_METRICS or name.startswith(("global_accuracy_", "last10_mean", "best10_mean"))
 
 

@@ -139,6 +139,72 @@ def federation(args: argparse.Namespace, base: str, s: dict[str, Any], data_dir:
     return instruction_federation(args.instructions, tok, seed=seed, device=device)
 
 
+def record_federation(task: str, quick: bool = True, clients: int = 0, rank: int = 8,
+                      targets: str = "q_proj,v_proj", base_sha: str = "") -> dict[str, Any]:
+    """The ``--federation`` of ``fedfuse results record`` for this preset's runs (the config alone names a
+    Shakespeare run; the clients are built from the base's tokenizer): what :func:`rebuild` needs."""
+    return {"kind": "lora", "task": task, "quick": quick, "clients": clients, "rank": rank, "targets": targets,
+            "base_state_sha256": base_sha}
+
+
+def base_state_sha256(path: str | Path) -> str:
+    """sha256 of a ``fedfuse pretrain`` base's model: its settings, vocabulary and every weight tensor (name,
+    dtype, shape, bytes) — not of the file, which also holds the pretraining's wall time."""
+    import hashlib
+    import json
+
+    import torch
+
+    ck = torch.load(path, map_location="cpu", weights_only=True)
+    h = hashlib.sha256(json.dumps({"model": ck["model"], "vocab": list(ck["vocab"])}, sort_keys=True).encode())
+    for name in sorted(ck["state"]):
+        t = ck["state"][name].contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def rebuild(spec: dict[str, Any], cfg: RunConfig) -> tuple[RunConfig, Federation]:
+    """The config and federation of a recorded run of this preset (``spec``: :func:`record_federation`).
+
+    The base is the recorded ``fedfuse:`` file; where it is missing, this machine's ``fedfuse pretrain`` base
+    of the same file name (the name keys the pretraining settings and corpora), pretrained when missing.  A
+    base whose weights differ from the recorded ones (:func:`base_state_sha256`) stops the re-run."""
+    from dataclasses import replace
+
+    from fedfuse.config import resolve_device
+
+    if spec.get("task") not in ("roles", "tasks"):
+        raise SystemExit(f"fedfuse results verify: cannot rebuild the LoRA federation {spec}")
+    data_dir = cfg.data_dir or data_root(argparse.Namespace(data_dir=None))
+    opts = dict(cfg.algorithm_options)
+    base = str(opts.get("base", ""))
+    if not base.startswith("fedfuse:"):
+        raise SystemExit(f"fedfuse results verify: base {base!r} is not a fedfuse pretrain file")
+    path = Path(base[len("fedfuse:"):])
+    if not path.is_file():
+        from fedfuse.adapters.text import PretrainConfig, default_base_path, pretrain
+
+        here = default_base_path(PretrainConfig(), data_dir)
+        if here.name != path.name:
+            raise SystemExit(f"fedfuse results verify: the recorded base {path} is missing and this machine's "
+                             f"`fedfuse pretrain` base is {here.name}, other settings or corpora")
+        if not here.is_file():
+            print(f"no pretrained base at {here}: running `fedfuse pretrain` first", flush=True)
+            pretrain(PretrainConfig(), here, data_dir)
+        path = here
+        cfg = replace(cfg, algorithm_options={**opts, "base": f"fedfuse:{path}"})
+    want, have = spec.get("base_state_sha256"), base_state_sha256(path)
+    if want and have != want:
+        raise SystemExit(f"fedfuse results verify: the base {path} is not the recorded one (weights sha256 "
+                         f"{have[:12]}…, recorded {str(want)[:12]}…)")
+    args = argparse.Namespace(task=spec["task"], quick=bool(spec.get("quick", True)),
+                              clients=int(spec.get("clients", 0)), rank=int(spec.get("rank", 8)),
+                              targets=str(spec.get("targets", "q_proj,v_proj")), instructions="")
+    s = settings(args.quick, args.task)
+    return cfg, federation(args, f"fedfuse:{path}", s, data_dir, int(cfg.seed), resolve_device(cfg.device))
+
+
 def tables(args: argparse.Namespace) -> list[Table]:
     """One table: the main methods (and with ``--sweep`` the parameter-scale rows) on one federation per seed."""
     from fedfuse.config import resolve_device
