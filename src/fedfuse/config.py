@@ -109,8 +109,9 @@ class RunConfig:
                                    "oneDNN's AVX-512 kernels with bf16 internal arithmetic "
                                    "(torch.backends.mkldnn.matmul.fp32_precision; faster, slightly less exact: "
                                    "docs/engine.md)", choices=("ieee", "bf16"))
-    threads: str = opt("auto", "torch intra-op threads: auto = min(physical cores, cores the load average leaves "
-                               "idle), 1 on a busy machine; 0 = PyTorch's default; or a count")
+    threads: str = opt("auto", "torch intra-op threads: auto = $FEDFUSE_THREADS if set, else min(physical cores, "
+                               "cores the load average leaves idle), 1 on a busy machine; 0 = PyTorch's default; or a "
+                               "count (fix it for bit-identical re-runs)")
     val_fraction: float = opt(0.1, "fraction of each client's samples held out for validation", ge=0.0, lt=1.0)
     eval_every: int = opt(1, "evaluate every this many rounds (and at the last)", ge=1)
     checkpoint_every: int = opt(1, "checkpoint every this many rounds (and at the last)", ge=1)
