@@ -501,3 +501,49 @@ def check_same_seed_same_run(cfg: RunConfig, metric: str = "global_accuracy") ->
     b.run()
     assert [strip_timing(h) for h in a.history] == [strip_timing(h) for h in b.history]
     assert a.history[-1][metric] is not None
+
+
+def peer_cfg(**kw) -> RunConfig:
+    """The serverless baselines' tiny run (D-PSGD, Dis-PFL): digits, 5 clients all active, 3 rounds, MLP 64-16-10."""
+    base = dict(
+        dataset="digits", partition="dirichlet", model="mlp", clients=5, clients_per_round=5, rounds=3,
+        batch_size=32, lr=0.05, seed=2, plots=False, local_epochs=1, model_options={"widths": [16]},
+        partition_options={"alpha": 0.5, "min_size": 20},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+def sampling_cfg(tmp_path, **kw) -> RunConfig:
+    """The client-sampling tests' tiny run: digits, 8 clients, 3 per round, 3 rounds, MLP 64-16-10."""
+    base = dict(
+        dataset="digits", partition="dirichlet", model="mlp", clients=8, clients_per_round=3, rounds=3,
+        batch_size=32, lr=0.05, seed=1, out=str(tmp_path / "run"), plots=False, local_epochs=1,
+        model_options={"widths": [16]}, partition_options={"alpha": 0.3, "min_size": 15},
+    )
+    base.update(kw)
+    return apply(RunConfig(), base)
+
+
+def randomise_bn(model: nn.Module, gen: torch.Generator, tracked: int) -> None:
+    """Non-trivial BN affine parameters and running statistics (and ``num_batches_tracked = tracked``), so a wrong
+    permutation or average of them would show."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=gen))
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) + 0.5)
+                m.num_batches_tracked.fill_(tracked)
+
+
+def check_disjoint(part, n: int, cover: bool) -> None:
+    """A partition's clients hold disjoint, sorted int64 sample indices in [0, n) (all n of them with ``cover``)."""
+    allidx = np.concatenate(part.train_indices)
+    assert len(np.unique(allidx)) == len(allidx), "clients share samples"
+    assert allidx.min() >= 0 and allidx.max() < n
+    for idx in part.train_indices:
+        assert idx.dtype == np.int64 and np.all(np.diff(idx) > 0)
+    if cover:
+        assert len(allidx) == n

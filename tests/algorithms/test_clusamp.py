@@ -3,22 +3,12 @@
 
 import numpy as np
 
-from fedfuse.config import RunConfig, apply
 from fedfuse.runner import experiment
-
-
-def _cfg(tmp_path, **kw) -> RunConfig:
-    base = dict(
-        dataset="digits", partition="dirichlet", model="mlp", clients=8, clients_per_round=3, rounds=3,
-        batch_size=32, lr=0.05, seed=1, out=str(tmp_path / "run"), plots=False, local_epochs=1,
-        model_options={"widths": [16]}, partition_options={"alpha": 0.3, "min_size": 15},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
+from support import sampling_cfg
 
 
 def test_clusamp_uses_clustered_sampling_and_its_weights(tmp_path):
-    exp = experiment(_cfg(tmp_path, algorithm="clusamp", rounds=2))
+    exp = experiment(sampling_cfg(tmp_path, algorithm="clusamp", rounds=2))
     assert type(exp.sampler).__name__ == "ClusteredSampler"
     seen = []
     orig = exp.algo.aggregate_fit

@@ -11,18 +11,8 @@ from fedfuse.algorithms.dispfl import (
     sparse_average,
     unpack_mask,
 )
-from fedfuse.config import RunConfig, apply
 from fedfuse.runner import experiment
-
-
-def _cfg(**kw) -> RunConfig:
-    base = dict(
-        dataset="digits", partition="dirichlet", model="mlp", clients=5, clients_per_round=5, rounds=3,
-        batch_size=32, lr=0.05, seed=2, plots=False, local_epochs=1, model_options={"widths": [16]},
-        partition_options={"alpha": 0.5, "min_size": 20},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
+from support import peer_cfg
 
 
 def test_sparse_average_hand_case():
@@ -62,7 +52,7 @@ def test_prune_and_regrow_keeps_density_drops_smallest_grows_largest_gradient():
 
 
 def test_dispfl_models_stay_on_their_masks_and_bytes_are_values_plus_bitmap():
-    exp = experiment(_cfg(algorithm="dispfl", rounds=2, algorithm_options={"static": True}))
+    exp = experiment(peer_cfg(algorithm="dispfl", rounds=2, algorithm_options={"static": True}))
     exp.run()
     alg = exp.algo
     nnz_total = 0
@@ -81,9 +71,9 @@ def test_dispfl_models_stay_on_their_masks_and_bytes_are_values_plus_bitmap():
 
 def test_dense_static_dispfl_is_dpsgd_with_uniform_mixing():
     opts = {"dense_ratio": 1.0, "static": True, "lr_decay": 1.0}
-    a = experiment(_cfg(algorithm="dispfl", algorithm_options=opts))
+    a = experiment(peer_cfg(algorithm="dispfl", algorithm_options=opts))
     a.run()
-    b = experiment(_cfg(algorithm="dpsgd", algorithm_options={"mixing": "uniform"}))
+    b = experiment(peer_cfg(algorithm="dpsgd", algorithm_options={"mixing": "uniform"}))
     b.run()
     for c in range(5):
         for k, v in b.client_states[c]["model"].items():
@@ -91,7 +81,7 @@ def test_dense_static_dispfl_is_dpsgd_with_uniform_mixing():
 
 
 def test_dispfl_mask_update_changes_masks_but_keeps_density():
-    exp = experiment(_cfg(algorithm="dispfl", rounds=2))
+    exp = experiment(peer_cfg(algorithm="dispfl", rounds=2))
     exp.run()
     st = exp.client_states[0]
     init = exp.algo.initial_mask(0)

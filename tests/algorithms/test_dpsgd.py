@@ -5,20 +5,10 @@ import pytest
 import torch
 
 from fedfuse.algorithms.dpsgd import gossip_matrix, mix_states, peer_graph
-from fedfuse.config import RunConfig, apply
 from fedfuse.runner import experiment
+from support import peer_cfg
 
 NPARAMS = 64 * 16 + 16 + 16 * 10 + 10  # mlp widths [16] on digits
-
-
-def _cfg(**kw) -> RunConfig:
-    base = dict(
-        dataset="digits", partition="dirichlet", model="mlp", clients=5, clients_per_round=5, rounds=3,
-        batch_size=32, lr=0.05, seed=2, plots=False, local_epochs=1, model_options={"widths": [16]},
-        partition_options={"alpha": 0.5, "min_size": 20},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
 
 
 @pytest.mark.parametrize("topology", ["ring", "full", "random-ring"])
@@ -60,9 +50,9 @@ def test_mix_states_hand_case_and_integer_buffers():
 
 
 def test_dpsgd_on_the_full_graph_is_fedavg_with_full_participation():
-    d = experiment(_cfg(algorithm="dpsgd", algorithm_options={"topology": "full"}))
+    d = experiment(peer_cfg(algorithm="dpsgd", algorithm_options={"topology": "full"}))
     d.run()
-    f = experiment(_cfg(algorithm="fedavg", algorithm_options={"weighting": "uniform"}))
+    f = experiment(peer_cfg(algorithm="fedavg", algorithm_options={"weighting": "uniform"}))
     f.run()
     for k, v in f.state["global"].items():
         torch.testing.assert_close(d.state["global"][k], v, rtol=1e-5, atol=1e-6)
@@ -70,9 +60,9 @@ def test_dpsgd_on_the_full_graph_is_fedavg_with_full_participation():
 
 
 def test_dpsgd_ring_peer_bytes_and_determinism():
-    a = experiment(_cfg(algorithm="dpsgd", rounds=3))
+    a = experiment(peer_cfg(algorithm="dpsgd", rounds=3))
     sa = a.run()
-    b = experiment(_cfg(algorithm="dpsgd", rounds=3)).run()
+    b = experiment(peer_cfg(algorithm="dpsgd", rounds=3)).run()
     assert sa["final"]["personal_accuracy"] == b["final"]["personal_accuracy"]
     # each of 5 participants sends its whole model (4-byte floats) to 2 ring neighbours, except in the last round
     per_round = 5 * 2 * NPARAMS * 4

@@ -13,7 +13,7 @@ from fedfuse.data.dataset import Dataset
 from fedfuse.data.federation import build_federation
 from fedfuse.data.partition import Partition, make_partition
 from fedfuse.data.report import label_histograms, partition_table
-from support import synthetic
+from support import check_disjoint, synthetic
 
 
 def lm_dataset(n_train: int = 200, n_test: int = 60, vocab: int = 50, length: int = 8) -> Dataset:
@@ -23,14 +23,6 @@ def lm_dataset(n_train: int = 200, n_test: int = 60, vocab: int = 50, length: in
     return Dataset("toy-lm", "lm", tr[:, :-1], tr[:, 1:], te[:, :-1], te[:, 1:], vocab, (length,))
 
 
-def check_disjoint(part: Partition, n: int, cover: bool) -> None:
-    allidx = np.concatenate(part.train_indices)
-    assert len(np.unique(allidx)) == len(allidx), "clients share samples"
-    assert allidx.min() >= 0 and allidx.max() < n
-    for idx in part.train_indices:
-        assert idx.dtype == np.int64 and np.all(np.diff(idx) > 0)
-    if cover:
-        assert len(allidx) == n
 
 
 def test_lm_partitions_and_federation() -> None:

@@ -7,17 +7,7 @@ import numpy as np
 import pytest
 
 from fedfuse.data.partition import PARTITIONS, Partition, make_partition, partition_options
-from support import synthetic
-
-
-def check_disjoint(part: Partition, n: int, cover: bool) -> None:
-    allidx = np.concatenate(part.train_indices)
-    assert len(np.unique(allidx)) == len(allidx), "clients share samples"
-    assert allidx.min() >= 0 and allidx.max() < n
-    for idx in part.train_indices:
-        assert idx.dtype == np.int64 and np.all(np.diff(idx) > 0)
-    if cover:
-        assert len(allidx) == n
+from support import check_disjoint, synthetic
 
 
 def entropy(part: Partition, labels: np.ndarray, num_classes: int) -> float:

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from fedfuse.config import ConfigError, RunConfig, apply, validate
+from fedfuse.config import ConfigError, apply, validate
 from fedfuse.engine.sampling import (
     ClusteredSampler,
     angle_matrix,
@@ -15,16 +15,7 @@ from fedfuse.engine.sampling import (
     size_distributions,
 )
 from fedfuse.runner import experiment
-
-
-def _cfg(tmp_path, **kw) -> RunConfig:
-    base = dict(
-        dataset="digits", partition="dirichlet", model="mlp", clients=8, clients_per_round=3, rounds=3,
-        batch_size=32, lr=0.05, seed=1, out=str(tmp_path / "run"), plots=False, local_epochs=1,
-        model_options={"widths": [16]}, partition_options={"alpha": 0.3, "min_size": 15},
-    )
-    base.update(kw)
-    return apply(RunConfig(), base)
+from support import sampling_cfg
 
 
 def _check_distributions(r: np.ndarray, m: int, p: np.ndarray) -> None:
@@ -107,8 +98,8 @@ def test_sampler_sketch_preserves_angles_roughly():
 
 @pytest.mark.parametrize("policy", ["uniform", "size-weighted", "clustered", "clustered-size"])
 def test_every_policy_runs_with_fedavg_and_is_deterministic(tmp_path, policy):
-    a = experiment(_cfg(tmp_path / "a", sampling=policy, algorithm="fedprox")).run()
-    b = experiment(_cfg(tmp_path / "b", sampling=policy, algorithm="fedprox")).run()
+    a = experiment(sampling_cfg(tmp_path / "a", sampling=policy, algorithm="fedprox")).run()
+    b = experiment(sampling_cfg(tmp_path / "b", sampling=policy, algorithm="fedprox")).run()
     assert a["final"]["global_accuracy"] == b["final"]["global_accuracy"]
     recs = [json.loads(x) for x in (tmp_path / "a" / "run" / "metrics.jsonl").read_text().splitlines()]
     for rec in recs:
@@ -116,8 +107,8 @@ def test_every_policy_runs_with_fedavg_and_is_deterministic(tmp_path, policy):
 
 
 def test_clustered_sampling_resumes_bit_identically(tmp_path):
-    full = experiment(_cfg(tmp_path / "full", algorithm="clusamp", rounds=4)).run()
-    cut = _cfg(tmp_path / "cut", algorithm="clusamp", rounds=2)
+    full = experiment(sampling_cfg(tmp_path / "full", algorithm="clusamp", rounds=4)).run()
+    cut = sampling_cfg(tmp_path / "cut", algorithm="clusamp", rounds=2)
     experiment(cut).run()
     more = apply(cut, {"rounds": 4})
     resumed = experiment(more).run(resume=True)
@@ -126,6 +117,7 @@ def test_clustered_sampling_resumes_bit_identically(tmp_path):
 
 def test_unknown_policy_and_own_participants_are_rejected(tmp_path):
     with pytest.raises(ConfigError):
-        validate(_cfg(tmp_path, sampling="magic"))
+        validate(sampling_cfg(tmp_path, sampling="magic"))
     with pytest.raises(ValueError, match="chooses its own participants"):
-        experiment(_cfg(tmp_path, algorithm="fedma", sampling="clustered", model="simple-mlp", model_options={}))
+        experiment(sampling_cfg(tmp_path, algorithm="fedma", sampling="clustered", model="simple-mlp",
+                                model_options={}))

@@ -13,6 +13,7 @@ from fedfuse.fusion.permute import (
     random_group_permutations,
 )
 from fedfuse.models import build_model
+from support import randomise_bn
 
 
 @pytest.mark.parametrize("metric", ["l1", "l2"])
@@ -28,15 +29,7 @@ def test_hungarian_recovers_a_permutation(metric):
 def _tiny_bn_net(seed: int):
     torch.manual_seed(seed)
     model = build_model("vgg16-bn", (3, 32, 32), 10, width_mult=0.0625)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
-                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=gen))
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) + 0.5)
-                m.num_batches_tracked.fill_(3 + seed)
+    randomise_bn(model, torch.Generator().manual_seed(seed), tracked=3 + seed)
     return model
 
 

@@ -15,18 +15,11 @@ from fedfuse.fusion.permute import (
     transformer_spec,
 )
 from fedfuse.models import build_model, width_options
+from support import randomise_bn
 
 
 def _randomise_bn(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Non-trivial BN affine parameters and running statistics, so a wrong permutation would show."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
-                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=gen))
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) + 0.5)
-                m.num_batches_tracked.fill_(7)
+    randomise_bn(model, gen, tracked=7)
 
 
 CHAINS = [
