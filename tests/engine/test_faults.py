@@ -83,6 +83,20 @@ def test_update_norm_state_vs_delta():
     assert update_norm(sent, reply, state_like=False) == pytest.approx(5.0)
 
 
+def test_update_norm_equals_the_float64_norm_of_the_concatenated_update():
+    """Per-tensor norms combined in float64 equal the norm of the whole update vector computed in float64 (the
+    definition), to float32 rounding; integer tensors are left out."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a": (200, 784), "b": (200,), "c": (10, 200), "d": (0,)}
+    sent = Message({k: torch.randn(s, generator=g) for k, s in shapes.items()})
+    reply = Message({k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in sent.tensors.items()}
+                    | {"n": torch.tensor([7])})
+    want = torch.cat([(reply.tensors[k].double() - sent.tensors[k].double()).reshape(-1) for k in shapes]).norm()
+    assert update_norm(sent, reply, state_like=True) == pytest.approx(float(want), rel=1e-6)
+    alone = torch.cat([reply.tensors[k].double().reshape(-1) for k in shapes]).norm()
+    assert update_norm(sent, reply, state_like=False) == pytest.approx(float(alone), rel=1e-6)
+
+
 def test_median_trimmed_mean_and_clipping_by_hand():
     states = [{"w": torch.tensor([1.0, 10.0]), "bn.num_batches_tracked": torch.tensor(3)},
               {"w": torch.tensor([2.0, 20.0]), "bn.num_batches_tracked": torch.tensor(5)},

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fedfuse.algorithms.base import Algorithm
-from fedfuse.engine.validate import check_replies
+from fedfuse.engine.validate import check_replies, check_values
 from fedfuse.types import FitStats, Message
 
 
@@ -49,3 +49,23 @@ def test_check_replies_uses_round_majority_when_nothing_comparable_was_sent():
                2: Message({}, stats=FitStats(train_loss=float("inf")))}
     why = check_replies(PLAIN, {c: Message() for c in range(3)}, replies, [5, 5, 5])
     assert "negative" in why[0] and "not an integer" in why[1] and "loss" in why[2]
+
+
+def test_check_values_screens_by_norm_and_searches_only_a_failing_group():
+    """The norm screen passes finite replies, also where a norm overflows (values near the float32 range: the
+    element-wise search then clears them); a NaN or Inf is named with its key in any dtype group."""
+    huge = {"w": torch.full((4, 4), 1e30), "b": torch.ones(4)}  # ||w|| overflows float32, every value finite
+    assert not math.isfinite(torch.linalg.vector_norm(huge["w"]).item())
+    assert check_values(Message(huge)) is None
+    many = {f"peer/{i}": torch.randn(3, generator=torch.Generator().manual_seed(i)) for i in range(200)}
+    assert check_values(Message(many)) is None
+    for bad, what in ((math.nan, "NaN"), (math.inf, "Inf"), (-math.inf, "Inf")):
+        t = dict(many, **{"half": torch.ones(5, dtype=torch.bfloat16)})
+        t["peer/137"] = t["peer/137"].clone()
+        t["peer/137"][1] = bad
+        assert check_values(Message(t)) == f"non-finite values ({what}) in peer/137"
+        t["peer/137"][1] = 0.0
+        t["half"] = t["half"].clone()
+        t["half"][4] = bad
+        assert check_values(Message(t)) == f"non-finite values ({what}) in half"
+    assert check_values(Message({"steps": torch.tensor([2**62])})) is None  # integers are not screened

@@ -107,14 +107,14 @@ def reference_tensors(sent: Message, reply: Message, state_like: bool) -> Mappin
 
 
 def update_norm(sent: Message, reply: Message, state_like: bool) -> float:
-    """L2 norm of a reply's update over its floating tensors (simulation-only ``sim/`` relays included)."""
+    """L2 norm of a reply's update over its floating tensors (simulation-only ``sim/`` relays included): the
+    differences in the tensors' own precision, their norms in one fused call, combined in float64."""
     base = reference_tensors(sent, reply, state_like)
-    parts = [(v.double() - base[k].double() if k in base else v.double()).reshape(-1).cpu()
-             for k, v in reply.tensors.items() if v.is_floating_point()]
-    if not parts:
+    diffs = [v - base[k] if k in base else v for k, v in reply.tensors.items() if v.is_floating_point()]
+    if not diffs:
         return 0.0
-    d = torch.cat(parts)
-    return math.sqrt(float(torch.dot(d, d)))
+    norms = torch.stack([n.to("cpu", torch.float64) for n in torch._foreach_norm(diffs)])
+    return math.sqrt(float(torch.dot(norms, norms)))
 
 
 __all__ = ["DROPOUT", "LATE", "OK", "SCALE", "SIM_PREFIX", "FaultPlan", "reference_tensors", "update_norm"]

@@ -68,15 +68,17 @@ def check_meta(reply: Message, known_size: int | None) -> str | None:
 
 
 def check_values(reply: Message) -> str | None:
-    """The first tensor holding a NaN or Inf, if any.  All tensors of one dtype and device are checked in one
-    call (a reply may hold hundreds of small peer tensors); only a failing group is searched key by key."""
+    """The first tensor holding a NaN or Inf, if any.  The tensors of one dtype and device are screened by their
+    norms in one fused call (a NaN or Inf makes a norm non-finite; a reply may hold hundreds of small peer
+    tensors); only a group whose screen fails — a non-finite value, or a norm that overflowed — is searched key by
+    key, element by element."""
     groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
     for k, v in reply.tensors.items():
         if v.is_floating_point() or v.is_complex():
             groups.setdefault((v.dtype, v.device), []).append(k)
     for keys in groups.values():
-        flat = torch.cat([reply.tensors[k].reshape(-1) for k in keys])
-        if bool(torch.isfinite(flat).all()):
+        norms = torch._foreach_norm([reply.tensors[k] for k in keys])
+        if bool(torch.isfinite(torch.stack(norms)).all()):
             continue
         for k in keys:
             v = reply.tensors[k]
