@@ -23,6 +23,10 @@ of the variant's precision.
 ``--step`` times only one optimiser step of 10 clients on the MLP (the plain loop's 10 steps against the
 stacked executor's one step, no round around it), which separates the step from the engine's round.
 
+``--breakdown`` prints where the MLP's time goes: one step of 10 clients by operator family (products, casts,
+optimiser, loss; ``torch.profiler``) for the plain loop and the stacked step, and a stacked round split into
+gradients, optimiser, the rest of the group's training and the engine's round around it.
+
 ``--algorithms fedprox,fedmr,...`` adds a table: each algorithm with its sequential fp32 run against its fastest
 configurations (``--fast``, default the stacked and the batched executor at bf16) on the MLP.
 
@@ -30,7 +34,7 @@ configurations (``--fast``, default the stacked and the batched executor at bf16
         [--models mlp,cnn,mlp-small] [--executors sequential,batched,stacked,processes,auto]
         [--precisions fp32,bf16] [--memory-formats auto,contiguous] [--workers 2]
         [--algorithms fedprox,fedmr,fedmerge,heterofl] [--fast stacked/bf16,batched/bf16] [--all-participants]
-        [--gpu] [--gemm] [--step]
+        [--gpu] [--gemm] [--step] [--breakdown]
 
 With ``--data-dir`` the real MNIST training images are used (first 60,000 split into 100 × 600);
 otherwise random MNIST-shaped tensors (the timing does not depend on the pixel values).  ``--gpu`` runs the
@@ -272,6 +276,131 @@ def step_times(fed: Federation, repeats: int, device: torch.device) -> None:
         print(f"| {key} | {1e3 * statistics.median(ts):.2f} | {base / statistics.median(ts):.2f}× |")
 
 
+#: Operator families of a step's profile (torch.profiler self CPU time), by ATen name.
+OP_FAMILIES = (("matrix products", ("mm", "bmm", "baddbmm", "addmm", "addbmm", "matmul", "linear")),
+               ("dtype casts and copies", ("copy_", "_to_copy", "to", "clone")),
+               ("optimiser update", ("_foreach_add_", "add_", "sub_", "mul_")),
+               ("loss (log-softmax, NLL)", ("_log_softmax", "_log_softmax_backward_data", "nll_loss_forward",
+                                            "nll_loss_backward", "nll_loss", "nll_loss_nd", "cross_entropy_loss")))
+
+
+def _family(op: str) -> str:
+    name = op.removeprefix("aten::")
+    for family, names in OP_FAMILIES:
+        if name in names:
+            return family
+    return "everything else (views, ReLU, sums, autograd bookkeeping)"
+
+
+def breakdown(fed: Federation, repeats: int, rounds: int, device: torch.device) -> None:
+    """Where the MLP's time goes: (1) one step of 10 clients, plain loop and stacked step at each precision, by
+    operator family (``torch.profiler``, self CPU time per step); (2) a stacked round at each precision, split into
+    the gradient computation, the optimiser update, the rest of the group's training (batch gathering, stacking
+    and unstacking the clients' states, finalize) and the engine's round around it (sampling, reply checks,
+    aggregation), by CPU-time accounting around those calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedfuse.engine.client import TrainConfig
+    from fedfuse.engine.program import ClientProgram
+    from fedfuse.executors.batched import BatchedExecutor, _GroupStep, _Stacked, _StackedOptimizer
+    from fedfuse.executors.stacked import _StackedStep
+
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 28, 28), 10, widths=[200, 200]).to(device)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    spec = TrainConfig(batch_size=BATCH, lr=LR)
+    progs = [ClientProgram(model=model, init=init, spec=spec, finalize=lambda s, st: (s, st))
+             for _ in range(PER_ROUND)]
+    x = torch.stack([fed.clients[c].train.x[:BATCH] for c in range(PER_ROUND)])
+    y = torch.stack([fed.clients[c].train.y[:BATCH] for c in range(PER_ROUND)])
+    stacked = _Stacked(progs)
+    step = _StackedStep(progs[0], stacked.base, True)
+    opt = _StackedOptimizer(spec, [stacked.P[n] for n in step.opt_names])
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def plain() -> None:
+        for c in range(PER_ROUND):
+            with train_autocast(device):
+                loss = torch.nn.functional.cross_entropy(model(x[c]), y[c])
+            sgd.zero_grad()
+            loss.backward()
+            sgd.step()
+
+    def stacked_step() -> None:
+        grads, _ = step.grads(stacked, x, y, None, 0)
+        opt.step(grads, None)
+
+    n = 20 * max(repeats, 1)
+    print(f"\n(1) one step of {PER_ROUND} clients (MLP 784-200-200-10, batch {BATCH}): self CPU ms per step by "
+          f"operator family, torch.profiler over {n} steps")
+    cols: dict[str, dict[str, float]] = {}
+    for label, fn, q in (("plain, fp32", plain, "fp32"), ("plain, bf16", plain, "bf16"),
+                         ("stacked, fp32", stacked_step, "fp32"), ("stacked, bf16", stacked_step, "bf16")):
+        with use_precision(q, "auto"):
+            for _ in range(5):
+                fn()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(n):
+                    fn()
+        fam: dict[str, float] = {}
+        for ev in prof.key_averages():
+            fam[_family(ev.key)] = fam.get(_family(ev.key), 0.0) + ev.self_cpu_time_total / 1e3 / n
+        cols[label] = fam
+    families = [f for f, _ in OP_FAMILIES] + [_family("?")]
+    print("| operator family | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for f in families:
+        print(f"| {f} | " + " | ".join(f"{c.get(f, 0.0):.2f}" for c in cols.values()) + " |")
+    print("| **total** | " + " | ".join(f"**{sum(c.values()):.2f}**" for c in cols.values()) + " |")
+
+    spent: dict[str, float] = {}
+
+    def timed(cls: type, name: str, key: str) -> Callable[[], None]:
+        orig = getattr(cls, name)
+
+        def wrapper(*a: object, **k: object) -> object:
+            t = time.process_time()
+            try:
+                return orig(*a, **k)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.process_time() - t
+
+        setattr(cls, name, wrapper)
+        return lambda: setattr(cls, name, orig)
+
+    print(f"\n(2) a stacked round (FedAvg, {PER_ROUND} clients × {PER_CLIENT // BATCH} steps): CPU ms per round, "
+          f"{rounds} rounds × {max(repeats, 1)} repeats, accounted around the calls")
+    rows: dict[str, dict[str, float]] = {}
+    for q in ("fp32", "bf16"):
+        undo = [timed(_GroupStep, "grads", "gradients (forward + backward)"),
+                timed(_StackedOptimizer, "step", "optimiser update"),
+                timed(BatchedExecutor, "train_group", "group")]
+        try:
+            spent.clear()
+            total = 0.0
+            for _ in range(max(repeats, 1)):
+                _, c = engine_round_times(fed, "mlp", {"widths": [200, 200]}, rounds, "stacked", precision=q,
+                                          device=device)
+                total += sum(c)
+            # the wrappers also counted the untimed first and last rounds: scale by the timed share
+            runs = max(repeats, 1) * (rounds + 2)
+            per = {k: 1e3 * v / runs for k, v in spent.items()}
+        finally:
+            for u in undo:
+                u()
+        round_ms = 1e3 * total / (max(repeats, 1) * rounds)
+        g, o = per.get("gradients (forward + backward)", 0.0), per.get("optimiser update", 0.0)
+        rows[q] = {"gradients (forward + backward)": g, "optimiser update": o,
+                   "rest of the group's training (batches, stacking, finalize)": per.get("group", 0.0) - g - o,
+                   "the engine's round around it (sampling, checks, aggregation)": round_ms - per.get("group", 0.0),
+                   "**round**": round_ms}
+    print("| part | stacked, fp32 | stacked, bf16 |")
+    print("|---|---|---|")
+    for part in rows["fp32"]:
+        print(f"| {part} | " + " | ".join(f"{rows[q][part]:.1f} ({rows[q][part] / rows[q]['**round**']:.0%})"
+                                          for q in rows) + " |")
+
+
 MODELS = {  # variant → (label, registry model, options)
     "mlp": ("MLP 784-200-200-10", "mlp", {"widths": [200, 200]}),
     "cnn": ("McMahan CNN", "cnn", {}),
@@ -307,6 +436,8 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="run everything on cuda")
     p.add_argument("--gemm", action="store_true", help="only print the GEMM table (peak and the MLP's shapes)")
     p.add_argument("--step", action="store_true", help="only time one step of 10 clients: plain vs stacked")
+    p.add_argument("--breakdown", action="store_true",
+                   help="only print where the MLP's time goes: a step by operator family, a stacked round by part")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.gpu else "cpu")
@@ -322,6 +453,12 @@ def main() -> None:
         print(f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}, device {device}, "
               f"threads {torch.get_num_threads()}; medians of {max(args.repeats, 1) * 10} interleaved repeats")
         step_times(fed, args.repeats, device)
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
+        return
+    if args.breakdown:
+        print(f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}, device {device}, "
+              f"threads {torch.get_num_threads()}")
+        breakdown(fed, args.repeats, args.rounds, device)
         print(f"load average {os.getloadavg()[0]:.1f} at the end")
         return
     executors = [e for e in args.executors.split(",") if e and not (args.gpu and e == "processes")]
