@@ -353,6 +353,36 @@ def breakdown(fed: Federation, repeats: int, rounds: int, device: torch.device) 
         print(f"| {f} | " + " | ".join(f"{c.get(f, 0.0):.2f}" for c in cols.values()) + " |")
     print("| **total** | " + " | ".join(f"**{sum(c.values()):.2f}**" for c in cols.values()) + " |")
 
+    # (1b) the casts: the same bf16 step with the weights' bf16 copies as autograd leaves (no cast of the
+    # gradient back to fp32; the update reads the bf16 gradient into the fp32 weight), interleaved
+    from fedfuse.executors.stacked import stacked_cross_entropy
+
+    names = step.opt_names
+    other = _Stacked(progs)
+    leaves_p = [other.P[k] for k in names]
+
+    def leaves_step() -> None:
+        q = {k: p.detach().to(torch.bfloat16).requires_grad_() for k, p in zip(names, leaves_p, strict=True)}
+        with train_autocast(device):
+            _, logits = step.stacked_forward(model, q.__getitem__, x)
+            loss = stacked_cross_entropy(logits, y, None)
+        g = torch.autograd.grad(loss.sum(), [q[k] for k in names])
+        with torch.no_grad():
+            torch._foreach_add_(leaves_p, list(g), alpha=-LR)
+
+    fresh = _Stacked(progs)
+    for k in names:
+        stacked.P[k].data.copy_(fresh.P[k])
+    casts: dict[str, list[float]] = {"autocast (fp32 leaves)": [], "bf16 leaves": []}
+    with use_precision("bf16", "auto"):
+        for _ in range(n):
+            for label, fn in (("autocast (fp32 leaves)", stacked_step), ("bf16 leaves", leaves_step)):
+                casts[label].append(_timed(fn, device)[0 if device.type == "cuda" else 1])
+    diff = max(float((stacked.P[k].detach() - other.P[k]).abs().max()) for k in names)
+    print(f"\n(1b) the stacked bf16 step, median CPU ms over {n} interleaved steps: " + ", ".join(
+        f"{k} {1e3 * statistics.median(v):.2f}" for k, v in casts.items()) + f"; largest weight difference "
+        f"after {n} steps {diff:.1e}")
+
     spent: dict[str, float] = {}
 
     def timed(cls: type, name: str, key: str) -> Callable[[], None]:
