@@ -50,12 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
 
 
+#: The CIFAR part's federation and local training (full preset; ``settings(quick=True)`` overrides some).
+CIFAR = {"clients": 20, "clients_per_round": 10, "local_epochs": 1, "batch_size": 32, "lr": 0.05}
+
+
 def settings(quick: bool) -> dict[str, Any]:
     if quick:
         return {"mnist_rounds": 15, "mnist_train": 6000, "mnist_test": 2000,
-                "rounds": 8, "train_limit": 4000, "test_limit": 2000, "eval_every": 4}
+                "rounds": 8, "train_limit": 4000, "test_limit": 2000, "eval_every": 4, "cifar": dict(CIFAR)}
     return {"mnist_rounds": 15, "mnist_train": 12000, "mnist_test": 4000,
-            "rounds": 24, "train_limit": 10000, "test_limit": 5000, "eval_every": 3}
+            "rounds": 24, "train_limit": 10000, "test_limit": 5000, "eval_every": 3, "cifar": dict(CIFAR)}
 
 
 def _row(algo: str, **opts: Any) -> dict[str, Any]:
@@ -114,11 +118,13 @@ def tables(args: argparse.Namespace) -> list[Table]:
                           mnist_methods(args.quick), wanted))
     if "cifar" in parts:
         rounds = args.rounds or s["rounds"]
-        base = {**common, "dataset": "cifar10", "model": "cnn-cifar", "clients": 20, "clients_per_round": 10,
-                "rounds": rounds, "local_epochs": 1, "batch_size": 32, "lr": 0.05, "eval_every": s["eval_every"],
+        base = {**common, "dataset": "cifar10", "model": "cnn-cifar", **s["cifar"],
+                "rounds": rounds, "eval_every": s["eval_every"],
                 "dataset_options": {"train_limit": s["train_limit"], "test_limit": s["test_limit"]}}
         for name in settings_:
-            out.append(_table(name, f"CIFAR-10 {name} non-IID, 20 clients (10 per round), FedMR's CNN",
+            c = s["cifar"]
+            out.append(_table(name, f"CIFAR-10 {name} non-IID, {c['clients']} clients ({c['clients_per_round']} "
+                              "per round), FedMR's CNN",
                               {**base, **PARTITIONS[name]}, cifar_methods(args.quick, s["eval_every"], rounds),
                               wanted, PAPER[name]))
     return [t for t in out if t is not None]
