@@ -6,10 +6,14 @@ Parts (``--parts``, default ``mnist,cifar``):
   MLP, 15 rounds, every other setting the run's default (lr 0.1, 2 local epochs, batch 32); FedAvg, IFCA (K = 5)
   and FedMerge with its shipped defaults at d ∈ {2, 5, 10, 20} (quick: d ∈ {5, 10}); the full preset adds the
   non-default forms (shared initialisation, paper Θ update, the previous defaults) and FedEM as rows.
-* ``cifar`` — the papers' comparison on real CIFAR-10 images, two non-IID settings over 20 clients (10 per round):
-  *cluster* (5 clusters of 2 classes, client groups of sizes 2-6, the papers' Cluster non-IID scaled down) and
+* ``cifar`` — the papers' comparison on real CIFAR-10 images, two non-IID settings over 20 clients (10 per round;
+  quick 5): *cluster* (5 clusters of 2 classes, client groups of sizes 2-6, the papers' Cluster non-IID scaled down) and
   *personal* (Dirichlet(0.1)); FedMR's CIFAR CNN (62k parameters).  The papers use CIFAR-100, ResNet-9, 50 clients
   and 500 rounds; the same presets run at that scale on a GPU with ``--rounds`` and a larger ``train_limit``.
+  Full: 24 rounds, 10,000 images, lr 0.05, 1 local epoch.  Quick-only (``--quick``, a smoke test in which every
+  cell learns): 4,000 images, 16 rounds of 5 clients (each client still sampled ~4 times), 2 local epochs at
+  lr 0.1, one evaluation at the end; at 8 rounds of 10 clients, 1 epoch, lr 0.05 FedAvg and FedEM sat at chance.
+  Measured with ``fedfuse reproduce fedmerge --quick --seeds 0,1,2`` (docs/fedmerge.md, "The quick preset").
 
 Every cell is the mean ± sample std over the seeds (``--seeds``, default 3; quick 1) of the *final* personalised
 accuracy (each client's model on its own test split, averaged over clients); "ordering" rows compare FedMerge
