@@ -121,3 +121,21 @@ def test_fedmerge_quick_cifar_is_the_full_table_resized():
         assert q.rounds * q.clients_per_round / q.clients == 4  # samplings per client, as before
     mnist_q = [c for c in quick.values() if c.dataset == "mnist"]  # the MNIST part is not resized
     assert mnist_q and all((c.rounds, c.clients_per_round, c.lr) == (15, 5, 0.1) for c in mnist_q)
+
+
+def test_msfusion_quick_cifar_is_the_full_table_resized():
+    """``--quick`` runs the full preset's non-IID μ = 0.25 CIFAR table with the same model, data, participants,
+    batch and schedule, resized to 4 rounds of 2 local epochs with one evaluation at the end; the full preset keeps
+    8 rounds of 1 epoch, evaluated every 4."""
+    full, quick = _planned("msfusion"), _planned("msfusion", "--quick")
+    cifar_q = {k: c for k, c in quick.items() if c.dataset == "cifar10"}
+    assert {t for t, _ in cifar_q} == {"cifar-non-iid-mu0.25"} and set(cifar_q) <= set(full)
+    for key, q in cifar_q.items():
+        f = full[key]
+        same = ("algorithm", "partition", "partition_options", "model", "model_options", "clients",
+                "clients_per_round", "batch_size", "lr", "dataset_options")
+        assert all(getattr(q, k) == getattr(f, k) for k in same), key
+        assert {k: v for k, v in q.algorithm_options.items() if k != "stats_every"} == \
+            {k: v for k, v in f.algorithm_options.items() if k != "stats_every"}
+        assert (f.rounds, f.local_epochs, f.eval_every) == (8, 1, 4)
+        assert (q.rounds, q.local_epochs, q.eval_every) == (4, 2, 4)
