@@ -77,10 +77,10 @@ def settings(quick: bool) -> dict[str, Any]:
         # CIFAR: 4 rounds of 2 local epochs, evaluated once at the end (was 3 rounds of 1 epoch; docs/msfusion.md)
         return {"rounds": 4, "train_limit": 3000, "test_limit": 1000, "eval_every": 4, "ptb_rounds": 2,
                 "ptb_seqs": 40, "ptb_test": 200, "mus": [0.25], "iid": False, "mnist_mus": [0.25],
-                "local_epochs": 2, "batch_size": 32, "ptb_epochs": 1}
+                "local_epochs": 2, "batch_size": 32, "lr": 0.1, "ptb_epochs": 1}
     return {"rounds": 8, "train_limit": 3000, "test_limit": 1000, "eval_every": 4, "ptb_rounds": 3,
             "ptb_seqs": 100, "ptb_test": 400, "mus": [0.125, 0.25, 0.5], "iid": True,
-            "mnist_mus": [0.125, 0.25, 0.5], "local_epochs": 1, "batch_size": 32, "ptb_epochs": 1}
+            "mnist_mus": [0.125, 0.25, 0.5], "local_epochs": 1, "batch_size": 32, "lr": 0.1, "ptb_epochs": 1}
 
 
 MNIST_CLASSES = 5  # the paper's non-IID split of a 10-class dataset: H = 5 classes per participant (CIFAR-10, §5)
@@ -106,7 +106,7 @@ def cifar_base(s: dict[str, Any], data_dir: str | None, partition: str) -> dict[
     return {
         "dataset": "cifar10", "data_dir": data_dir, **part, "model": "resnet18",
         "model_options": {"width_mult": 0.25, "norm": "bn-static"}, "clients": 10, "clients_per_round": 10,
-        "rounds": s["rounds"], "local_epochs": s["local_epochs"], "batch_size": s["batch_size"], "lr": 0.1,
+        "rounds": s["rounds"], "local_epochs": s["local_epochs"], "batch_size": s["batch_size"], "lr": s["lr"],
         "eval_every": s["eval_every"], "checkpoint_every": 1000, "plots": False, "device": "cpu",
         "dataset_options": {"train_limit": s["train_limit"], "test_limit": s["test_limit"]},
     }
