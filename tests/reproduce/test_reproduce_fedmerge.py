@@ -90,3 +90,52 @@ def test_msfusion_mnist_check_uses_the_papers_split_on_full_data():
                                                              ("compressed Eq. 6", {"compressed": True}))
     with pytest.raises(SystemExit, match="choose from"):
         rm.ablation_rows("w/o everything")
+
+
+def _planned(module, *flags: str) -> dict[str, dict[str, object]]:
+    """Every planned config of a family by (table id, row label), seed 0."""
+    from fedfuse.cli import make_parser
+
+    args = make_parser().parse_args(["reproduce", module, "--data-dir", "/data", *flags])
+    fam = {"fedmerge": rf, "msfusion": rm}[module].FAMILY
+    return {(t.id, label): cfg for t in fam.tables(args) for label, cfg in t.plan([0]).configs()}
+
+
+def test_fedmerge_quick_cifar_is_the_full_table_resized():
+    """``--quick`` keeps the CIFAR tables' shape (splits, model, clients, data per client, methods) and changes only
+    the stated sizes: 16 rounds of 5 of the 20 clients (each client still sampled 16 * 5 / 20 = 4 times, as at 8
+    rounds of 10), 2 local epochs at lr 0.1, one evaluation at the end, 4,000 images; the full preset is unchanged."""
+    full, quick = _planned("fedmerge"), _planned("fedmerge", "--quick")
+    cifar_q = {k: c for k, c in quick.items() if c.dataset == "cifar10"}
+    assert {t for t, _ in cifar_q} == {"cluster", "personal"} and set(cifar_q) <= set(full)
+    for key, q in cifar_q.items():
+        f = full[key]
+        assert (q.algorithm, q.algorithm_options.get("d"), q.partition, q.partition_options, q.model, q.clients,
+                q.batch_size) == (f.algorithm, f.algorithm_options.get("d"), f.partition, f.partition_options,
+                                  f.model, f.clients, f.batch_size)
+        assert (f.rounds, f.clients_per_round, f.local_epochs, f.lr, f.eval_every) == (24, 10, 1, 0.05, 3)
+        limits = ("train_limit", "test_limit")
+        assert [f.dataset_options[k] for k in limits] == [10000, 5000]
+        assert (q.rounds, q.clients_per_round, q.local_epochs, q.lr, q.eval_every) == (16, 5, 2, 0.1, 16)
+        assert [q.dataset_options[k] for k in limits] == [4000, 2000]
+        assert q.rounds * q.clients_per_round / q.clients == 4  # samplings per client, as before
+    mnist_q = [c for c in quick.values() if c.dataset == "mnist"]  # the MNIST part is not resized
+    assert mnist_q and all((c.rounds, c.clients_per_round, c.lr) == (15, 5, 0.1) for c in mnist_q)
+
+
+def test_msfusion_quick_cifar_is_the_full_table_resized():
+    """``--quick`` runs the full preset's non-IID μ = 0.25 CIFAR table with the same model, data, participants,
+    batch and schedule, resized to 4 rounds of 2 local epochs with one evaluation at the end; the full preset keeps
+    8 rounds of 1 epoch, evaluated every 4."""
+    full, quick = _planned("msfusion"), _planned("msfusion", "--quick")
+    cifar_q = {k: c for k, c in quick.items() if c.dataset == "cifar10"}
+    assert {t for t, _ in cifar_q} == {"cifar-non-iid-mu0.25"} and set(cifar_q) <= set(full)
+    for key, q in cifar_q.items():
+        f = full[key]
+        same = ("algorithm", "partition", "partition_options", "model", "model_options", "clients",
+                "clients_per_round", "batch_size", "lr", "dataset_options")
+        assert all(getattr(q, k) == getattr(f, k) for k in same), key
+        assert {k: v for k, v in q.algorithm_options.items() if k != "stats_every"} == \
+            {k: v for k, v in f.algorithm_options.items() if k != "stats_every"}
+        assert (f.rounds, f.local_epochs, f.eval_every) == (8, 1, 4)
+        assert (q.rounds, q.local_epochs, q.eval_every) == (4, 2, 4)

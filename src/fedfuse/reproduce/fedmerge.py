@@ -6,10 +6,14 @@ Parts (``--parts``, default ``mnist,cifar``):
   MLP, 15 rounds, every other setting the run's default (lr 0.1, 2 local epochs, batch 32); FedAvg, IFCA (K = 5)
   and FedMerge with its shipped defaults at d ∈ {2, 5, 10, 20} (quick: d ∈ {5, 10}); the full preset adds the
   non-default forms (shared initialisation, paper Θ update, the previous defaults) and FedEM as rows.
-* ``cifar`` — the papers' comparison on real CIFAR-10 images, two non-IID settings over 20 clients (10 per round):
-  *cluster* (5 clusters of 2 classes, client groups of sizes 2-6, the papers' Cluster non-IID scaled down) and
+* ``cifar`` — the papers' comparison on real CIFAR-10 images, two non-IID settings over 20 clients (10 per round;
+  quick 5): *cluster* (5 clusters of 2 classes, client groups of sizes 2-6, the papers' Cluster non-IID scaled down) and
   *personal* (Dirichlet(0.1)); FedMR's CIFAR CNN (62k parameters).  The papers use CIFAR-100, ResNet-9, 50 clients
   and 500 rounds; the same presets run at that scale on a GPU with ``--rounds`` and a larger ``train_limit``.
+  Full: 24 rounds, 10,000 images, lr 0.05, 1 local epoch.  Quick-only (``--quick``, a smoke test in which every
+  cell learns): 4,000 images, 16 rounds of 5 clients (each client still sampled ~4 times), 2 local epochs at
+  lr 0.1, one evaluation at the end; at 8 rounds of 10 clients, 1 epoch, lr 0.05 FedAvg and FedEM sat at chance.
+  Measured with ``fedfuse reproduce fedmerge --quick --seeds 0,1,2`` (docs/fedmerge.md, "The quick preset").
 
 Every cell is the mean ± sample std over the seeds (``--seeds``, default 3; quick 1) of the *final* personalised
 accuracy (each client's model on its own test split, averaged over clients); "ordering" rows compare FedMerge
@@ -50,12 +54,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on shared CPUs)")
 
 
+#: The CIFAR part's federation and local training (full preset; ``settings(quick=True)`` overrides some).
+CIFAR = {"clients": 20, "clients_per_round": 10, "local_epochs": 1, "batch_size": 32, "lr": 0.05}
+
+
 def settings(quick: bool) -> dict[str, Any]:
     if quick:
+        # CIFAR: the same 20 clients and 4,000 images as before, but 5 per round for 16 rounds (each client is still
+        # sampled ~4 times), 2 local epochs at lr 0.1, evaluated once at the end: at 8 rounds of 10 clients, 1
+        # epoch, lr 0.05 FedAvg and FedEM sat at chance (docs/fedmerge.md, "Reproduction")
         return {"mnist_rounds": 15, "mnist_train": 6000, "mnist_test": 2000,
-                "rounds": 8, "train_limit": 4000, "test_limit": 2000, "eval_every": 4}
+                "rounds": 16, "train_limit": 4000, "test_limit": 2000, "eval_every": 16,
+                "cifar": {**CIFAR, "clients_per_round": 5, "local_epochs": 2, "lr": 0.1}}
     return {"mnist_rounds": 15, "mnist_train": 12000, "mnist_test": 4000,
-            "rounds": 24, "train_limit": 10000, "test_limit": 5000, "eval_every": 3}
+            "rounds": 24, "train_limit": 10000, "test_limit": 5000, "eval_every": 3, "cifar": dict(CIFAR)}
 
 
 def _row(algo: str, **opts: Any) -> dict[str, Any]:
@@ -114,11 +126,13 @@ def tables(args: argparse.Namespace) -> list[Table]:
                           mnist_methods(args.quick), wanted))
     if "cifar" in parts:
         rounds = args.rounds or s["rounds"]
-        base = {**common, "dataset": "cifar10", "model": "cnn-cifar", "clients": 20, "clients_per_round": 10,
-                "rounds": rounds, "local_epochs": 1, "batch_size": 32, "lr": 0.05, "eval_every": s["eval_every"],
+        base = {**common, "dataset": "cifar10", "model": "cnn-cifar", **s["cifar"],
+                "rounds": rounds, "eval_every": s["eval_every"],
                 "dataset_options": {"train_limit": s["train_limit"], "test_limit": s["test_limit"]}}
         for name in settings_:
-            out.append(_table(name, f"CIFAR-10 {name} non-IID, 20 clients (10 per round), FedMR's CNN",
+            c = s["cifar"]
+            out.append(_table(name, f"CIFAR-10 {name} non-IID, {c['clients']} clients ({c['clients_per_round']} "
+                              "per round), FedMR's CNN",
                               {**base, **PARTITIONS[name]}, cifar_methods(args.quick, s["eval_every"], rounds),
                               wanted, PAPER[name]))
     return [t for t in out if t is not None]
