@@ -74,6 +74,25 @@ def test_table_by_hand_and_stale_rows_marked():
     assert stale_reason(recs[0]) is None
 
 
+def test_curve_columns_by_hand():
+    """A column with ``curve`` reads the recorded per-round curve: its value at a round, or each seed's mean of
+    its last n evaluations; a seed without that point is left out of the mean."""
+    spec = {"id": "t", "rows": ["method"],
+            "columns": [{"header": "method", "key": "method"},
+                        {"header": "r8", "curve": {"round": 8}, "agg": "mean_std", "scale": 100, "digits": 1},
+                        {"header": "last 2", "curve": {"last": 2}, "agg": "per_seed", "scale": 100, "digits": 1},
+                        {"header": "last 2 mean", "curve": {"last": 2}, "agg": "mean_std", "scale": 100,
+                         "digits": 2}]}
+    recs = [{**_rec("a", 0, 0.3), "curve": [[4, 0.1], [8, 0.2], [12, None], [16, 0.4]]},
+            {**_rec("a", 1, 0.5), "curve": [[4, 0.2], [8, 0.4], [12, 0.5], [16, 0.6]]},
+            {**_rec("a", 2, 0.5), "curve": [[4, 0.2]]}]
+    assert records.curve_value(recs[0], {"round": 12}) is None
+    assert records.curve_value(recs[0], {"last": 2}) == pytest.approx(0.3)  # rounds 8 and 16 (12 not evaluated)
+    row = render_table(spec, recs).splitlines()[2]
+    # r8: seeds 0, 1 (0.2, 0.4): 30.0 ± 14.1; last 2: 30.0 / 55.0 / 20.0 (seed 2: its one point), mean 35.00 ± 18.03
+    assert row == "| a | 30.0 ± 14.1 | 30.0 / 55.0 / 20.0 | 35.00 ± 18.03 |"
+
+
 def test_paired_table_by_hand():
     spec = {"id": "t", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "b"]],
             "metric": "global_accuracy", "scale": 100, "digits": 2}

@@ -175,10 +175,24 @@ def _groups(spec: dict[str, Any], recs: list[dict[str, Any]]) -> list[tuple[tupl
     return [(k, sorted(by[k], key=lambda r: r["seed"])) for k in sorted(by, key=rank)]
 
 
+def curve_value(rec: dict[str, Any], at: dict[str, Any]) -> float | None:
+    """A value of a record's per-round curve (``rec["curve"]``: [round, accuracy] of every evaluation): at
+    ``{"round": r}`` its value at round r, at ``{"last": n}`` the mean of its last n evaluations; None when the
+    curve has no such point."""
+    pts = [(int(r), float(a)) for r, a in rec.get("curve", []) if a is not None]
+    if "round" in at:
+        return next((a for r, a in pts if r == int(at["round"])), None)
+    last = pts[-int(at["last"]):]
+    return sum(a for _, a in last) / len(last) if last else None
+
+
 def _cell_text(col: dict[str, Any], key: tuple, spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     agg = col.get("agg", "key")
     scale, digits = float(col.get("scale", 1.0)), int(col.get("digits", 2))
-    vals = [r["metrics"].get(metric_for(col, r["cell"])) for r in recs] if "metric" in col else []
+    if "curve" in col:  # a point of the recorded curve instead of a final metric (:func:`curve_value`)
+        vals = [curve_value(r, col["curve"]) for r in recs]
+    else:
+        vals = [r["metrics"].get(metric_for(col, r["cell"])) for r in recs] if "metric" in col else []
     if agg == "key":
         v = key[spec["rows"].index(col["key"])]
         return "—" if v is None else str(v)

@@ -89,6 +89,26 @@ def test_msfusion_plans_the_configs_of_its_committed_records():
         assert planned[(rec["cell"]["method"], rec["seed"])] == rec["config_hash"], rec["cell"]
 
 
+def test_msfusion_plans_the_configs_of_its_committed_cifar_records():
+    """The records of docs/msfusion.md's 40-round CIFAR-10 table were written by ``fedfuse reproduce msfusion
+    --parts cifar --mus 0.25 --rounds 40 --cifar-splits non-iid --methods msfusion,fedrolex,heterofl --seeds 0,1,2``
+    (results/record-msfusion-cifar.sh): that command still plans exactly their configurations."""
+    import json
+
+    from fedfuse.config import apply, config_hash
+    from fedfuse.records import repo_root
+
+    args = args_of("msfusion", "--parts", "cifar", "--mus", "0.25", "--rounds", "40", "--cifar-splits", "non-iid",
+                   "--methods", "msfusion,fedrolex,heterofl", "--seeds", "0,1,2", "--threads", "1")
+    (table,) = available()["msfusion"].tables(args)
+    planned = {(label, cfg.seed): config_hash(apply(cfg, {"out": None}))
+               for label, cfg in table.plan(seeds(args)).configs()}
+    recs = [json.loads(p.read_text()) for p in (repo_root() / "results/records/msfusion-cifar40").glob("*.json")]
+    assert len(recs) == 9
+    for rec in recs:
+        assert planned[(rec["cell"]["method"], rec["seed"])] == rec["config_hash"], rec["cell"]
+
+
 def test_unknown_names_are_errors_that_list_the_choices():
     with pytest.raises(SystemExit, match="choose from"):
         available()["msfusion"].tables(args_of("msfusion", "--parts", "mnist,cifr"))
