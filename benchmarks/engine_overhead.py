@@ -378,7 +378,7 @@ def breakdown(fed: Federation, repeats: int, rounds: int, device: torch.device) 
         for _ in range(n):
             for label, fn in (("autocast (fp32 leaves)", stacked_step), ("bf16 leaves", leaves_step)):
                 casts[label].append(_timed(fn, device)[0 if device.type == "cuda" else 1])
-    diff = max(float((stacked.P[k].detach() - other.P[k]).abs().max()) for k in names)
+    diff = max(float((stacked.P[k] - other.P[k]).detach().abs().max()) for k in names)
     print(f"\n(1b) the stacked bf16 step, median CPU ms over {n} interleaved steps: " + ", ".join(
         f"{k} {1e3 * statistics.median(v):.2f}" for k, v in casts.items()) + f"; largest weight difference "
         f"after {n} steps {diff:.1e}")
