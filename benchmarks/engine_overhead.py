@@ -51,6 +51,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -227,10 +228,23 @@ def plain_round_times(fed: Federation, model_name: str, opts: dict, rounds: int,
     return walls[1:], cpus[1:]
 
 
-def step_times(fed: Federation, repeats: int, device: torch.device) -> None:
-    """One optimiser step of 10 clients on the 784-200-200-10 MLP, without the round around it (interleaved,
-    median CPU ms): the plain loop's 10 ``torch.optim.SGD`` steps, and the stacked executor's step (its
-    ``_StackedStep`` gradients and ``_StackedOptimizer`` update on the clients' stacked batches) per precision."""
+@dataclasses.dataclass
+class StepBench:
+    """One step of 10 clients on the 784-200-200-10 MLP, both ways: ``plain()`` runs the plain loop's 10
+    ``torch.optim.SGD`` steps, ``stacked_step()`` the stacked executor's one step (``_StackedStep`` gradients and
+    ``_StackedOptimizer`` update) on the clients' stacked first batches."""
+
+    model: torch.nn.Module
+    progs: list
+    x: torch.Tensor
+    y: torch.Tensor
+    stacked: Any
+    step: Any
+    plain: Callable[[], None]
+    stacked_step: Callable[[], None]
+
+
+def step_bench(fed: Federation, device: torch.device) -> StepBench:
     from fedfuse.engine.client import TrainConfig
     from fedfuse.engine.program import ClientProgram
     from fedfuse.executors.batched import _Stacked, _StackedOptimizer
@@ -260,6 +274,16 @@ def step_times(fed: Federation, repeats: int, device: torch.device) -> None:
     def stacked_step() -> None:
         grads, _ = step.grads(stacked, x, y, None, 0)
         opt.step(grads, None)
+
+    return StepBench(model, progs, x, y, stacked, step, plain, stacked_step)
+
+
+def step_times(fed: Federation, repeats: int, device: torch.device) -> None:
+    """One optimiser step of 10 clients on the 784-200-200-10 MLP, without the round around it (interleaved,
+    median CPU ms): the plain loop's 10 ``torch.optim.SGD`` steps, and the stacked executor's step (its
+    ``_StackedStep`` gradients and ``_StackedOptimizer`` update on the clients' stacked batches) per precision."""
+    b = step_bench(fed, device)
+    plain, stacked_step = b.plain, b.stacked_step
 
     variants = {"plain, fp32": (plain, "fp32"), "plain, bf16": (plain, "bf16"),
                 "stacked step, fp32": (stacked_step, "fp32"), "stacked step, bf16": (stacked_step, "bf16")}
@@ -300,35 +324,11 @@ def breakdown(fed: Federation, repeats: int, rounds: int, device: torch.device) 
     aggregation), by CPU-time accounting around those calls."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fedfuse.engine.client import TrainConfig
-    from fedfuse.engine.program import ClientProgram
     from fedfuse.executors.batched import BatchedExecutor, _GroupStep, _Stacked, _StackedOptimizer
-    from fedfuse.executors.stacked import _StackedStep
 
-    torch.manual_seed(0)
-    model = build_model("mlp", (1, 28, 28), 10, widths=[200, 200]).to(device)
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    spec = TrainConfig(batch_size=BATCH, lr=LR)
-    progs = [ClientProgram(model=model, init=init, spec=spec, finalize=lambda s, st: (s, st))
-             for _ in range(PER_ROUND)]
-    x = torch.stack([fed.clients[c].train.x[:BATCH] for c in range(PER_ROUND)])
-    y = torch.stack([fed.clients[c].train.y[:BATCH] for c in range(PER_ROUND)])
-    stacked = _Stacked(progs)
-    step = _StackedStep(progs[0], stacked.base, True)
-    opt = _StackedOptimizer(spec, [stacked.P[n] for n in step.opt_names])
-    sgd = torch.optim.SGD(model.parameters(), lr=LR)
-
-    def plain() -> None:
-        for c in range(PER_ROUND):
-            with train_autocast(device):
-                loss = torch.nn.functional.cross_entropy(model(x[c]), y[c])
-            sgd.zero_grad()
-            loss.backward()
-            sgd.step()
-
-    def stacked_step() -> None:
-        grads, _ = step.grads(stacked, x, y, None, 0)
-        opt.step(grads, None)
+    b = step_bench(fed, device)
+    model, progs, x, y, stacked, step = b.model, b.progs, b.x, b.y, b.stacked, b.step
+    plain, stacked_step = b.plain, b.stacked_step
 
     n = 20 * max(repeats, 1)
     print(f"\n(1) one step of {PER_ROUND} clients (MLP 784-200-200-10, batch {BATCH}): self CPU ms per step by "
