@@ -44,6 +44,11 @@ def _tool(name: str) -> str:
     return found
 
 
+#: Seconds after its last heartbeat that the SuperLink keeps a silent SuperNode online: Flower's default heartbeat
+#: interval (30 s) times its patience (2); until then the node's key cannot be activated again.
+NODE_OFFLINE_AFTER = 60.0
+
+
 class FederationError(RuntimeError):
     """A SuperLink, SuperNode or ``flwr`` command failed; the message ends with the relevant log tail."""
 
@@ -161,10 +166,23 @@ class LocalFederation:
         self.flwr("supernode", "register", str(self.certs.node_keys[i][1]), self.connection, "--name", f"node-{i}")
 
     def restart(self, i: int) -> int:
-        """Start SuperNode ``i`` again (after :meth:`kill`) with its registered key; returns its node id."""
+        """Start SuperNode ``i`` again (after :meth:`kill`) with its registered key; returns its node id.
+
+        A SuperNode killed without a goodbye stays online at the SuperLink until its heartbeats lapse, and the
+        SuperLink refuses to activate its key again until then ("Failed to activate SuperNode"): such a start
+        is retried, every 2 s, for up to :data:`NODE_OFFLINE_AFTER` + ``startup_timeout`` seconds."""
         if self.nodes[i] is None:
-            self.nodes[i] = self._start_node(i)
-            self.node_id[i] = self._wait_node(i)
+            deadline = time.monotonic() + NODE_OFFLINE_AFTER + self.startup_timeout
+            while True:
+                self.nodes[i] = self._start_node(i)
+                try:
+                    self.node_id[i] = self._wait_node(i)
+                    break
+                except FederationError as e:
+                    if "Failed to activate SuperNode" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    self.kill(i)  # reaps the exited SuperNode and its warm worker
+                    time.sleep(2.0)
         return self.node_id[i]
 
     def _start_node(self, i: int) -> _Proc:
