@@ -186,13 +186,26 @@ def curve_value(rec: dict[str, Any], at: dict[str, Any]) -> float | None:
     return sum(a for _, a in last) / len(last) if last else None
 
 
+def _column_values(col: dict[str, Any], recs: list[dict[str, Any]]) -> list[float | None]:
+    """The per-record values a column aggregates: a point of the recorded curve (``curve``,
+    :func:`curve_value`) or a final metric (``metric``); none for a column of neither."""
+    if "curve" in col:
+        return [curve_value(r, col["curve"]) for r in recs]
+    return [r["metrics"].get(metric_for(col, r["cell"])) for r in recs] if "metric" in col else []
+
+
+def _within(col: dict[str, Any], recs: list[dict[str, Any]]) -> str:
+    """``yes`` when every seed's best minus last (``metrics`` [best, last]) is at most ``tol``."""
+    best, last = col["metrics"]
+    ok = all(r["metrics"].get(best) is not None and r["metrics"].get(last) is not None
+             and r["metrics"][best] - r["metrics"][last] <= float(col["tol"]) + 1e-12 for r in recs)
+    return "yes" if ok else "no"
+
+
 def _cell_text(col: dict[str, Any], key: tuple, spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     agg = col.get("agg", "key")
     scale, digits = float(col.get("scale", 1.0)), int(col.get("digits", 2))
-    if "curve" in col:  # a point of the recorded curve instead of a final metric (:func:`curve_value`)
-        vals = [curve_value(r, col["curve"]) for r in recs]
-    else:
-        vals = [r["metrics"].get(metric_for(col, r["cell"])) for r in recs] if "metric" in col else []
+    vals = _column_values(col, recs)
     if agg == "key":
         v = key[spec["rows"].index(col["key"])]
         return "—" if v is None else str(v)
@@ -205,11 +218,8 @@ def _cell_text(col: dict[str, Any], key: tuple, spec: dict[str, Any], recs: list
         return "—" if ms.n == 0 else (f"{ms.mean * scale:,.0f}" if digits == 0 else f"{ms.mean * scale:.{digits}f}")
     if agg == "seeds":
         return ",".join(str(r["seed"]) for r in recs)
-    if agg == "within":  # every seed: best - last <= tol (metrics [best, last])
-        best, last = col["metrics"]
-        ok = all(r["metrics"].get(best) is not None and r["metrics"].get(last) is not None
-                 and r["metrics"][best] - r["metrics"][last] <= float(col["tol"]) + 1e-12 for r in recs)
-        return "yes" if ok else "no"
+    if agg == "within":
+        return _within(col, recs)
     if agg == "commit":
         return ", ".join(sorted({r["commit"][:7] for r in recs}))
     raise ValueError(f"table {spec['id']}: unknown column aggregate {agg!r}")
