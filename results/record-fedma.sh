@@ -9,15 +9,9 @@
 set -euo pipefail
 COMMIT=${1:?commit}; shift
 for OUT in "$@"; do
-  python3 - "$OUT/results.json" <<'PY' | while IFS=$'\t' read -r cell dirs; do
-import json, re, sys
-for tid, t in json.load(open(sys.argv[1])).items():
-    m = re.fullmatch(r"mlp-sgd-(\d+)clients-(\d+)comms", tid)
-    if not m:
-        continue
-    for label, runs in t["runs"].items():
-        print(f"clients={m[1]},comms={m[2]},method={label}\t" + " ".join(r["dir"] for r in runs))
-PY
+  python3 "$(dirname "$0")/reproduction_cells.py" "$OUT/results.json" \
+      'mlp-sgd-(?P<clients>\d+)clients-(?P<comms>\d+)comms' 'clients={clients},comms={comms},method={label}' |
+    while IFS=$'\t' read -r cell dirs; do
     # shellcheck disable=SC2086
     fedfuse results record --table fedma-clients --cell "$cell" --commit "$COMMIT" $dirs
   done

@@ -8,15 +8,9 @@
 set -euo pipefail
 COMMIT=${1:?commit}
 OUT=${2:?out}
-python3 - "$OUT/results.json" <<'PY' | while IFS=$'\t' read -r cell dirs; do
-import json, re, sys
-for tid, t in json.load(open(sys.argv[1])).items():
-    m = re.fullmatch(r"cifar-non-iid-mu([0-9.]+)", tid)
-    if not m:
-        continue
-    for label, runs in t["runs"].items():
-        print(f"method={label},mu={m[1]}\t" + " ".join(r["dir"] for r in runs))
-PY
+python3 "$(dirname "$0")/reproduction_cells.py" "$OUT/results.json" \
+    'cifar-non-iid-mu(?P<mu>[0-9.]+)' 'method={label},mu={mu}' |
+  while IFS=$'\t' read -r cell dirs; do
   # shellcheck disable=SC2086
   fedfuse results record --table msfusion-cifar40 --cell "$cell" --commit "$COMMIT" $dirs
 done
