@@ -104,6 +104,26 @@ def test_paired_table_by_hand():
     assert row.endswith("| yes (n.s.) |")
 
 
+def test_paired_and_claims_read_a_curve_mean_when_given():
+    """A paired spec or claims row with ``curve`` compares each seed's mean of its last n evaluations (FedMR's
+    "final accuracy"), not the final metric."""
+    curves = {("a", 0): [0.5, 0.9], ("a", 1): [0.6, 0.8], ("a", 2): [0.7, 0.9],
+              ("b", 0): [0.6, 0.6], ("b", 1): [0.5, 0.7], ("b", 2): [0.6, 0.6]}
+    # final metrics say the opposite of the curves' last-2 means, so the test sees which one is read
+    recs = [{**_rec(m, s, 1.0 if m == "b" else 0.0), "curve": [[10, c[0]], [20, c[1]]]}
+            for (m, s), c in curves.items()]
+    spec = {"id": "t", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "b"]],
+            "curve": {"last": 2}, "scale": 100, "digits": 2}
+    # last-2 means: a 0.70, 0.70, 0.80; b 0.60, 0.60, 0.60: differences 0.10, 0.10, 0.20 (mean 0.1333)
+    row = render_table(spec, recs).splitlines()[2]
+    assert row.startswith("| 0.5 | a vs b | +13.33 |") and "| yes" in row
+    claim = {"by": "method", "pairs": [["a", "b"]], "curve": {"last": 2}, "label": "L"}
+    measured, holds = records.claim_cells(claim, recs)
+    assert measured.startswith("L: a 73.3 vs b 60.0 % (+13.3, p = ") and holds in ("**yes**", "yes (n.s.)")
+    # at round 10 alone a trails b on seed 0 (0.5 vs 0.6) and leads on seeds 1, 2: the mean +0.033 still "yes"
+    assert records.claim_cells({**claim, "curve": {"round": 10}}, recs)[0].startswith("L: a 60.0 vs b 56.7 %")
+
+
 def test_paired_groups_in_numeric_order():
     """Groups are ordered by value: 2 clients before 10 (not "10" < "2" as text), numbers before text."""
     spec = {"id": "t", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "b"]],
@@ -217,6 +237,22 @@ def test_record_render_and_verify_a_real_run(tmp_path):
     ok, rows = records.verify(bad)
     assert not ok and dict((k, d) for k, _, _, d in rows)["global_accuracy"] > 0
     shutil.rmtree(tmp_path / "run0")
+
+
+def test_verify_compares_the_recorded_curve(tmp_path):
+    """``verify`` also compares the per-round curve the tables read (a curve column, a claims row's last-n mean):
+    the same code gives a zero largest difference; a changed point is caught and its size reported."""
+    rec = make_record(_tiny_run(tmp_path, 0), "tiny", {"method": "fedavg"}, commit="0" * 40)
+    assert len(rec["curve"]) == 2
+    ok, rows = records.verify(rec, tol=0.0)
+    got = {k: (a, b, d) for k, a, b, d in rows}
+    assert ok and got[records.CURVE_DIFF] == ("2 rounds", "2 rounds", 0.0)
+    bad = {**rec, "curve": [rec["curve"][0], [rec["curve"][1][0], rec["curve"][1][1] + 0.125]]}
+    ok, rows = records.verify(bad, tol=1e-9)
+    assert not ok and dict((k, d) for k, _, _, d in rows)[records.CURVE_DIFF] == pytest.approx(-0.125)
+    short = {**rec, "curve": rec["curve"][:1]}
+    ok, rows = records.verify(short)
+    assert not ok and dict((k, d) for k, _, _, d in rows)[records.CURVE_DIFF] is None
 
 
 def test_cli_results_render_check_and_list(tmp_path, capsys):

@@ -470,7 +470,8 @@ def _results_verify(args: argparse.Namespace, root: Path) -> int:
     ok, rows = records.verify(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
     wanted = [r for r in rows if records.is_table_metric(r[0])]
     for name, a, b, d in (rows if args.all_metrics else wanted):
-        print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  difference {d:+.3g}")
+        diff = "—" if d is None else f"{d:+.3g}"
+        print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  difference {diff}")
     print("reproduced" if ok else f"NOT reproduced (tolerance {args.tol})")
     return 0 if ok else 1
 

@@ -91,10 +91,7 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
     if not res.summary:
         raise ValueError(f"{run_dir}: the run has not finished (no summary.json)")
     algo = cfg.algorithm
-    # the per-round accuracy: the global model's, or (methods without one, e.g. FedMerge) the personalised one
-    has_global = any(h.get("global_accuracy") is not None for h in hist)
-    curve_metric = "global_accuracy" if has_global else "personal_accuracy"
-    curve = [[int(h["round"]), h.get(curve_metric)] for h in hist if "personal_accuracy" in h]
+    curve, curve_metric = _curve(hist)
     d = cfg.to_dict()
     for k in ("out", "data_dir", "threads"):
         d.pop(k, None)
@@ -111,8 +108,16 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
         "federation": federation,
         "metrics": {**_scalars(res.summary.get("final", {})), **_stability_metrics(hist)},
         "curve": curve,
-        **({} if has_global else {"curve_metric": curve_metric}),
+        **({} if curve_metric == "global_accuracy" else {"curve_metric": curve_metric}),
     }
+
+
+def _curve(hist: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], str]:
+    """([round, accuracy] of every evaluated round, the metric): the global model's accuracy, or (methods
+    without one, e.g. FedMerge) the personalised one."""
+    has_global = any(h.get("global_accuracy") is not None for h in hist)
+    metric = "global_accuracy" if has_global else "personal_accuracy"
+    return [[int(h["round"]), h.get(metric)] for h in hist if "personal_accuracy" in h], metric
 
 
 def record_path(root: Path, rec: dict[str, Any]) -> Path:
@@ -186,12 +191,19 @@ def curve_value(rec: dict[str, Any], at: dict[str, Any]) -> float | None:
     return sum(a for _, a in last) / len(last) if last else None
 
 
+def record_value(spec: dict[str, Any], rec: dict[str, Any]) -> float | None:
+    """The value a table column, paired spec or claims row reads from one record: a point of the recorded curve
+    when ``spec`` has ``curve`` (:func:`curve_value`, e.g. ``{"last": 5}``: FedMR's "final accuracy", the mean
+    of the last 5 evaluations), else the final metric :func:`metric_for` names."""
+    if "curve" in spec:
+        return curve_value(rec, spec["curve"])
+    return rec["metrics"].get(metric_for(spec, rec["cell"]))
+
+
 def _column_values(col: dict[str, Any], recs: list[dict[str, Any]]) -> list[float | None]:
-    """The per-record values a column aggregates: a point of the recorded curve (``curve``,
-    :func:`curve_value`) or a final metric (``metric``); none for a column of neither."""
-    if "curve" in col:
-        return [curve_value(r, col["curve"]) for r in recs]
-    return [r["metrics"].get(metric_for(col, r["cell"])) for r in recs] if "metric" in col else []
+    """The per-record values a column aggregates (:func:`record_value`); none for a column without ``curve``
+    or ``metric``."""
+    return [record_value(col, r) for r in recs] if "curve" in col or "metric" in col else []
 
 
 def _within(col: dict[str, Any], recs: list[dict[str, Any]]) -> str:
@@ -267,8 +279,8 @@ def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
             if a not in methods or b not in methods:
                 continue
             seeds = sorted(set(methods[a]) & set(methods[b]))
-            va = [methods[a][s]["metrics"].get(metric_for(spec, methods[a][s]["cell"])) for s in seeds]
-            vb = [methods[b][s]["metrics"].get(metric_for(spec, methods[b][s]["cell"])) for s in seeds]
+            va = [record_value(spec, methods[a][s]) for s in seeds]
+            vb = [record_value(spec, methods[b][s]) for s in seeds]
             t = paired_test(va, vb)
             holds = ("yes" if sign * t.diff > 0 else "no") + ("" if t.significant() else " (n.s.)")
             stale = any(stale_reason(methods[m][s]) for m in (a, b) for s in seeds)
@@ -297,8 +309,8 @@ def _claim_part(row: dict[str, Any], recs: list[dict[str, Any]]) -> tuple[str, l
         if a not in by or b not in by:
             return None
         seeds = sorted(set(by[a]) & set(by[b]))
-        va = [by[a][x]["metrics"].get(metric_for(row, by[a][x]["cell"])) for x in seeds]
-        vb = [by[b][x]["metrics"].get(metric_for(row, by[b][x]["cell"])) for x in seeds]
+        va = [record_value(row, by[a][x]) for x in seeds]
+        vb = [record_value(row, by[b][x]) for x in seeds]
         t = paired_test(va, vb)
         ma, mb = mean_std(va).mean, mean_std(vb).mean
         p = "n/a" if t.p_value != t.p_value else f"{t.p_value:.2g}"
@@ -454,7 +466,23 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
         fed = truncated(federation_for(cfg), int(spec["seqs"]), int(spec["test"]))
     exp = experiment(cfg, fed=fed, progress=False)
     summary = exp.run()
-    return {**_scalars(summary.get("final", {})), **_stability_metrics(exp.history)}
+    return {**_scalars(summary.get("final", {})), **_stability_metrics(exp.history),
+            CURVE_DIFF: _curve(exp.history)[0]}
+
+
+#: The row of :func:`verify`'s comparison that covers the per-round curve (tables read points and means of it).
+CURVE_DIFF = "curve (largest difference over its rounds)"
+
+
+def _curve_row(recorded: list[list[Any]], now: list[list[Any]]) -> tuple[str, Any, Any, float | None]:
+    """(CURVE_DIFF, "N rounds" recorded, "N rounds" now, the largest |now − recorded| over the evaluated rounds,
+    signed); the difference is None when the evaluated rounds differ."""
+    a = {int(r): v for r, v in recorded}
+    b = {int(r): v for r, v in now}
+    if set(a) != set(b) or any((a[r] is None) != (b[r] is None) for r in a):
+        return CURVE_DIFF, f"{len(a)} rounds", f"{len(b)} rounds", None
+    diffs = [float(b[r]) - float(a[r]) for r in a if a[r] is not None]
+    return CURVE_DIFF, f"{len(a)} rounds", f"{len(b)} rounds", max(diffs, key=abs, default=0.0)
 
 
 def compare(recorded: dict[str, Any], now: dict[str, Any], keys: Iterable[str] | None = None
@@ -476,14 +504,18 @@ TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy", "ensemble
 
 def is_table_metric(name: str) -> bool:
     """Metrics the tables use: accuracies, perplexities, ROUGE-1 and the stability means."""
-    return name in TABLE_METRICS or name.startswith(("global_accuracy_", "last10_mean", "best10_mean"))
+    return name in TABLE_METRICS or name == CURVE_DIFF or name.startswith(("global_accuracy_", "last10_mean",
+                                                                          "best10_mean"))
 
 
 def verify(rec: dict[str, Any], data_dir: str | None = None, tol: float = 1e-9,
            out: str | None = None) -> tuple[bool, list[tuple[str, Any, Any, float | None]]]:
     """Re-run ``rec`` and compare: (every table metric within ``tol``, the comparison rows)."""
     now = rerun(rec, data_dir, out)
+    curve = now.pop(CURVE_DIFF)
     rows = compare(rec["metrics"], now)
+    if rec.get("curve"):
+        rows.append(_curve_row(rec["curve"], curve))
     table = [r for r in rows if is_table_metric(r[0])]
     ok = all(d is not None and abs(d) <= tol for _, _, _, d in table)
     return ok, rows

@@ -69,39 +69,41 @@ def test_quick_is_one_seed_of_a_smaller_preset(name):
     assert cost["quick"] < cost["full"]
 
 
-def _check_plans_the_records(table_id: str, *argv: str) -> None:
-    """``fedfuse reproduce msfusion ARGV`` plans exactly the configurations (config hashes) of the 9 committed
-    records of ``table_id``, per method and seed."""
+def _check_plans_the_records(family: str, table_id: str, count: int, *argv: str) -> None:
+    """``fedfuse reproduce FAMILY ARGV`` plans exactly the configurations (config hashes) of the ``count``
+    committed records of ``table_id``: each record's hash is a planned run of its method (cell ``method``), seed
+    and, where the cell names one, data setting (cell ``setting``: the reproduction's table id)."""
     import json
 
     from fedfuse.config import apply, config_hash
     from fedfuse.records import repo_root
 
-    args = args_of("msfusion", *argv)
-    (table,) = available()["msfusion"].tables(args)
-    planned = {(label, cfg.seed): config_hash(apply(cfg, {"out": None}))
-               for label, cfg in table.plan(seeds(args)).configs()}
+    args = args_of(family, *argv)
+    planned = {config_hash(apply(cfg, {"out": None})): (table.id, label, cfg.seed)
+               for table in available()[family].tables(args) for label, cfg in table.plan(seeds(args)).configs()}
     recs = [json.loads(p.read_text()) for p in (repo_root() / "results/records" / table_id).glob("*.json")]
-    assert len(recs) == 9
+    assert len(recs) == count
     for rec in recs:
-        assert planned[(rec["cell"]["method"], rec["seed"])] == rec["config_hash"], rec["cell"]
+        tid, label, seed = planned[rec["config_hash"]]
+        assert (label, seed) == (rec["cell"]["method"], rec["seed"]), rec["cell"]
+        assert rec["cell"].get("setting", tid) == tid, rec["cell"]
 
 
 def test_msfusion_plans_the_configs_of_its_committed_records():
     """The records of docs/msfusion.md's 100-round MNIST table were written by
     ``fedfuse reproduce msfusion --quick --parts mnist --mus 0.125 --mnist-rounds 100 --seeds 0,1,2
     --compare-assemblies``: that command still plans exactly their configurations (the same config hashes)."""
-    _check_plans_the_records("msfusion-mnist100", "--quick", "--parts", "mnist", "--mus", "0.125", "--mnist-rounds",
-                              "100", "--seeds", "0,1,2", "--compare-assemblies", "--threads", "1")
+    _check_plans_the_records("msfusion", "msfusion-mnist100", 9, "--quick", "--parts", "mnist", "--mus", "0.125",
+                             "--mnist-rounds", "100", "--seeds", "0,1,2", "--compare-assemblies", "--threads", "1")
 
 
 def test_msfusion_plans_the_configs_of_its_committed_cifar_records():
     """The records of docs/msfusion.md's 40-round CIFAR-10 table were written by ``fedfuse reproduce msfusion
     --parts cifar --mus 0.25 --rounds 40 --cifar-splits non-iid --methods msfusion,fedrolex,heterofl --seeds 0,1,2``
     (results/record-msfusion-cifar.sh): that command still plans exactly their configurations."""
-    _check_plans_the_records("msfusion-cifar40", "--parts", "cifar", "--mus", "0.25", "--rounds", "40",
-                              "--cifar-splits", "non-iid", "--methods", "msfusion,fedrolex,heterofl", "--seeds",
-                              "0,1,2", "--threads", "1")
+    _check_plans_the_records("msfusion", "msfusion-cifar40", 9, "--parts", "cifar", "--mus", "0.25", "--rounds",
+                             "40", "--cifar-splits", "non-iid", "--methods", "msfusion,fedrolex,heterofl", "--seeds",
+                             "0,1,2", "--threads", "1")
 
 
 def test_unknown_names_are_errors_that_list_the_choices():
