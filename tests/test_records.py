@@ -289,6 +289,10 @@ def test_claims_rows_computed_from_records_and_typed_rows_marked(tmp_path):
     assert lines[4] == f"| B | typed | 1 > 0 {records.TYPED} | **yes** | there |"
     block = records.render_block(root, "claims")
     assert "2 rows computed from 6 records (`t`); the 1 rows marked ✎ are typed by hand" in block
+    computed = {**spec, "rows": spec["rows"][:2]}
+    (root / "results" / "tables" / "claims.json").write_text(json.dumps(computed))
+    assert "2 rows computed from 6 records (`t`); every row is computed, none typed by hand." in \
+        records.render_block(root, "claims")
 
 
 def test_claims_row_with_parts_over_two_tables(tmp_path):

@@ -389,10 +389,11 @@ def render_block(root: Path, table: str) -> str:
         tables = sorted({t for r in spec["rows"] for t in _claim_tables(r)})
         recs = [r for t in tables for r in load_records(root, t)]
         typed = sum(1 for r in spec["rows"] if not _claim_tables(r))
+        rest = (f"the {typed} rows marked {TYPED} are typed by hand (no records yet)" if typed
+                else "every row is computed, none typed by hand")
         return (f"\n{render_claims(spec, root)}\n\n<sub>Rendered by `fedfuse results render` from "
                 f"`results/tables/{table}.json`: {len(spec['rows']) - typed} rows computed from {len(recs)} records "
-                f"({', '.join(f'`{t}`' for t in tables) or '—'}); the {typed} rows marked {TYPED} are typed by hand "
-                f"(no records yet).</sub>\n\n")
+                f"({', '.join(f'`{t}`' for t in tables) or '—'}); {rest}.</sub>\n\n")
     recs = load_records(root, table)
     if spec.get("records"):
         recs = [r for t in spec["records"] for r in load_records(root, t)]

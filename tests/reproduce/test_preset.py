@@ -116,3 +116,13 @@ def test_unknown_names_are_errors_that_list_the_choices():
     t = Table("t", "t", {}, {"a": {"algorithm": "fedavg"}}, pairs=(("a", "b"),))
     with pytest.raises(ValueError, match="pairs name rows"):
         t.plan([0])
+
+
+def test_fedmr_plans_the_configs_of_its_committed_records():
+    """The records of docs/fedmr.md's tables were written by ``fedfuse reproduce fedmr --scale full`` and by the
+    `cpu` preset with ``--settings cifar10-dir0.1`` (every Table 1 method) and ``femnist`` (FedAvg, FedMR)
+    (results/record-fedmr.sh): those commands still plan exactly their configurations."""
+    _check_plans_the_records("fedmr", "fedmr-full", 6, "--scale", "full", "--seeds", "0,1,2", "--threads", "1")
+    _check_plans_the_records("fedmr", "fedmr-cpu", 27, "--settings", "cifar10-dir0.1,femnist",
+                             "--methods", "FedAvg,FedMR,FedMR two-stage,FedExP,FedMut,FedProx,FedASAM", "--seeds",
+                             "0,1,2", "--threads", "1")
