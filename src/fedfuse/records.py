@@ -444,7 +444,8 @@ def choose(root: Path, table: str | None = None, cell: dict[str, str] | None = N
 
 
 def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = None) -> dict[str, Any]:
-    """Re-run ``rec``'s config with today's code; returns the metrics a record would hold."""
+    """Re-run ``rec``'s config with today's code; returns the metrics a record would hold and (``curve``) its
+    per-round curve."""
     from fedfuse.config import RunConfig, apply, validate
     from fedfuse.runner import experiment
 
@@ -467,8 +468,7 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
         fed = truncated(federation_for(cfg), int(spec["seqs"]), int(spec["test"]))
     exp = experiment(cfg, fed=fed, progress=False)
     summary = exp.run()
-    return {**_scalars(summary.get("final", {})), **_stability_metrics(exp.history),
-            CURVE_DIFF: _curve(exp.history)[0]}
+    return {**_scalars(summary.get("final", {})), **_stability_metrics(exp.history), "curve": _curve(exp.history)[0]}
 
 
 #: The row of :func:`verify`'s comparison that covers the per-round curve (tables read points and means of it).
@@ -513,7 +513,7 @@ def verify(rec: dict[str, Any], data_dir: str | None = None, tol: float = 1e-9,
            out: str | None = None) -> tuple[bool, list[tuple[str, Any, Any, float | None]]]:
     """Re-run ``rec`` and compare: (every table metric within ``tol``, the comparison rows)."""
     now = rerun(rec, data_dir, out)
-    curve = now.pop(CURVE_DIFF)
+    curve = now.pop("curve")
     rows = compare(rec["metrics"], now)
     if rec.get("curve"):
         rows.append(_curve_row(rec["curve"], curve))
