@@ -98,6 +98,7 @@ MOVES: dict[tuple[str, str], tuple[dict[str, Any], Any]] = {
 ROUNDS: dict[tuple[str, str], int] = {
     ("msfusion", "lam"): 3,  # the contrastive term starts once a participant returns with a previous sub-model
     ("msfusion", "similarity"): 3,
+    ("msfusion", "tau"): 3,  # the temperature of that term
 }
 
 
