@@ -69,3 +69,23 @@ def test_check_values_screens_by_norm_and_searches_only_a_failing_group():
         t["half"][4] = bad
         assert check_values(Message(t)) == f"non-finite values ({what}) in half"
     assert check_values(Message({"steps": torch.tensor([2**62])})) is None  # integers are not screened
+
+
+def test_absolute_norm_bound_applies_when_no_median_is_a_reference():
+    """With 2 replies a ×1000 update is half the round's "median": the relative bound cannot see it, the absolute
+    ``norm_max`` can.  With ≥ 3 replies the relative bound applies and ``norm_max`` does not (hand-made norms)."""
+    sent = {c: _msg(w=[0.0, 0.0]) for c in range(4)}
+    honest = _msg(w=[3.0, 4.0])  # update norm 5
+    pair = {0: honest, 1: _msg(w=[3000.0, 4000.0])}  # ×1000: norm 5000
+    assert check_replies(PLAIN, sent, pair, [10] * 4, norm_bound=100) == {}  # the relative bound is blind here
+    why = check_replies(PLAIN, sent, pair, [10] * 4, norm_bound=100, norm_max=1000)
+    assert set(why) == {1} and "5e+03 exceeds the absolute bound norm_max=1000" in why[1]
+    assert check_replies(PLAIN, sent, {0: pair[1]}, [10] * 4, norm_max=1000).keys() == {0}  # one reply
+    assert check_replies(PLAIN, sent, {0: honest}, [10] * 4, norm_max=5.0) == {}  # the bound itself passes
+    # three replies: a median exists, norm_max is not used (every norm is 5000 > 1000, none is an outlier)
+    big = {c: _msg(w=[3000.0, 4000.0]) for c in range(3)}
+    assert check_replies(PLAIN, sent, big, [10] * 4, norm_bound=100, norm_max=1000) == {}
+    # ... and the relative bound does not catch a ×50 update (below 100 × the median): robust fusion's case
+    x50 = {0: honest, 1: honest, 2: _msg(w=[150.0, 200.0])}
+    assert check_replies(PLAIN, sent, x50, [10] * 4, norm_bound=100, norm_max=1000) == {}
+    assert check_replies(PLAIN, sent, x50, [10] * 4, norm_bound=10).keys() == {2}
