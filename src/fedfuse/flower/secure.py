@@ -63,8 +63,15 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedfuse.engine.contract import Job
 from fedfuse.flower import wire
-from fedfuse.fusion.secagg import RING_BITS, ring_add
-from fedfuse.privacy.secure import MaskedReply, SecAggAbort, SecAggSettings, SecureTotal, encode_contributions
+from fedfuse.fusion.secagg import MIN_COHORT, RING_BITS, ring_add
+from fedfuse.privacy.secure import (
+    EncodingError,
+    MaskedReply,
+    SecAggAbort,
+    SecAggSettings,
+    SecureTotal,
+    encode_contributions,
+)
 from fedfuse.types import Message as FedfuseMessage
 
 log = logging.getLogger("fedfuse")
@@ -259,15 +266,32 @@ def _decode(results: list[tuple[Any, Any]], by_node: dict[int, list[Job]], to_ar
 
 # ---- client side ------------------------------------------------------------------------------------------------
 def secure_mod(msg: Any, context: Any, call_next: Callable[[Any, Any], Any]) -> Any:
-    """The ClientApp's mod: Flower's ``secaggplus_mod`` for the messages of a SecAgg+ round, a pass-through for
-    every other message (plain runs, evaluation, queries)."""
-    from flwr.client.mod import secaggplus_mod
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+    """The ClientApp's mod: Flower's ``secaggplus_mod`` for the messages of a SecAgg+ round (with
+    :func:`aes_masks`), a pass-through for every other message (plain runs, evaluation, queries).
 
-    if RECORD_KEY_CONFIGS in msg.content.config_records:
-        use_strong_masks()
-        return secaggplus_mod(msg, context, call_next)
-    return call_next(msg, context)
+    The node itself refuses — with an error reply, which Flower's workflow counts as this node's dropout — to send
+    its unmasking shares when fewer than 3 nodes sent a masked vector (then no sum over one or two nodes can be
+    unmasked, whatever the server's settings), and to join a round none of whose clients it could encode."""
+    from flwr.app import Error, Message
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.constant import ErrorCode
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    if RECORD_KEY_CONFIGS not in msg.content.config_records:
+        return call_next(msg, context)
+    use_strong_masks()
+    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    why = None
+    if configs.get(Key.STAGE) == Stage.UNMASK and len(configs.get(Key.ACTIVE_NODE_ID_LIST, [])) < MIN_COHORT:
+        why = (f"SecAgg+: only {len(configs[Key.ACTIVE_NODE_ID_LIST])} nodes sent a masked vector; this node "
+               f"unmasks no sum over fewer than {MIN_COHORT}")
+    else:
+        try:
+            return secaggplus_mod(msg, context, call_next)
+        except EncodingError as e:
+            why = f"SecAgg+: this node has no client it can encode: {e}"
+    log.warning("%s", why)
+    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=why), reply_to=msg)
 
 
 def is_secure_fit(msg: Any) -> bool:
