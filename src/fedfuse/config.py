@@ -130,7 +130,7 @@ class RunConfig:
     check_updates: bool = opt(True, "check every client update before fusion and quarantine bad ones")
     norm_bound: float = opt(100.0, "quarantine an update whose norm exceeds this multiple of the round's "
                                   "median norm (0 = off; needs >= 3 replies)", ge=0.0)
-    norm_max: float = opt(1000.0, "quarantine an update whose L2 norm exceeds this absolute bound in a round with "
+    norm_max: float = opt(100.0, "quarantine an update whose L2 norm exceeds this absolute bound in a round with "
                                   "fewer than 3 replies, where norm_bound has no median (0 = off); under secagg "
                                   "every honest client checks its own update against it", ge=0.0)
     on_divergence: str = opt("stop", "non-finite loss or model: stop (keep the last good checkpoint) or "
@@ -681,7 +681,7 @@ def make_config(config: ConfigLike = None, /, **options: Any) -> RunConfig:
 _HASH_NEUTRAL_DEFAULTS: dict[str, object] = {
     "precision": "fp32", "memory_format": "auto", "fp32_matmul": "ieee",
     "secagg_frac_bits": 24, "secagg_neighbors": 0, "secagg_threshold": 0.5,
-    "secagg_min_clients": 3, "secagg_max_weight": 0, "norm_max": 1000.0,
+    "secagg_min_clients": 3, "secagg_max_weight": 0, "norm_max": 100.0,
 }
 """Run keys added after configs were first hashed: left out of :func:`config_hash` while at these defaults (a
 run that leaves them alone computes what it did before they existed), so earlier caches and result records keep
