@@ -50,10 +50,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import logging
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,8 +111,12 @@ def aes_masks(seed: bytes, num_range: int, dimensions_list: list[tuple[int, ...]
 
 def use_strong_masks() -> None:
     """Make Flower's SecAgg+ (workflow and mod, in this process) expand its masks with :func:`aes_masks`."""
+    # the package rebinds the name secaggplus_mod to the function: take the modules from sys.modules
+    import flwr.client.mod.secure_aggregation.secaggplus_mod
+    import flwr.server.workflow.secure_aggregation.secaggplus_workflow  # noqa: F401
+
     for name in MASK_MODULES:
-        module = importlib.import_module(name)
+        module = sys.modules[name]
         if getattr(module, "pseudo_rand_gen", None) is not aes_masks:
             module.pseudo_rand_gen = aes_masks  # type: ignore[attr-defined]
 
