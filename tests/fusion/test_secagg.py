@@ -290,7 +290,7 @@ def test_a_threshold_at_most_half_lets_a_split_view_server_unmask_a_client() -> 
     with pytest.raises(ValueError, match="t <= n/2"):
         secure_sum({u: quantize(torch.ones(3)) for u in range(6)}, threshold=0.4)
     with pytest.raises(ValueError, match="t <= n/2"):
-        SecAggSettings(threshold=0.4)
+        _round({0: 1.0, 1: 1.0, 2: 1.0}, {0: 1, 1: 1, 2: 1}, [1, 1, 1], threshold=0.4)
 
 
 # ---- attacks and faults: encoding, weights, scaled updates --------------------------------------------------------

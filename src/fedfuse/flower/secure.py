@@ -63,7 +63,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedfuse.engine.contract import Job
 from fedfuse.flower import wire
-from fedfuse.fusion.secagg import MIN_COHORT, RING_BITS, ring_add
+from fedfuse.fusion.secagg import MIN_COHORT, RING_BITS, check_threshold, ring_add
 from fedfuse.privacy.secure import (
     EncodingError,
     MaskedReply,
@@ -144,8 +144,9 @@ def workflow_shares(settings: SecAggSettings, nodes: int) -> tuple[int, int]:
     """Flower's ``num_shares`` and ``reconstruction_threshold``, as numbers, for ``nodes`` (≥ 3) sampled nodes:
     every node (``secagg_neighbors`` 0, SecAgg) or an odd neighbourhood of at least 3 around each node (k + 1
     shares), and t = ⌊f·h⌋ + 1 > h/2 of its h shares (f = ``secagg_threshold``), below h (Flower's rule)."""
-    if nodes < 3:
-        raise SecAggAbort(f"SecAgg+ needs at least 3 nodes, got {nodes}")
+    check_threshold(settings.threshold)
+    if nodes < MIN_COHORT:
+        raise SecAggAbort(f"SecAgg+ needs at least {MIN_COHORT} nodes, got {nodes}")
     shares = nodes if settings.neighbors <= 0 else min(nodes, max(3, settings.neighbors + 1))
     if shares < nodes and shares % 2 == 0:
         shares += 1  # Flower's neighbourhoods are symmetric: an odd number of shares
@@ -206,9 +207,10 @@ def secure_fit(executor: Any, jobs: list[Job], routes: dict[int, int], train: st
     by_node: dict[int, list[Job]] = {}
     for job in jobs:
         by_node.setdefault(routes[job.cid], []).append(job)
-    if len(by_node) < settings.min_clients or len(jobs) < settings.min_clients:
+    least = max(settings.min_clients, MIN_COHORT)
+    if len(by_node) < least or len(jobs) < least:
         raise SecAggAbort(f"{len(by_node)} nodes with {len(jobs)} clients in one round: a secure sum needs at least "
-                          f"{settings.min_clients} of each (secagg_min_clients)")
+                          f"{least} of each (secagg_min_clients)")
     if len(by_node) > MAX_NODES:
         raise SecAggAbort(f"{len(by_node)} nodes in one round: the limbs' sums would overflow Flower's ring "
                           f"(at most {MAX_NODES})")
@@ -238,9 +240,9 @@ def secure_fit(executor: Any, jobs: list[Job], routes: dict[int, int], train: st
     if not strategy.results:
         raise SecAggAbort(f"Flower's SecAgg+ halted ({len(by_node)} nodes sampled, {len(strategy.failures)} "
                           f"failed; it needs {threshold} of {shares} shares per node)")
-    if len(strategy.results) < settings.min_clients:
-        raise SecAggAbort(f"only {len(strategy.results)} nodes are in the SecAgg+ sum; it needs at least "
-                          f"{settings.min_clients} (secagg_min_clients): the sum is discarded")
+    if len(strategy.results) < least:
+        raise SecAggAbort(f"only {len(strategy.results)} nodes are in the SecAgg+ sum; it needs at least {least} "
+                          "(secagg_min_clients): the sum is discarded")
     return _decode(strategy.results, by_node, parameters_to_ndarrays)
 
 

@@ -59,7 +59,6 @@ from fedfuse.fusion.secagg import (
     EncodingError,
     SecAggAbort,
     ServerTranscript,
-    check_threshold,
     dequantize,
     flatten,
     quantize,
@@ -86,11 +85,6 @@ class SecAggSettings:
     min_clients: int = MIN_COHORT  # fewest contributions a sum may hold
     max_weight: int = 0  # cap of a client's weight n_i (0: its public training size only)
     norm_max: float = 0.0  # an honest client drops out when its update norm exceeds this (0: no check)
-
-    def __post_init__(self) -> None:
-        check_threshold(self.threshold)
-        if self.min_clients < MIN_COHORT:
-            raise ValueError(f"secure aggregation: min_clients must be at least {MIN_COHORT}, got {self.min_clients}")
 
     @classmethod
     def from_config(cls, cfg: Any) -> SecAggSettings:
@@ -234,8 +228,9 @@ def weight_bound(clients: Sequence[int] | frozenset[int], sizes: Sequence[int] |
 def _check_total(total: TensorDict, clients: Sequence[int] | frozenset[int], sizes: Sequence[int] | np.ndarray | None,
                  settings: SecAggSettings) -> None:
     """Server side: the decoded weight sum must be one honest clients can produce (see the module docstring)."""
-    if len(clients) < settings.min_clients:
-        raise SecAggAbort(f"the secure sum holds {len(clients)} clients; it needs at least {settings.min_clients} "
+    least = max(settings.min_clients, MIN_COHORT)
+    if len(clients) < least:
+        raise SecAggAbort(f"the secure sum holds {len(clients)} clients; it needs at least {least} "
                           "(secagg_min_clients): over fewer it would reveal their inputs")
     if WEIGHT_KEY not in total:
         return
