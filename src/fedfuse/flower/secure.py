@@ -29,8 +29,10 @@ What fedfuse changes in Flower's protocol, and what it refuses:
   expand the same masks; a node of an older fedfuse would make the sum undecodable (the weight check below then
   discards the round).
 * **A minimum cohort of nodes and clients.**  A round with fewer than ``secagg_min_clients`` (≥ 3) sampled
-  nodes does not start; a sum in which fewer nodes or clients survive is discarded (:class:`SecAggAbort`): over
-  two nodes each learns the other's contribution from the next model.
+  nodes or clients does not start; each node refuses to send its unmasking shares when fewer than 3 nodes sent a
+  masked vector (:func:`secure_mod`), so a sum over one or two nodes is never unmasked; and the server discards a
+  sum with fewer nodes or clients than the minimum (:class:`SecAggAbort`): over two nodes each would learn the
+  other's contribution from the next model.
 * **A strict-majority threshold.**  Flower's threshold is passed as a number of shares t = ⌊f·h⌋ + 1 > h/2 of
   the h shares of a neighbourhood (Flower's own float rule, round(f·h), gives t = h/2 for even h at f = ½).
 * **Honest encoding.**  Each node encodes its clients with :func:`fedfuse.privacy.secure.client_encode` for the
