@@ -329,8 +329,8 @@ def node_fit(msg: Any, run_job: Callable[[Any], tuple[Any, Any, Any]], frac_bits
         run, job, (reply, cstate) = run_job(recorddict_from_proto(proto))
         pairs.append((job.payload, reply))
         cids.append(job.cid)
-        known = getattr(run.ctx, "client_sizes", None)
-        sizes[job.cid] = int(known[job.cid]) if known is not None and 0 <= job.cid < len(known) else None
+        known = run.ctx.client_sizes
+        sizes[job.cid] = int(known[job.cid]) if 0 <= job.cid < len(known) else None
         replies[job.cid] = (FedfuseMessage({}, dict(reply.meta), reply.stats), cstate)
         i += 1
     if run is None:

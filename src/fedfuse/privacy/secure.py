@@ -125,7 +125,7 @@ class MaskedReply(Message):
 def _update_norm(algo: Any, sent: Message, reply: Message) -> float:
     """L2 norm of a reply's update: ``reply − sent`` on the floating tensors it shares (same shape) with the payload
     when replies are model states, the reply's floating tensors themselves otherwise."""
-    state_like = getattr(algo, "reply_kind", None) in ("state", None)
+    state_like = algo.reply_kind in ("state", None)
     total = 0.0
     for k, v in reply.tensors.items():
         if not v.is_floating_point():
@@ -204,7 +204,7 @@ def encode_contributions(algo: Any, pairs: Sequence[tuple[Message, Message]], fr
 def _public_sizes(algo: Any, sizes: Sequence[int] | np.ndarray | None) -> Sequence[int] | np.ndarray | None:
     if sizes is not None:
         return sizes
-    return getattr(getattr(algo, "ctx", None), "client_sizes", None)
+    return algo.ctx.client_sizes
 
 
 def _size(sizes: Sequence[int] | np.ndarray | None, cid: int) -> int | None:
