@@ -89,3 +89,27 @@ def test_absolute_norm_bound_applies_when_no_median_is_a_reference():
     x50 = {0: honest, 1: honest, 2: _msg(w=[150.0, 200.0])}
     assert check_replies(PLAIN, sent, x50, [10] * 4, norm_bound=100, norm_max=1000) == {}
     assert check_replies(PLAIN, sent, x50, [10] * 4, norm_bound=10).keys() == {2}
+
+
+def test_a_scaled_update_in_a_two_reply_round_is_quarantined_by_the_absolute_bound():
+    """A run with 2 clients a round and client 0 sending ×1000 its update: the default ``norm_max`` quarantines
+    it in every round it is sampled, and the final model equals the run in which its reply is lost; with
+    ``norm_max=0`` (the relative bound alone, blind with 2 replies) it is fused."""
+    from fedfuse.config import RunConfig, apply, validate
+    from fedfuse.runner import experiment
+
+    def run(**kw):
+        cfg = validate(apply(RunConfig(), dict(dataset="digits", model="mlp", model_options={"widths": [16]},
+                                               clients=4, clients_per_round=2, rounds=3, local_epochs=1,
+                                               plots=False, eval_every=3, threads=1, corrupt_clients=[0], **kw)))
+        exp = experiment(cfg)
+        exp.run()
+        return exp.algo.global_model(exp.state)[0], exp.history
+
+    scaled, hist = run(corrupt="scale")
+    lost, _ = run(corrupt="drop")
+    assert all(torch.equal(scaled[k], lost[k]) for k in lost)
+    reasons = [why for h in hist for why in h["quarantined"].values()]
+    assert reasons and all("absolute bound norm_max=100" in why for why in reasons)
+    unchecked, _ = run(corrupt="scale", norm_max=0)
+    assert max(float((unchecked[k] - lost[k]).abs().max()) for k in lost) > 1.0
