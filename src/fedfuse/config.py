@@ -130,6 +130,9 @@ class RunConfig:
     check_updates: bool = opt(True, "check every client update before fusion and quarantine bad ones")
     norm_bound: float = opt(100.0, "quarantine an update whose norm exceeds this multiple of the round's "
                                   "median norm (0 = off; needs >= 3 replies)", ge=0.0)
+    norm_max: float = opt(100.0, "quarantine an update whose L2 norm exceeds this absolute bound in a round with "
+                                  "fewer than 3 replies, where norm_bound has no median (0 = off); under secagg "
+                                  "every honest client checks its own update against it", ge=0.0)
     on_divergence: str = opt("stop", "non-finite loss or model: stop (keep the last good checkpoint) or "
                                      "rollback (redo the round with half the lr)", choices=("stop", "rollback"))
     corrupt: str = opt("none", "simulate faulty clients: their replies become nan, inf, wrong-shaped (shape), "
@@ -155,8 +158,13 @@ class RunConfig:
                               "Flower): the server receives "
                               "only masked vectors and learns only their sum")
     secagg_threshold: float = opt(0.5, "SecAgg: fraction of a client's shareholders (itself and its neighbours) "
-                                       "whose shares rebuild its secrets; t = floor(fraction*holders)+1",
+                                       "whose shares rebuild its secrets; t = floor(fraction*holders)+1 "
+                                       "(at least 0.5: t > holders/2)",
                                   gt=0.0, lt=1.0)
+    secagg_min_clients: int = opt(3, "SecAgg: fewest contributions a secure sum may hold; a round with fewer "
+                                     "survivors aborts (counted as skipped)", ge=3)
+    secagg_max_weight: int = opt(0, "SecAgg: cap of the example count a client weights its contribution by "
+                                    "(0 = its training size as the federation knows it, the only bound)", ge=0)
     secagg_neighbors: int = opt(0, "SecAgg+: degree k of the random Harary graph of pairwise masks and shares "
                                    "(0 = every pair: SecAgg)", ge=0)
     secagg_frac_bits: int = opt(24, "SecAgg: fixed-point fraction bits of the quantisation into Z_2^62 "
@@ -555,6 +563,13 @@ def _check_secagg(cfg: RunConfig) -> None:
     if cfg.sampling in ("clustered",):
         raise ConfigError("sampling: clustered sampling reads every client's update, which secagg=true hides; "
                           "choose uniform, poisson, size-weighted or clustered-size")
+    if cfg.secagg_threshold < 0.5:
+        raise ConfigError(f"secagg_threshold: {cfg.secagg_threshold:g} gives t <= n/2 shares, so a server that "
+                          "reports a client dropped to half its shareholders could rebuild both its secrets; use "
+                          "a fraction in [0.5, 1)")
+    if cfg.clients_per_round < cfg.secagg_min_clients:
+        raise ConfigError(f"secagg_min_clients: a round samples {cfg.clients_per_round} clients, fewer than the "
+                          f"{cfg.secagg_min_clients} a secure sum needs; raise clients_per_round")
 
 
 def _check_central_dp(cfg: RunConfig) -> None:
@@ -666,6 +681,7 @@ def make_config(config: ConfigLike = None, /, **options: Any) -> RunConfig:
 _HASH_NEUTRAL_DEFAULTS: dict[str, object] = {
     "precision": "fp32", "memory_format": "auto", "fp32_matmul": "ieee",
     "secagg_frac_bits": 24, "secagg_neighbors": 0, "secagg_threshold": 0.5,
+    "secagg_min_clients": 3, "secagg_max_weight": 0, "norm_max": 100.0,
 }
 """Run keys added after configs were first hashed: left out of :func:`config_hash` while at these defaults (a
 run that leaves them alone computes what it did before they existed), so earlier caches and result records keep

@@ -69,3 +69,47 @@ def test_check_values_screens_by_norm_and_searches_only_a_failing_group():
         t["half"][4] = bad
         assert check_values(Message(t)) == f"non-finite values ({what}) in half"
     assert check_values(Message({"steps": torch.tensor([2**62])})) is None  # integers are not screened
+
+
+def test_absolute_norm_bound_applies_when_no_median_is_a_reference():
+    """With 2 replies a ×1000 update is half the round's "median": the relative bound cannot see it, the absolute
+    ``norm_max`` can.  With ≥ 3 replies the relative bound applies and ``norm_max`` does not (hand-made norms)."""
+    sent = {c: _msg(w=[0.0, 0.0]) for c in range(4)}
+    honest = _msg(w=[3.0, 4.0])  # update norm 5
+    pair = {0: honest, 1: _msg(w=[3000.0, 4000.0])}  # ×1000: norm 5000
+    assert check_replies(PLAIN, sent, pair, [10] * 4, norm_bound=100) == {}  # the relative bound is blind here
+    why = check_replies(PLAIN, sent, pair, [10] * 4, norm_bound=100, norm_max=1000)
+    assert set(why) == {1} and "5e+03 exceeds the absolute bound norm_max=1000" in why[1]
+    assert check_replies(PLAIN, sent, {0: pair[1]}, [10] * 4, norm_max=1000).keys() == {0}  # one reply
+    assert check_replies(PLAIN, sent, {0: honest}, [10] * 4, norm_max=5.0) == {}  # the bound itself passes
+    # three replies: a median exists, norm_max is not used (every norm is 5000 > 1000, none is an outlier)
+    big = {c: _msg(w=[3000.0, 4000.0]) for c in range(3)}
+    assert check_replies(PLAIN, sent, big, [10] * 4, norm_bound=100, norm_max=1000) == {}
+    # ... and the relative bound does not catch a ×50 update (below 100 × the median): robust fusion's case
+    x50 = {0: honest, 1: honest, 2: _msg(w=[150.0, 200.0])}
+    assert check_replies(PLAIN, sent, x50, [10] * 4, norm_bound=100, norm_max=1000) == {}
+    assert check_replies(PLAIN, sent, x50, [10] * 4, norm_bound=10).keys() == {2}
+
+
+def test_a_scaled_update_in_a_two_reply_round_is_quarantined_by_the_absolute_bound():
+    """A run with 2 clients a round and client 0 sending ×1000 its update: the default ``norm_max`` quarantines
+    it in every round it is sampled, and the final model equals the run in which its reply is lost; with
+    ``norm_max=0`` (the relative bound alone, blind with 2 replies) it is fused."""
+    from fedfuse.config import RunConfig, apply, validate
+    from fedfuse.runner import experiment
+
+    def run(**kw):
+        cfg = validate(apply(RunConfig(), dict(dataset="digits", model="mlp", model_options={"widths": [16]},
+                                               clients=4, clients_per_round=2, rounds=3, local_epochs=1,
+                                               plots=False, eval_every=3, threads=1, corrupt_clients=[0], **kw)))
+        exp = experiment(cfg)
+        exp.run()
+        return exp.algo.global_model(exp.state)[0], exp.history
+
+    scaled, hist = run(corrupt="scale")
+    lost, _ = run(corrupt="drop")
+    assert all(torch.equal(scaled[k], lost[k]) for k in lost)
+    reasons = [why for h in hist for why in h["quarantined"].values()]
+    assert reasons and all("absolute bound norm_max=100" in why for why in reasons)
+    unchecked, _ = run(corrupt="scale", norm_max=0)
+    assert max(float((unchecked[k] - lost[k]).abs().max()) for k in lost) > 1.0

@@ -5,7 +5,10 @@ Every job travels as a Flower message through Flower's protobuf serialisation to
 (:class:`~fedfuse.flower.executor.LocalGrid`); the real deployment (TLS SuperLink, SuperNodes, ``flwr run``) is
 in ``tests/test_flower_deploy.py``.  Checked: the limb encoding survives Flower's quantiser and ring exactly; a
 SecAgg+ run equals fedfuse's simulated SecAgg run exactly and the plain run within the fixed-point step; the
-server receives masked vectors only; a node that drops out after sharing its keys is recovered.
+server receives masked vectors only; a node that drops out after sharing its keys is recovered.  Attack tests:
+Flower's masks are a function of a 32-bit fold of the secret, fedfuse's are not, and every mask of a fedfuse
+SecAgg+ round is expanded by fedfuse's AES-256-CTR generator; rounds with fewer than 3 nodes do not release a sum;
+the threshold is a strict majority of every neighbourhood.
 """
 
 from __future__ import annotations
@@ -149,24 +152,97 @@ def test_the_server_receives_masked_vectors_and_the_aggregate_only(monkeypatch) 
 
 
 def test_a_node_that_drops_after_sharing_keys_is_recovered() -> None:
-    """Node 3 (clients 2 and 5) shares its keys, then never sends its masked vector: Flower's unmask step
-    rebuilds its pairwise masks from the survivors' shares, the sum holds the four survivors, and the model
-    equals a plain round in which the same node is lost (within the fixed-point step)."""
-    cfg = _cfg(secagg=True, rounds=1)
-    secure_run, _ = _flower(cfg, fail={3: lambda call: call == 3})  # call 3: the masked-input step of round 1
+    """Node 4 of 4 (clients 3 and 7) shares its keys, then never sends its masked vector: Flower's unmask step
+    rebuilds its pairwise masks from the survivors' shares, the sum holds the six survivors of three nodes, and
+    the model equals a plain round in which the same node is lost (within the fixed-point step)."""
+    cfg = _cfg(secagg=True, rounds=1, clients=8, clients_per_round=8)
+    secure_run, _ = _flower(cfg, nodes=4, fail={4: lambda call: call == 3})  # call 3: the masked-input step
     rec = secure_run.history[0]
-    assert rec["dropped"] == [2, 5] and rec["replied"] == 4 and rec["secagg_clients"] == 4
-    plain, _ = _flower(_cfg(rounds=1), fail={3: lambda call: call == 1})  # the plain round's fit call
-    assert plain.history[0]["dropped"] == [2, 5]
+    assert rec["dropped"] == [3, 7] and rec["replied"] == 6 and rec["secagg_clients"] == 6
+    assert rec["secagg_nodes"] == 3
+    plain, _ = _flower(_cfg(rounds=1, clients=8, clients_per_round=8), nodes=4, fail={4: lambda call: call == 1})
+    assert plain.history[0]["dropped"] == [3, 7]
     for k, v in _model(plain).items():
         assert torch.allclose(_model(secure_run)[k], v, atol=1e-6), k
 
 
-def test_too_few_nodes_skip_the_round_and_say_why() -> None:
-    """Flower's SecAgg+ needs two nodes: with one, the round's clients are lost and the round is skipped."""
-    exp, _ = _flower(_cfg(secagg=True, rounds=1), nodes=1)
+@pytest.mark.parametrize("nodes,fail", [(1, None), (2, None), (3, {3: lambda call: call == 3})])
+def test_fewer_than_three_nodes_release_no_sum(nodes, fail) -> None:
+    """One or two nodes in a round (each of two would learn the other's contribution from the next model), or
+    three of which one drops before masking: the round's clients are lost, the round is skipped, the model is the
+    initial one."""
+    exp, _ = _flower(_cfg(secagg=True, rounds=1), nodes=nodes, fail=fail)
     rec = exp.history[0]
     assert rec["replied"] == 0 and rec["round_skipped"] and rec["dropped"] == list(range(6))
+    assert "secagg_nodes" not in rec
+
+
+def test_the_threshold_is_a_strict_majority_of_every_neighbourhood() -> None:
+    """Flower's float rule round(½·h) gives t = h/2 for an even h; fedfuse passes t = ⌊f·h⌋ + 1 as a number."""
+    for nodes in range(3, 40):
+        for k in (0, 2, 4, 5):
+            shares, t = secure.workflow_shares(secure.SecAggSettings(neighbors=k), nodes)
+            holders = nodes if shares >= nodes else 2 * (shares >> 1) + 1  # Flower's ring neighbourhood
+            assert 3 <= shares <= nodes and holders == (shares if shares < nodes else nodes)
+            assert holders / 2 < t < shares, (nodes, k, shares, t)
+    with pytest.raises(secure.SecAggAbort):
+        secure.workflow_shares(secure.SecAggSettings(), 2)
+
+
+def test_masks_come_from_the_whole_secret_not_a_32_bit_fold() -> None:
+    """The attack on flwr 1.41's generator: two secrets with the same 32-bit XOR fold expand to the same mask, so
+    the mask is one of 2^32 and a server that holds the rest of a masked vector searches them.  fedfuse's
+    :func:`~fedfuse.flower.secure.aes_masks` keys AES-256-CTR with the whole secret: the same two secrets give
+    unrelated masks, uniform on the ring."""
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+
+    a = bytes(range(32))
+    b = bytearray(a)
+    b[0] ^= 0x5A
+    b[4] ^= 0x5A  # the same bits flipped in two 4-byte words: the XOR fold is unchanged
+    dims = [(1000,), ()]
+    flwr_a, flwr_b = pseudo_rand_gen(a, secure.MOD, dims), pseudo_rand_gen(bytes(b), secure.MOD, dims)
+    assert all(np.array_equal(x, y) for x, y in zip(flwr_a, flwr_b, strict=True))  # searchable: 32 bits decide
+    ours_a, ours_b = secure.aes_masks(a, secure.MOD, dims), secure.aes_masks(bytes(b), secure.MOD, dims)
+    assert not np.array_equal(ours_a[0], ours_b[0]) and ours_a[1].shape == ()
+    assert all(np.array_equal(x, y) for x, y in zip(ours_a, secure.aes_masks(a, secure.MOD, dims), strict=True))
+    assert ours_a[0].dtype == np.int64 and ours_a[0].min() >= 0 and ours_a[0].max() < secure.MOD
+    assert abs(float(ours_a[0].mean()) / secure.MOD - 0.5) < 0.05
+
+
+def test_every_mask_of_a_round_is_expanded_by_fedfuses_generator(monkeypatch) -> None:
+    """In a SecAgg+ run, Flower's workflow (server) and mod (nodes) call fedfuse's generator for every mask —
+    each node's self mask and pairwise masks, the server's unmasking — and never flwr's 32-bit one."""
+    import importlib
+
+    from flwr.common.secure_aggregation import secaggplus_utils
+
+    calls: list[int] = []
+    aes = secure.aes_masks
+
+    def spy(seed, num_range, dims):
+        calls.append(len(seed))
+        return aes(seed, num_range, dims)
+
+    def refuse(*a, **k):
+        raise AssertionError("flwr's 32-bit-seeded generator expanded a mask")
+
+    monkeypatch.setattr(secure, "aes_masks", spy)
+    for name in secure.MASK_MODULES:
+        monkeypatch.setattr(importlib.import_module(name), "pseudo_rand_gen", refuse)
+    monkeypatch.setattr(secaggplus_utils, "pseudo_rand_gen", refuse)
+    exp, _ = _flower(_cfg(secagg=True, rounds=1))
+    assert exp.history[0]["secagg_nodes"] == 3
+    # 3 nodes: each a self mask and 2 pairwise masks; the server removes the 3 self masks
+    assert len(calls) == 3 * 3 + 3 and all(n >= 32 for n in calls)
+
+
+def test_a_client_a_node_cannot_encode_is_left_out_not_a_crash() -> None:
+    """Every client's update exceeds the absolute bound the server sent (``norm_max``): each node's own encoding
+    refuses its clients, no node can join the sum, the round is skipped — no crash, nothing released."""
+    exp, _ = _flower(_cfg(secagg=True, rounds=1, norm_max=1e-6))
+    rec = exp.history[0]
+    assert rec["round_skipped"] and rec["replied"] == 0
 
 
 @pytest.mark.slow
@@ -184,3 +260,21 @@ def test_secagg_in_flowers_simulation_runtime_equals_simulated_secagg() -> None:
     for a, b in zip(flw.history, ref.history, strict=True):
         assert a["global_accuracy"] == b["global_accuracy"] and a["secagg_clients"] == b["secagg_clients"] == 4
         assert a["secagg_nodes"] >= 2
+
+
+def test_a_node_refuses_to_unmask_a_sum_over_fewer_than_three_nodes() -> None:
+    """The server asks a node for its unmasking shares with two active nodes: the node replies with an error (its
+    dropout in Flower's workflow) instead of shares, so no sum over two nodes can be unmasked."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    LocalGrid(client_app, 1)  # sets the run identity a ServerApp runtime would
+    conf = ConfigRecord({Key.STAGE: Stage.UNMASK, Key.ACTIVE_NODE_ID_LIST: [1, 2], Key.DEAD_NODE_ID_LIST: [3]})
+    msg = Message(RecordDict({RECORD_KEY_CONFIGS: conf}), dst_node_id=1, message_type="train")
+    msg.metadata.__dict__["_message_id"] = msg.object_id
+
+    def never(*a):
+        raise AssertionError("the node went on with the protocol")
+
+    reply = secure.secure_mod(msg, None, never)
+    assert reply.has_error() and "only 2 nodes sent a masked vector" in reply.error.reason

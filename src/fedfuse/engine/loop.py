@@ -176,7 +176,7 @@ class Experiment:
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
         self.local_dp_steps: dict[int, int] = {}  # dp=local: DP-SGD steps each client has taken so far
-        self.secagg = SecAggSettings(self.cfg.secagg_threshold, self.cfg.secagg_neighbors, self.cfg.secagg_frac_bits)
+        self.secagg = SecAggSettings.from_config(self.cfg)
         if self.ctx.dp.central and self.sampler.name not in DP_SAMPLINGS:
             raise ConfigError(f"sampling: central DP is accounted for sampling {' or '.join(DP_SAMPLINGS)}; "
                               f"{self.cfg.algorithm!r} samples {self.sampler.name!r} (set --set sampling=poisson)")
@@ -452,7 +452,8 @@ class Experiment:
         ledger.honest_replies += sum(1 for c in results if not self.faults.corrupts(c))
         if not (self.cfg.check_updates and results) or self.cfg.secagg:  # under SecAgg it cannot inspect them
             return results
-        bad = check_replies(self.algo, got.sent, results, self.ctx.client_sizes, self.cfg.norm_bound)
+        bad = check_replies(self.algo, got.sent, results, self.ctx.client_sizes, self.cfg.norm_bound,
+                            self.cfg.norm_max)
         for c, reason in bad.items():
             ledger.quarantined[str(c)] = f"stage {info.stage}: {reason}" if info.stage else reason
             log.warning("round %d: quarantined the update of client %d: %s", info.index + 1, c, reason)

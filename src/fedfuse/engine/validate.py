@@ -15,8 +15,14 @@ A reply is quarantined, with its reason, when
    minority's valid sub-models); those tensors are checked against it instead of the vote;
 4. it holds a key that was not sent, in algorithms whose replies are the sent model trained further
    ("state-like": every other reply's keys are a subset of its payload's keys);
-5. its update norm exceeds ``norm_bound`` times the median norm of the round's replies (with >= 3 replies).
-   The update is ``reply - sent`` for state-like replies and the reply itself otherwise (deltas, sub-models).
+5. its update norm exceeds ``norm_bound`` times the median norm of the round's replies (with >= 3 replies), or —
+   in a round with fewer than 3 replies, where a median is no reference (with two replies, a ×1000 update is
+   half the "median") — the absolute bound ``norm_max``.  The update is ``reply - sent`` for state-like replies
+   and the reply itself otherwise (deltas, sub-models).
+
+The checks catch malformed replies and grossly scaled updates; they do not catch an update scaled less than
+``norm_bound`` × the median (a ×50 update passes the default 100×), nor a well-formed but poisoned one: those need
+robust fusion (``fusion=median``/``trimmed-mean``) or ``clip_norm`` (docs/reliability.md).
 
 The checks read the replies only; the server state is untouched until the remaining replies are fused.
 """
@@ -136,12 +142,24 @@ def _shape_problem(reply: Message, payload: Mapping[str, torch.Tensor], expected
     return None
 
 
+MEDIAN_REPLIES = 3  # the fewest replies whose median norm is a reference for norm_bound
+
+
 def _norm_outliers(sent: Mapping[int, Message], replies: Mapping[int, Message], state_like: bool,
-                   norm_bound: float) -> dict[int, str]:
-    """Replies whose update norm exceeds ``norm_bound`` × the round's median (with >= 3 replies)."""
+                   norm_bound: float, norm_max: float = 0.0) -> dict[int, str]:
+    """Replies whose update norm exceeds ``norm_bound`` × the round's median (with >= 3 replies), or the absolute
+    ``norm_max`` (with fewer)."""
+    if (norm_bound <= 0 and norm_max <= 0) or not replies:
+        return {}
     norms = {c: update_norm(sent.get(c, Message()), r, state_like) for c, r in replies.items()}
-    med = float(np.median(list(norms.values()))) if len(norms) >= 3 else 0.0
-    if med <= 0:
+    if len(norms) < MEDIAN_REPLIES:
+        if norm_max <= 0:
+            return {}
+        return {c: f"update norm {v:.3g} exceeds the absolute bound norm_max={norm_max:g} (fewer than "
+                   f"{MEDIAN_REPLIES} replies: no median to compare with)"
+                for c, v in norms.items() if not v <= norm_max}
+    med = float(np.median(list(norms.values())))
+    if med <= 0 or norm_bound <= 0:
         return {}
     return {c: f"update norm {v:.3g} exceeds {norm_bound:g} x the round's median {med:.3g}"
             for c, v in norms.items() if v > norm_bound * med}
@@ -153,6 +171,7 @@ def check_replies(
     replies: Mapping[int, Message],
     sizes: Sequence[int] | np.ndarray | None = None,
     norm_bound: float = 0.0,
+    norm_max: float = 0.0,
 ) -> dict[int, str]:
     """Reasons, per client id, for the replies that must not be fused (see the module docstring)."""
     bad: dict[int, str] = {}
@@ -170,8 +189,8 @@ def check_replies(
         why = None if c in bad else _shape_problem(r, payload, algo.reply_shapes(c, r), state_like, modal)
         if why:
             bad[c] = why
-    if norm_bound > 0:
-        bad.update(_norm_outliers(sent, {c: r for c, r in replies.items() if c not in bad}, state_like, norm_bound))
+    bad.update(_norm_outliers(sent, {c: r for c, r in replies.items() if c not in bad}, state_like, norm_bound,
+                              norm_max))
     return dict(sorted(bad.items()))
 
 

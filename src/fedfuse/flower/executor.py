@@ -67,8 +67,7 @@ class FlowerExecutor:
         self.calls: list[dict[str, Any]] = []  # per grid call: message type, push and last-reply wall times
         self.served: dict[int, list[int] | None] = {}  # node -> the clients it holds (None: any, see discover)
         #: secagg=true: fit rounds run Flower's SecAgg+ with these settings (fedfuse.flower.secure)
-        self.secagg = (SecAggSettings(config.secagg_threshold, config.secagg_neighbors, config.secagg_frac_bits)
-                       if config.secagg else None)
+        self.secagg = SecAggSettings.from_config(config) if config.secagg else None
 
     def bind(self, ctx: Any) -> None:
         """Follow ``ctx.train`` (the run's local-training settings) when building messages."""

@@ -19,12 +19,19 @@ server).  Each client u:
    for one client, so the server can remove the masks but never strip one survivor's pairwise masks.  With at least
    t shares per secret the server reconstructs them, regenerates the masks and subtracts them from Σ y_u.
 
-Fewer than t clients at any step, or fewer than t shares of a needed secret, abort the round with
-:class:`SecAggAbort` (the protocol's own failure; the caller decides what to do with the round).
+Fewer than t clients at any step, fewer than t shares of a needed secret, or fewer survivors than the minimum
+cohort (``min_clients``, at least 3: a sum over one client is that client's input, over two each learns the
+other's) abort the round with :class:`SecAggAbort` (the caller decides what to do with the round).  The threshold
+must be a strict majority of every client's shareholders (t > h/2, :func:`check_threshold`): with t ≤ h/2 a
+server that tells one half of u's shareholders "u dropped" and the other half "u survived" collects t shares of
+both of u's secrets and unmasks u's input.
 
 Quantisation: floats are mapped to the ring Z_{2^62} in fixed point, x ↦ round(x·2^f) mod 2^62 with
 ``frac_bits`` f (default 24: a step of 2^-24 ≈ 6e-8, each value off by at most 2^-25 ≈ 3e-8 after rounding); the
-sum is exact in the ring and decodes correctly while the true sum stays within ±2^61/2^f (≈ ±1.4e11 for f = 24).
+sum is exact in the ring and decodes correctly while the true sum stays within ±(2^61−1)/2^f (≈ ±1.4e11 for
+f = 24).  A sum over n clients cannot wrap when every client's values stay within 1/n of that range
+(:func:`client_limit`): ``quantize(x, cohort=n)`` refuses (:class:`EncodingError`) a vector beyond it, so a client
+detects its own overflow before masking, and never sends a value that would wrap the sum silently.
 
 Randomness: keys, seeds and share polynomials come from the operating system's CSPRNG (as in a deployment); the
 masks cancel exactly, so the decoded sum does not depend on them and runs stay reproducible.  The SecAgg+ graph
@@ -55,16 +62,35 @@ PRIME = (1 << 521) - 1  # Mersenne prime: the Shamir field (holds a 256-bit secr
 _RAW = serialization.Encoding.Raw
 
 
+MIN_COHORT = 3  # the fewest clients a secure sum may hold
+
+
 class SecAggAbort(RuntimeError):
     """The protocol cannot complete (too few clients or shares for the threshold): no aggregate this round."""
 
 
+class EncodingError(ValueError):
+    """A client's vector cannot be encoded for the ring (non-finite, or beyond its share of the range)."""
+
+
 # ---- fixed-point ring ---------------------------------------------------------------------------------------------
-def quantize(x: torch.Tensor, frac_bits: int = FRAC_BITS) -> torch.Tensor:
-    """``round(x·2^f) mod 2^62`` as int64 in [0, 2^62); raises if a value is out of the decodable range."""
+def client_limit(cohort: int = 1, frac_bits: int = FRAC_BITS) -> float:
+    """The largest |x| one of ``cohort`` clients may encode: the sum of ``cohort`` values within it stays inside
+    the decodable range ±(2^61−1)/2^f, so the ring sum cannot wrap."""
+    return ((MODULUS // 2 - 1) // max(int(cohort), 1)) / (1 << frac_bits)
+
+
+def quantize(x: torch.Tensor, frac_bits: int = FRAC_BITS, cohort: int = 1) -> torch.Tensor:
+    """``round(x·2^f) mod 2^62`` as int64 in [0, 2^62).  Raises :class:`EncodingError` if a value is non-finite or
+    beyond :func:`client_limit` for ``cohort`` clients (1: the whole decodable range)."""
     scaled = torch.round(x.detach().double().flatten() * (1 << frac_bits))
-    if not bool(torch.isfinite(scaled).all()) or (scaled.numel() and float(scaled.abs().max()) >= MODULUS // 2):
-        raise ValueError(f"secure aggregation: a value is non-finite or beyond ±2^{RING_BITS - 1 - frac_bits}")
+    if not bool(torch.isfinite(scaled).all()):
+        raise EncodingError("secure aggregation: a value is non-finite")
+    limit = (MODULUS // 2 - 1) // max(int(cohort), 1)
+    if scaled.numel() and float(scaled.abs().max()) > limit:
+        raise EncodingError(f"secure aggregation: a value ({float(x.detach().double().abs().max()):.3g}) is beyond "
+                            f"±{client_limit(cohort, frac_bits):.3g}, one client's share of the ring for a sum "
+                            f"over {cohort} clients at {frac_bits} fraction bits")
     return torch.remainder(scaled.to(torch.int64), MODULUS)
 
 
@@ -148,6 +174,18 @@ def threshold_of(holders: int, fraction: float) -> int:
     return min(holders, math.floor(fraction * holders) + 1)
 
 
+def check_threshold(fraction: float) -> None:
+    """Refuse a threshold fraction that gives some shareholder count h a threshold t ≤ h/2.
+
+    t = ⌊f·h⌋ + 1 > h/2 for every h exactly when f ≥ ½ (at f < ½ and h large, ⌊f·h⌋ + 1 ≤ h/2); below it a
+    server that announces "u dropped" to one half of u's shareholders and "u survived" to the other collects t
+    shares of both of u's secrets — its mask key and its self-mask seed — and unmasks u's input."""
+    if not 0.5 <= fraction < 1.0:
+        raise ValueError(f"secure aggregation: threshold fraction {fraction:g} gives t <= n/2 for some cohorts; a "
+                         "server that reports a client dropped to half its shareholders and alive to the others "
+                         "could rebuild both of its secrets (use a fraction in [0.5, 1))")
+
+
 # ---- the protocol -------------------------------------------------------------------------------------------------
 @dataclass
 class ServerTranscript:
@@ -218,6 +256,7 @@ def secure_sum(
     graph_seed: int = 0,
     drop_before_masking: set[int] | frozenset[int] = frozenset(),
     drop_before_unmasking: set[int] | frozenset[int] = frozenset(),
+    min_clients: int = MIN_COHORT,
 ) -> tuple[torch.Tensor, ServerTranscript]:
     """Run the protocol on the clients' ring vectors (``quantize``-d, same length) and return the server's
     unmasked sum over the clients that sent a masked input, with the server's transcript.
@@ -225,13 +264,21 @@ def secure_sum(
     ``neighbors`` = k > 0 selects SecAgg+ (k-regular graph); 0 is SecAgg's complete graph.  ``threshold`` is the
     fraction of a client's shareholders (itself and its neighbours) whose shares reconstruct its secrets.
     ``drop_before_masking``: clients that shared their keys and then vanished (their pairwise masks are recovered);
-    ``drop_before_unmasking``: clients whose masked input counts but who do not help unmask."""
+    ``drop_before_unmasking``: clients whose masked input counts but who do not help unmask.  Fewer than
+    ``min_clients`` (at least :data:`MIN_COHORT`) survivors abort before anything is unmasked."""
+    check_threshold(threshold)
+    if min_clients < MIN_COHORT:
+        raise ValueError(f"secure aggregation: a minimum cohort of {min_clients} lets a sum reveal one client's "
+                         f"input; it must be at least {MIN_COHORT}")
     ids = sorted(vectors)
     if not ids:
         raise SecAggAbort("no client takes part")
     lengths = {int(v.numel()) for v in vectors.values()}
     if len(lengths) != 1:
         raise ValueError(f"secure aggregation needs vectors of one length, got {sorted(lengths)}")
+    if len(ids) < min_clients:
+        raise SecAggAbort(f"only {len(ids)} clients take part; a secure sum needs at least {min_clients} "
+                          "(secagg_min_clients): over fewer it would reveal their inputs")
     tr = ServerTranscript()
     clients = {u: _Client(u, vectors[u]) for u in ids}
     graph = harary_neighbors(ids, neighbors, graph_seed)
@@ -244,6 +291,9 @@ def secure_sum(
     if len(survivors) < t:
         raise SecAggAbort(f"only {len(survivors)} of {len(ids)} clients sent a masked input; the threshold is {t} "
                           f"(threshold fraction {threshold:g} of {holders} shareholders)")
+    if len(survivors) < min_clients:
+        raise SecAggAbort(f"only {len(survivors)} of {len(ids)} clients sent a masked input; a secure sum needs at "
+                          f"least {min_clients} (secagg_min_clients): over fewer it would reveal their inputs")
     got = _collect_shares(clients, survivors - set(drop_before_unmasking), survivors, shared, tr)
     total = torch.zeros(lengths.pop(), dtype=torch.int64)
     for u in sorted(survivors):
