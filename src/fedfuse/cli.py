@@ -179,6 +179,11 @@ def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None 
     if "precision" in summary:
         threads = summary.get("threads")
         lines.append(f"precision: {summary['precision']}" + (f", torch threads: {threads}" if threads else ""))
+    from fedfuse.engine.routing import executor_line
+
+    executor = executor_line(summary.get("executor"))  # what ran, and why when it is not what was asked for
+    if executor:
+        lines.append(executor)
     return "\n".join(lines)
 
 

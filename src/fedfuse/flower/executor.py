@@ -28,6 +28,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fedfuse.engine.contract import Algorithm, ClientFn, Job
+from fedfuse.engine.routing import RouteLog
 from fedfuse.flower import wire
 from fedfuse.privacy.secure import SecAggAbort, SecAggSettings
 
@@ -65,6 +66,7 @@ class FlowerExecutor:
         self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
         self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
         self.calls: list[dict[str, Any]] = []  # per grid call: message type, push and last-reply wall times
+        self.route_log = RouteLog()  # every client training runs on a node (the summary's executor block)
         self.served: dict[int, list[int] | None] = {}  # node -> the clients it holds (None: any, see discover)
         #: secagg=true: fit rounds run Flower's SecAgg+ with these settings (fedfuse.flower.secure)
         self.secagg = (SecAggSettings(config.secagg_threshold, config.secagg_neighbors, config.secagg_frac_bits)
@@ -260,7 +262,12 @@ class FlowerExecutor:
         return out
 
     def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
-        return self.map(target.fit, jobs)
+        out = self.map(target.fit, jobs)
+        self.route_log.ran("flower", len(out))
+        return out
+
+    def routing(self) -> RouteLog:
+        return self.route_log
 
     def restore(self, choice: str | None) -> None:
         """Nothing to restore: the nodes are the grid's."""
