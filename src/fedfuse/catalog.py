@@ -190,11 +190,27 @@ def snapshot() -> dict[str, Any]:
 def write(path: str | Path = CATALOG_FILE) -> bool:
     """Write the snapshot to ``path`` (default: the one the command line reads); True if it changed."""
     path = Path(path)
-    text = json.dumps(snapshot(), indent=1, ensure_ascii=False) + "\n"
+    text = _dumps(snapshot())
     old = path.read_text(encoding="utf-8") if path.exists() else None
     if text != old:
         path.write_text(text, encoding="utf-8")
     return text != old
+
+
+def _dumps(data: dict[str, Any]) -> str:
+    """The snapshot as JSON with one component field, option or privacy line per line (a change reads as the
+    lines of what changed)."""
+    def one(v: Any) -> str:
+        return json.dumps(v, ensure_ascii=False)
+
+    comps = []
+    for c in data["components"]:
+        head = ", ".join(f"{one(k)}: {one(c[k])}" for k in ("kind", "name", "description", "namespace"))
+        opts = ",\n".join(f"    {one(o)}" for o in c["options"])
+        priv = ",\n".join(f"    {one(line)}" for line in c["privacy"])
+        comps.append(f"  {{{head},\n   \"options\": [\n{opts}\n   ],\n   \"privacy\": [\n{priv}\n   ]}}")
+    return (f"{{\"algorithm_modules\": {one(data['algorithm_modules'])},\n \"components\": [\n"
+            + ",\n".join(comps) + "\n ]}\n")
 
 
 def _algorithm_files() -> list[str]:
