@@ -62,11 +62,11 @@ class FlowerExecutor:
         self.node_wait = node_wait
         self._ctx: Any = None
         self.lost: dict[int, str] = {}  # the last call's jobs without a usable reply, with the reason
+        self.route_log = RouteLog()  # every client training runs on a node (the summary's executor block)
         self._started = False
         self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
         self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
         self.calls: list[dict[str, Any]] = []  # per grid call: message type, push and last-reply wall times
-        self.route_log = RouteLog()  # every client training runs on a node (the summary's executor block)
         self.served: dict[int, list[int] | None] = {}  # node -> the clients it holds (None: any, see discover)
         #: secagg=true: fit rounds run Flower's SecAgg+ with these settings (fedfuse.flower.secure)
         self.secagg = (SecAggSettings(config.secagg_threshold, config.secagg_neighbors, config.secagg_frac_bits)
