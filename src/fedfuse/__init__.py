@@ -24,9 +24,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-_API = ("run", "compare", "sweep", "list_algorithms", "list_datasets", "list_models", "list_partitions", "show",
-        "Component")
-_OTHER = {"ResultTable": "fedfuse.result_table", "Sweep": "fedfuse.sweep", "RunConfig": "fedfuse.config",
+_API = ("run", "compare", "sweep", "list_algorithms", "list_datasets", "list_models", "list_partitions", "show")
+_OTHER = {"Component": "fedfuse.catalog",
+          "ResultTable": "fedfuse.result_table", "Sweep": "fedfuse.sweep", "RunConfig": "fedfuse.config",
           "ConfigError": "fedfuse.config", "make_config": "fedfuse.config", "config_hash": "fedfuse.config",
           "Result": "fedfuse.result", "load": "fedfuse.result", "Callback": "fedfuse.engine.callbacks",
           "write_report": "fedfuse.report"}
@@ -40,7 +40,6 @@ __all__ = [  # noqa: RUF022 - grouped by kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedfuse.api import (
-        Component,
         compare,
         list_algorithms,
         list_datasets,
@@ -50,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
         show,
         sweep,
     )
+    from fedfuse.catalog import Component
     from fedfuse.config import ConfigError, RunConfig, config_hash, make_config
     from fedfuse.engine.callbacks import Callback
     from fedfuse.report import write_report

@@ -14,24 +14,22 @@ The command line (:mod:`fedfuse.cli`) is a thin layer over these functions.  ``f
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfuse.config import FLAGS, ConfigError, ConfigLike, RunConfig, make_config
-from fedfuse.options import OptionInfo, describe
+from fedfuse.catalog import when_text
+from fedfuse.config import ConfigError, ConfigLike, make_config
 from fedfuse.result import Result
 from fedfuse.runner import execute
-from fedfuse.types import Admits, Privacy
+from fedfuse.types import Admits
 
 if TYPE_CHECKING:  # pragma: no cover
+    from fedfuse.catalog import Component
     from fedfuse.engine.callbacks import Callback
     from fedfuse.result_table import ResultTable
 
-__all__ = ["Component", "compare", "list_algorithms", "list_datasets", "list_models", "list_partitions",
+__all__ = ["compare", "list_algorithms", "list_datasets", "list_models", "list_partitions",
            "privacy_table", "run", "show", "sweep", "write_privacy_table"]
 
 
@@ -122,62 +120,6 @@ def list_partitions() -> dict[str, str]:
     return dict(sorted(PARTITIONS.items()))
 
 
-@dataclass(frozen=True)
-class Component:
-    """An algorithm, model, dataset, partition or the run configuration itself, with its options."""
-
-    kind: str  # "algorithm", "model", "dataset", "partition" or "config"
-    name: str
-    description: str
-    namespace: str  # where its options go in a config: "algorithm_options", ... ("" for top-level keys)
-    options: list[OptionInfo]
-    privacy: tuple[Privacy, ...] = ()  # an algorithm's declared privacy entries (docs/privacy.md)
-
-    def format(self) -> str:
-        """The text ``fedfuse show`` prints."""
-        head = f"{self.name} ({self.kind}): {self.description}".rstrip(": ")
-        head += "".join("\n" + line for e in self.privacy for line in privacy_lines(e))
-        if not self.options:
-            return head + "\n  (no options)"
-        prefix = self.name if self.kind == "algorithm" else self.namespace
-        where = (f"set with --set {prefix}.NAME=VALUE (or NAME=VALUE), or under '{self.namespace}:' in a --config "
-                 "file" if self.namespace else
-                 "set with a flag, --set NAME=VALUE, or as a top-level key of a --config file")
-        rows = [(o.name, o.type, _show_default(o.default), _show_help(o)) for o in self.options]
-        w = [max(len(r[i]) for r in [*rows, ("option", "type", "default", "")]) for i in range(3)]
-        lines = [head, f"  options ({where}):",
-                 f"    {'option':<{w[0]}}  {'type':<{w[1]}}  {'default':<{w[2]}}  help"]
-        import shutil
-        import textwrap
-
-        indent = 4 + w[0] + w[1] + w[2] + 6
-        width = max(shutil.get_terminal_size((120, 24)).columns, indent + 40)
-        for a, b, c, d in rows:
-            wrapped = textwrap.wrap(d, width - indent) or [""]
-            lines.append(f"    {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {wrapped[0]}".rstrip())
-            lines += [" " * indent + more for more in wrapped[1:]]
-        return "\n".join(lines)
-
-
-#: how a run requests each mechanism, and its name in the privacy table
-MECHANISM_LABELS = {"central_dp": ("central DP", "dp=central"), "local_dp": ("local DP", "dp=local"),
-                    "secagg": ("SecAgg", "secagg=true")}
-
-
-def _when(entry: Privacy) -> str:
-    return " ".join(f"{k}={json.dumps(v)}" for k, v in entry.when)
-
-
-def privacy_lines(entry: Privacy) -> list[str]:
-    """The lines ``fedfuse show`` prints for one declared privacy entry."""
-    when = f" (with {_when(entry)})" if entry.when else ""
-    lines = [f"  privacy{when}: the server must see {entry.view.value}: {entry.why}"]
-    for mech, (label, flag) in MECHANISM_LABELS.items():
-        v = entry.admits(mech)
-        lines.append(f"    {label + ' (' + flag + ')':<28} {v.support.value}: {v.why}")
-    return lines
-
-
 def privacy_table() -> str:
     """The Markdown table of every registered algorithm's privacy declaration (docs/privacy.md embeds it)."""
     from fedfuse.algorithms import ALGORITHMS
@@ -188,7 +130,7 @@ def privacy_table() -> str:
     rows = ["| algorithm | the server must see | central DP | local DP | SecAgg |", "|---|---|---|---|---|"]
     for name, cls in sorted(ALGORITHMS.items()):
         for e in getattr(cls, "privacy", ()):
-            label = f"`{name}`" + (f" ({_when(e)})" if e.when else "")
+            label = f"`{name}`" + (f" ({when_text(e)})" if e.when else "")
             view = f"**{e.view.value}**: {e.why}".replace("|", "\\|")
             rows.append(f"| {label} | {view} | {cell(e.central_dp)} | {cell(e.local_dp)} | {cell(e.secagg)} |")
     return "\n".join(rows) + "\n"
@@ -209,46 +151,6 @@ def write_privacy_table(path: str | Path) -> bool:
     return new != text
 
 
-def _show_default(v: Any) -> str:
-    if v is None:
-        return "none"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float) and math.isfinite(v):
-        return human_number(v)
-    return json.dumps(v) if isinstance(v, list | dict | tuple) else str(v)
-
-
-def human_number(v: float) -> str:
-    """A float as a person writes it: ``0.1``, ``1e-05``, ``0.8333`` (not ``0.8333333333333334``)."""
-    text = repr(v)
-    return text if len(text) <= 8 else f"{v:.4g}"
-
-
-def _show_help(o: OptionInfo) -> str:
-    extra = []
-    if o.choices:
-        extra.append("one of " + ", ".join(map(str, o.choices)))
-    if o.bounds:
-        extra.append(o.bounds)
-    text = o.help or ""
-    return f"{text} [{'; '.join(extra)}]".strip() if extra else text
-
-
-def _from_defaults(defaults: Mapping[str, Any], helps: Mapping[str, tuple[str, str]] | None = None
-                   ) -> list[OptionInfo]:
-    """Options declared by their defaults plus a help table (name → (type, help line)); without an entry the
-    type is the default's."""
-    def tname(v: Any) -> str:
-        if isinstance(v, tuple | list):
-            return "list"
-        return "any" if v is None else type(v).__name__
-
-    helps = helps or {}
-    return [OptionInfo(k, helps.get(k, (tname(v), ""))[0], v, helps.get(k, ("", ""))[1], None, "")
-            for k, v in defaults.items()]
-
-
 def show(name: str, kind: str | None = None) -> list[Component]:
     """Every component called ``name`` (or only those of ``kind``), with the options a config accepts for it.
 
@@ -256,38 +158,6 @@ def show(name: str, kind: str | None = None) -> list[Component]:
     a model builder's keyword arguments, a partition's or dataset's option table).  ``show("config")`` lists the
     top-level run keys.  Raises ``KeyError`` listing the valid names when nothing matches.
     """
-    from fedfuse.algorithms import ALGORITHMS
-    from fedfuse.data.datasets import DATASETS, dataset_options
-    from fedfuse.data.datasets import OPTION_HELP as DATASET_HELP
-    from fedfuse.data.partition import OPTION_HELP as PARTITION_HELP
-    from fedfuse.data.partition import PARTITIONS, partition_options
-    from fedfuse.models import MODELS, model_options
-    from fedfuse.models.registry import OPTION_HELP as MODEL_HELP
-    from fedfuse.names import canonical, unknown
+    from fedfuse.catalog import find, live
 
-    every = sorted({*ALGORITHMS, *MODELS, *DATASETS, *PARTITIONS, "config"})
-    name = canonical(name, every) or name
-    found: list[Component] = []
-    if kind in (None, "config") and name in ("config", "run"):
-        flag_help = {key: h for key, _, h in FLAGS.values()}
-        opts = [o if o.help else OptionInfo(o.name, o.type, o.default, flag_help.get(o.name, ""), o.choices, o.bounds)
-                for o in describe(RunConfig)]
-        found.append(Component("config", "config", "top-level run configuration keys", "", opts))
-    if kind in (None, "algorithm") and name in ALGORITHMS:
-        cls = ALGORITHMS[name]
-        opts = describe(cls.Options)
-        found.append(Component("algorithm", name, cls.description, "algorithm_options", opts,
-                               tuple(getattr(cls, "privacy", ()))))
-    if kind in (None, "model") and name in MODELS:
-        found.append(Component("model", name, MODELS[name].description, "model_options",
-                               _from_defaults(model_options(name), MODEL_HELP)))
-    if kind in (None, "dataset") and name in DATASETS:
-        found.append(Component("dataset", name, DATASETS[name].description, "dataset_options",
-                               _from_defaults(dataset_options(name), DATASET_HELP)))
-    if kind in (None, "partition") and name in PARTITIONS:
-        found.append(Component("partition", name, PARTITIONS[name], "partition_options",
-                               _from_defaults(partition_options(name), PARTITION_HELP)))
-    if not found:
-        raise KeyError(unknown(kind or "name", name, every,
-                               listing="fedfuse list; 'fedfuse show config' for the run's own keys"))
-    return found
+    return find(name, kind, live())

@@ -8,8 +8,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from fedfuse.config import (
     FLAGS,
@@ -24,23 +25,29 @@ from fedfuse.errors import UserError, run_guarded
 from fedfuse.rundir import prepare_run_dir, resume_config
 
 
-def _flag_help(key: str, fallback: str) -> str:
-    """The declared help of a config key when it has one (so flags and ``fedfuse show config`` agree), else
-    ``fallback``; with the default appended."""
+def _flag_helps() -> dict[str, str]:
+    """Every flag's help: the declared help of its config key when it has one (so flags and ``fedfuse show
+    config`` agree), else the flag table's; with the default appended."""
     from fedfuse.options import describe
 
-    info = {o.name: o for o in describe(RunConfig)}.get(key)
-    text = (info.help if info and info.help else fallback).replace("%", "%%")
-    default = getattr(RunConfig(), key)
-    return f"{text} (default: {default})" if default not in (None, "") else text
+    infos = {o.name: o for o in describe(RunConfig)}
+    defaults = RunConfig()
+    out = {}
+    for key, _, fallback in FLAGS.values():
+        info = infos.get(key)
+        text = (info.help if info and info.help else fallback).replace("%", "%%")
+        default = getattr(defaults, key)
+        out[key] = f"{text} (default: {default})" if default not in (None, "") else text
+    return out
 
 
 def _add_run_flags(p: argparse.ArgumentParser, with_algorithm: bool = True) -> None:
     g = p.add_argument_group("configuration (any key can also be given with --set or --config)")
-    for flag, (key, typ, help_) in FLAGS.items():
+    helps = _flag_helps()
+    for flag, (key, typ, _) in FLAGS.items():
         if flag == "--algorithm" and not with_algorithm:
             continue
-        g.add_argument(flag, dest=key, type=typ, default=None, metavar=key.upper(), help=_flag_help(key, help_))
+        g.add_argument(flag, dest=key, type=typ, default=None, metavar=key.upper(), help=helps[key])
     g.add_argument("--alpha", type=float, default=None,
                    help="Dirichlet concentration: shortcut for --set partition_options.alpha=ALPHA")
     g.add_argument("--config", default=None, help="YAML file with configuration keys (e.g. a run's config.yaml)")
@@ -172,6 +179,11 @@ def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None 
     if "precision" in summary:
         threads = summary.get("threads")
         lines.append(f"precision: {summary['precision']}" + (f", torch threads: {threads}" if threads else ""))
+    from fedfuse.engine.routing import executor_line
+
+    executor = executor_line(summary.get("executor"))  # what ran, and why when it is not what was asked for
+    if executor:
+        lines.append(executor)
     return "\n".join(lines)
 
 
@@ -275,10 +287,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from fedfuse.api import show
+    from fedfuse.catalog import catalog, find
 
     try:
-        comps = show(args.name, args.kind)
+        comps = find(args.name, args.kind, catalog())
     except KeyError as e:
         raise ConfigError(e.args[0]) from None
     print("\n\n".join(c.format() for c in comps))
@@ -345,27 +357,17 @@ def cmd_export_partitions(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from fedfuse.algorithms import ALGORITHMS
-    from fedfuse.data.datasets import DATASETS, dataset_options
-    from fedfuse.data.partition import PARTITIONS, partition_options
-    from fedfuse.models import MODELS, model_options
+    from fedfuse.catalog import catalog, listing
 
-    sections = {
-        "algorithms": {k: v.description for k, v in sorted(ALGORITHMS.items())},
-        "datasets": {k: v.description for k, v in sorted(DATASETS.items())},
-        "partitions": dict(sorted(PARTITIONS.items())),
-        "models": {k: v.description for k, v in sorted(MODELS.items())},
-    }
-    options = {"datasets": dataset_options, "partitions": partition_options, "models": model_options}
-    for title, items in sections.items():
+    for title, items in listing(catalog()).items():
         if args.what and args.what != title:
             continue
         print(f"{title}:")
         width = max(len(k) for k in items)
-        for k, d in items.items():
-            print(f"  {k:<{width}}  {d}")
-            if title in options:  # their options in one short line (fedfuse show NAME: types, defaults, help)
-                names = list(options[title](k))
+        for k, c in items.items():
+            print(f"  {k:<{width}}  {c.description}")
+            if title != "algorithms":  # their options in one short line (fedfuse show NAME: types, defaults, help)
+                names = [o.name for o in c.options]
                 print(f"  {'':<{width}}    options: {', '.join(names) if names else '(none)'}")
         print()
     print("fedfuse show NAME prints a name's options with types, defaults and one help line each.")
@@ -511,9 +513,7 @@ def _add_reproduce(sub) -> None:
     from fedfuse.reproduce import available
     from fedfuse.reproduce.common import add_seed_argument
 
-    rp = sub.add_parser("reproduce", help="re-run a paper comparison on real data (see docs/)",
-                        description="Re-run a paper's comparison on real data; each writes Markdown tables and "
-                                    "plots to its output directory.")
+    rp = sub.add_parser("reproduce", **LAZY["reproduce"])
     names = rp.add_subparsers(dest="name", required=True, metavar="NAME")
     for name, family in available().items():
         p = names.add_parser(name, help=family.description, description=family.description)
@@ -559,9 +559,90 @@ EPILOG = """examples:
 """
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedfuse", description="Federated learning beyond plain averaging.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+#: commands whose arguments are registered by modules that import torch (the reproductions' presets, the LoRA
+#: pretraining): their help and description, so the parser of any other command can list them without those imports
+LAZY: dict[str, dict[str, str]] = {
+    "reproduce": {"help": "re-run a paper comparison on real data (see docs/)",
+                  "description": "Re-run a paper's comparison on real data; each writes Markdown tables and plots "
+                                 "to its output directory."},
+    "pretrain": {"help": "pretrain the base character LM for LoRA runs on WikiText-2 + PTB (cached)"},
+}
+
+
+def _lazy(sub: Any, name: str, command: str | None, add: Any) -> None:
+    """Add command ``name`` with ``add(sub)`` when every command is built or it is ``command``; else as a
+    placeholder with its :data:`LAZY` help (never parsed: argparse parses only the chosen command)."""
+    if command is None or command == name:
+        add(sub)
+    else:
+        sub.add_parser(name, **LAZY[name])
+
+
+def _add_pretrain(sub: Any) -> None:
+    from fedfuse.adapters.cli import add_pretrain_parser
+
+    add_pretrain_parser(sub)
+    _fill_help(sub.choices["pretrain"], "see docs/lora.md")
+
+
+def command_word(argv: list[str]) -> str:
+    """The command of a ``fedfuse`` command line: its first word that is not an option (``""`` when none); the
+    top-level options (``--debug``, ``--help``) take no value."""
+    return next((a for a in argv if not a.startswith("-")), "")
+
+
+class FedfuseParser(argparse.ArgumentParser):
+    """argparse with fedfuse's errors: one line, ``fedfuse: error: MESSAGE (see 'fedfuse CMD --help')``, exit 2,
+    without the usage block; an unknown option or choice gets the closest known ones (:mod:`fedfuse.names`)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"fedfuse: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            chosen = _chosen(self, ns)
+            chosen.error(unrecognized(extras, [s for a in chosen._actions for s in a.option_strings]))
+        return ns
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            from fedfuse.names import unknown
+
+            what = "command" if isinstance(action, argparse._SubParsersAction) else "choice"
+            raise argparse.ArgumentError(action, unknown(what, str(value), [str(c) for c in action.choices]))
+
+
+def _chosen(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command parser ``ns`` was parsed by: ``fedfuse results verify`` → the ``verify`` parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(ns, action.dest, None) in action.choices:
+            return _chosen(action.choices[getattr(ns, action.dest)], ns)
+    return parser
+
+
+def unrecognized(extras: list[str], options: list[str]) -> str:
+    """The message for arguments no parser took: each unknown option with the closest known ones (``--rouns``:
+    did you mean --rounds?); the words after an unknown option are its value, so only options are named when
+    there are any."""
+    from fedfuse.names import did_you_mean
+
+    flags = [x for x in extras if x.startswith("-") and x != "-"]
+    if not flags:
+        return f"unrecognized argument{'s' if len(extras) > 1 else ''} {' '.join(extras)}"
+    hints = {flag: did_you_mean(flag.split("=", 1)[0], options, n=1) for flag in flags}
+    if len(flags) == 1:
+        return f"unrecognized argument {flags[0]}" + (f"; {hints[flags[0]]}" if hints[flags[0]] else "")
+    return "unrecognized arguments: " + ", ".join(f"{f} ({h})" if h else f for f, h in hints.items())
+
+
+def make_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``fedfuse`` parser, every command complete; with ``command`` (what :func:`main` passes: the command
+    word of its arguments, ``""`` for none) the commands of :data:`LAZY` other than ``command`` get their help
+    line only, so ``fedfuse --help``, ``fedfuse run ...``, ``list`` and ``show`` import no torch."""
+    p = FedfuseParser(prog="fedfuse", description="Federated learning beyond plain averaging.",
+                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="run one experiment (no arguments: a small FedAvg run on bundled digits)",
                        description="Run one experiment, or one configuration over several seeds / a grid of "
@@ -596,12 +677,9 @@ def make_parser() -> argparse.ArgumentParser:
                     help="write OUT/node-K/ bundles instead, one per SuperNode (client c on node c %% N), each with "
                          "its clients' train/validation/test tensors only")
     ex.set_defaults(func=cmd_export_partitions)
-    _add_reproduce(sub)
+    _lazy(sub, "reproduce", command, _add_reproduce)
     _add_results(sub)
-    from fedfuse.adapters.cli import add_pretrain_parser
-
-    add_pretrain_parser(sub)
-    _fill_help(sub.choices["pretrain"], "see docs/lora.md")
+    _lazy(sub, "pretrain", command, _add_pretrain)
     from fedfuse.flower.deploy import add_flower_app_parser
 
     add_flower_app_parser(sub)
@@ -640,9 +718,8 @@ DEBUG_HELP = "print the traceback of an internal error (a bug in fedfuse) on scr
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
-    args = make_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = make_parser(command_word(argv)).parse_args(argv)
     before = os.environ.get("FEDFUSE_DEBUG")
     if args.debug:  # an environment variable, so worker processes see it too
         os.environ["FEDFUSE_DEBUG"] = "1"

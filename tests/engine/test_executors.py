@@ -261,7 +261,7 @@ def test_resume_is_bit_identical_within_an_executor(tmp_path, executor, algorith
     cfg = apply(RunConfig(), load_yaml(tmp_path / "b" / "run" / "config.yaml"))
     resumed = experiment(cfg, fed=killed.fed)
     sb = resumed.run(resume=True)
-    assert sb["executor"] == chosen  # auto keeps the executor its probe chose before the kill
+    assert sb["executor"]["detail"] == chosen  # auto keeps the executor its probe chose before the kill
     # the uninterrupted reference runs the executor that was actually used
     concrete = chosen.replace("auto→", "").split("(")[0]
     full = experiment(_cfg(tmp_path / "a", executor=concrete, algorithm=algorithm), fed=killed.fed)
@@ -304,11 +304,13 @@ def test_auto_probe_picks_and_records_an_executor(tmp_path):
     exp = experiment(_cfg(tmp_path, executor="auto", rounds=1, out=None))
     summary = exp.run()
     assert isinstance(exp.executor, AutoExecutor)
-    assert summary["executor"].startswith("auto→")
+    assert summary["executor"]["detail"].startswith("auto→")
     assert {"sequential", "batched", "stacked"} <= set(exp.executor.timings)  # the MLP can be stacked
     assert all(t > 0 for t in exp.executor.timings.values())
-    assert summary["executor"].split("(")[0].replace("auto→", "") == min(exp.executor.timings,
-                                                                         key=exp.executor.timings.get)
+    chosen = min(exp.executor.timings, key=exp.executor.timings.get)
+    assert summary["executor"]["detail"].split("(")[0].replace("auto→", "") == chosen
+    assert summary["executor"]["used"] == chosen and summary["executor"]["requested"] == "auto"
+    assert summary["executor"]["reason"].startswith(f"the probe's fastest per client-step of {chosen} ")
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")

@@ -62,8 +62,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
      ("fedfuse.result_table", "fedfuse.cached_runs", "fedfuse.sweep", "fedfuse.report")),
     ("reproductions", "paper presets", ("fedfuse.reproduce", "fedfuse.reproduce.*")),
     ("results", "result records, the docs' tables rendered from them, verification by re-run", ("fedfuse.records",)),
-    ("entry points", "the Python API, the command line, the package root",
-     ("fedfuse.api", "fedfuse.cli", "fedfuse.adapters.cli", "fedfuse.__main__", "fedfuse")),
+    ("entry points", "the Python API, the command line and the catalog it lists, the package root",
+     ("fedfuse.catalog", "fedfuse.api", "fedfuse.cli", "fedfuse.adapters.cli", "fedfuse.__main__", "fedfuse")),
 ]
 # A variant may subclass its parent algorithm (and import nothing else from it): (variant, parent) -> parent class.
 ALLOWED_VARIANTS: dict[tuple[str, str], str] = {

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState
+from fedfuse.engine.routing import RouteLog
 from fedfuse.types import ClientData, Federation, Message, TensorDict
 
 if TYPE_CHECKING:
@@ -104,6 +105,9 @@ class Executor(Protocol):
     def close(self) -> None:
         """Release workers."""
     def describe(self) -> str: ...
+    def routing(self) -> RouteLog:
+        """The path that trained each client and why any left the executor's own (``engine/routing.py``); the
+        loop checkpoints it and writes it to the summary."""
 
 
 __all__ = ["Algorithm", "ClientFn", "Executor", "Job"]

@@ -22,6 +22,7 @@ import torch
 
 from fedfuse.engine.context import RunContext
 from fedfuse.engine.contract import Algorithm, ClientFn, Job
+from fedfuse.engine.routing import RouteLog
 from fedfuse.rng import derive_seed, torch_generator
 from fedfuse.types import ClientData
 
@@ -46,6 +47,7 @@ class SequentialExecutor:
     def __init__(self, clients: Sequence[ClientData], seed: int) -> None:
         self.clients = clients
         self.seed = seed
+        self.route_log = RouteLog()  # every client training on this executor's own path (``name``)
 
     def map(self, fn: ClientFn, jobs: Sequence[Job]) -> dict[int, Any]:
         out: dict[int, Any] = {}
@@ -55,7 +57,9 @@ class SequentialExecutor:
 
     def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
         """The client step of ``target`` (an algorithm) for every job."""
-        return self.map(target.fit, jobs)
+        out = self.map(target.fit, jobs)
+        self.route_log.ran(self.name, len(out))
+        return out
 
     def run_one(self, fn: ClientFn, job: Job) -> Any:
         # Dropout and other global-RNG users are seeded per job; data order uses the explicit generator.
@@ -77,3 +81,6 @@ class SequentialExecutor:
 
     def describe(self) -> str:
         return self.name
+
+    def routing(self) -> RouteLog:
+        return self.route_log

@@ -28,6 +28,7 @@ from fedfuse.engine.executors import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
 from fedfuse.engine.local_dp import local_epsilon, sample_rate
 from fedfuse.engine.round import Collected, RoundLedger
+from fedfuse.engine.routing import executor_summary
 from fedfuse.engine.sampling import make_sampler
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError, UserError
@@ -226,6 +227,7 @@ class Experiment:
         if ck["config"].get("rounds") != self.cfg.rounds:  # a resume that extends the run
             dump_yaml(self.cfg, self.out / "config.yaml")
         self.executor.restore(ck.get("executor"))  # auto: keep the executor the probe chose
+        self.executor.routing().load_state_dict(ck.get("routes"))  # the summary counts the earlier rounds too
         self.sampler.load_state_dict(ck.get("sampler", {}))
         self.local_dp_steps = dict(ck.get("local_dp_steps", {}))
         self.late_box = ck.get("late_box", {})
@@ -248,6 +250,7 @@ class Experiment:
             "config": self.cfg.to_dict(),
             "lr": self.ctx.train.lr,
             "executor": self.executor.describe(),
+            "routes": self.executor.routing().state_dict(),
         }
         save_checkpoint(self.out / CHECKPOINT, ck)
 
@@ -589,7 +592,8 @@ class Experiment:
             "best": _block(self.best or final),
             "totals": dataclasses.asdict(self.totals),
             "wall_seconds": self.totals.wall_seconds,
-            "executor": self.executor.describe(),
+            # what was asked for, what trained the clients and why a request was re-routed (engine/routing.py)
+            "executor": executor_summary(self.cfg.executor, self.executor.routing(), self.executor.describe()),
             "precision": self.precision,
             "threads": self.threads,
         }

@@ -25,6 +25,7 @@ from fedfuse.engine.context import RunContext
 from fedfuse.engine.contract import Algorithm, ClientFn, Executor, Job
 from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
 from fedfuse.engine.program import ClientProgram
+from fedfuse.engine.routing import RouteLog
 from fedfuse.executors.batched import BatchedExecutor, unbatchable_reason
 from fedfuse.executors.processes import ProcessExecutor, available_cores
 from fedfuse.executors.stacked import StackedExecutor, stacked_reason
@@ -43,6 +44,7 @@ class AutoExecutor:
         self.probe_clients = probe_clients
         self.inner: Executor | None = None
         self.timings: dict[str, float] = {}  # seconds per client-step measured or estimated by the probe
+        self.route_log = RouteLog()  # the chosen executor writes its client trainings here
 
     def _clock(self) -> float:
         """Wall time after the device's queued work is done (CUDA kernels run asynchronously)."""
@@ -64,14 +66,17 @@ class AutoExecutor:
             self._use(choice.split("(")[0].replace("auto→", ""))
 
     def _use(self, name: str) -> None:
+        inner: SequentialExecutor
         if name == "batched":
-            self.inner = BatchedExecutor(self.clients, self.seed)
+            inner = BatchedExecutor(self.clients, self.seed)
         elif name == "stacked":
-            self.inner = StackedExecutor(self.clients, self.seed)
+            inner = StackedExecutor(self.clients, self.seed)
         elif name == "processes":
-            self.inner = ProcessExecutor(self.clients, self.seed, threads=self.threads)
+            inner = ProcessExecutor(self.clients, self.seed, threads=self.threads)
         else:
-            self.inner = SequentialExecutor(self.clients, self.seed)
+            inner = SequentialExecutor(self.clients, self.seed)
+        inner.route_log = self.route_log  # the chosen executor's client trainings are this executor's
+        self.inner = inner
 
     def probe(self, target: Algorithm, jobs: Sequence[Job]) -> str:
         jobs = list(jobs)[: self.probe_clients]
@@ -116,12 +121,14 @@ class AutoExecutor:
     def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
         if self.inner is None:
             self._use(self.probe(target, jobs))
+            self.route_log.choice = choice_reason(self.timings)
         assert self.inner is not None
         return self.inner.fit(target, jobs)
 
     def map(self, fn: ClientFn, jobs: Sequence[Job]) -> dict[int, Any]:
         if self.inner is None:
-            self.inner = SequentialExecutor(self.clients, self.seed)
+            self._use("sequential")
+        assert self.inner is not None
         return self.inner.map(fn, jobs)
 
     def run_one(self, fn: ClientFn, job: Job) -> Any:
@@ -134,3 +141,13 @@ class AutoExecutor:
 
     def describe(self) -> str:
         return f"auto→{self.inner.describe()}" if self.inner is not None else "auto"
+
+    def routing(self) -> RouteLog:
+        return self.route_log
+
+
+def choice_reason(timings: dict[str, float]) -> str:
+    """Why the probe chose its executor: the measured (processes: estimated) time per client-step of each."""
+    ranked = sorted(timings.items(), key=lambda kv: kv[1])
+    times = ", ".join(f"{name} {1e3 * t:.3g} ms" for name, t in ranked)
+    return f"the probe's fastest per client-step of {times}"

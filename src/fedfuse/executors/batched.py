@@ -112,8 +112,10 @@ class BatchedExecutor(SequentialExecutor):
                 continue
             pending.append((job, prog))
         for group in self.groups(pending):
-            if len(group) == 1:
+            if len(group) == 1:  # nothing to batch with: the program alone is the same computation
                 out[group[0][0].cid] = self._run_program(group[0][1], group[0][0])
+                path, why = self.group_route(group[0][1])
+                self.route_log.ran(path, 1, why)
                 continue
             try:
                 out.update(self.train_group(group))
@@ -127,7 +129,9 @@ class BatchedExecutor(SequentialExecutor):
         return out
 
     def _note(self, reason: str, n: int = 1) -> None:
+        """``n`` clients ran sequentially for ``reason``."""
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + n
+        self.route_log.ran("sequential", n, reason)
 
     def _run_program(self, prog: ClientProgram, job: Job) -> Any:
         seed_global(self.seed, job)
@@ -203,6 +207,8 @@ class BatchedExecutor(SequentialExecutor):
                 loss_acc += task.detach().to(acc_dtype) * counts[:, t].to(acc_dtype)
         finally:
             model.train(was_training)
+        path, why = self.group_route(p0)
+        self.route_log.ran(path, C, why)
         keys = [k for k in model.state_dict() if k in p0.init]
         losses = loss_acc.tolist()
         out: dict[int, Any] = {}
@@ -212,6 +218,10 @@ class BatchedExecutor(SequentialExecutor):
                                generator=gens[i])
             out[job.cid] = prog.finalize(state, stats)
         return out
+
+    def group_route(self, program: ClientProgram) -> tuple[str, str | None]:
+        """The path a group of ``program`` trains on, and why it is not this executor's own (``None``: it is)."""
+        return "batched", None
 
     def group_step(self, program: ClientProgram, base: dict[str, torch.Tensor], exact: bool) -> _GroupStep:
         """The gradient computation of one group (the stacked executor overrides it for linear models)."""

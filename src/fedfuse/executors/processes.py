@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fedfuse.engine.contract import Algorithm, ClientFn, Job
+from fedfuse.engine.contract import ClientFn, Job
 from fedfuse.engine.executor import SequentialExecutor, job_generator, seed_global
 from fedfuse.runtime.precision import current_settings, use_precision
 from fedfuse.types import ClientData, Message
@@ -124,9 +124,6 @@ class ProcessExecutor(SequentialExecutor):
         for job, raw in zip(jobs, replies, strict=True):
             out[job.cid] = _to_device(_loads(raw), device)
         return out
-
-    def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
-        return self.map(target.fit, jobs)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -173,8 +173,12 @@ class StackedExecutor(BatchedExecutor):
         super().__init__(clients, seed, **kwargs)  # type: ignore[arg-type]
         self.routes: dict[str, int] = {}  # "stacked" or "vmap: <reason>" → groups (for diagnostics and tests)
 
-    def group_step(self, program: ClientProgram, base: dict[str, torch.Tensor], exact: bool) -> _GroupStep:
+    def group_route(self, program: ClientProgram) -> tuple[str, str | None]:
         reason = stacked_reason(program)
+        return ("stacked", None) if reason is None else ("batched", reason)
+
+    def group_step(self, program: ClientProgram, base: dict[str, torch.Tensor], exact: bool) -> _GroupStep:
+        _, reason = self.group_route(program)
         route = "stacked" if reason is None else f"vmap: {reason}"
         self.routes[route] = self.routes.get(route, 0) + 1
         if reason is not None:

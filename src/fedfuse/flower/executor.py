@@ -28,6 +28,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fedfuse.engine.contract import Algorithm, ClientFn, Job
+from fedfuse.engine.routing import RouteLog
 from fedfuse.flower import wire
 from fedfuse.privacy.secure import SecAggAbort, SecAggSettings
 
@@ -61,6 +62,7 @@ class FlowerExecutor:
         self.node_wait = node_wait
         self._ctx: Any = None
         self.lost: dict[int, str] = {}  # the last call's jobs without a usable reply, with the reason
+        self.route_log = RouteLog()  # every client training runs on a node (the summary's executor block)
         self._started = False
         self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
         self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
@@ -259,7 +261,12 @@ class FlowerExecutor:
         return out
 
     def fit(self, target: Algorithm, jobs: Sequence[Job]) -> dict[int, Any]:
-        return self.map(target.fit, jobs)
+        out = self.map(target.fit, jobs)
+        self.route_log.ran("flower", len(out))
+        return out
+
+    def routing(self) -> RouteLog:
+        return self.route_log
 
     def restore(self, choice: str | None) -> None:
         """Nothing to restore: the nodes are the grid's."""
