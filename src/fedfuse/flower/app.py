@@ -38,7 +38,7 @@ from fedfuse.engine.loop import Experiment, assemble
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
-from fedfuse.flower.node_data import NODE_KEYS
+from fedfuse.flower.node_data import NODE_KEYS, NodeDataError
 from fedfuse.flower.node_policy import NODE_PATHS, NodeDP, RefusedJob, node_view
 from fedfuse.flower.secure import is_secure_fit, node_fit, secure_mod
 from fedfuse.runtime.precision import resolve_precision, use_precision
@@ -134,7 +134,7 @@ def handle(msg: Message, context: Context) -> Message:
                        reply_to=msg)
     try:
         _, job, result = run_job(msg.content, context)
-    except RefusedJob as e:
+    except (RefusedJob, NodeDataError) as e:
         log.error("job refused: %s", e)
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(e)), reply_to=msg)
     content = wire.pack({"result": result})
@@ -262,8 +262,12 @@ def _query(msg: Message, context: Context) -> Message:
     """Which clients this node serves: ``[ids]`` when it holds node-local data, ``"*"`` when it rebuilds the
     whole federation from the config (and so can serve any client)."""
     held: Any = "*"
-    if context.node_config.get("data"):
+    try:
         run = node_run(str(msg.content[JOB]["run"]), context.node_config)
+    except (RefusedJob, NodeDataError) as e:  # this node will not serve the run: say why
+        log.error("run refused: %s", e)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(e)), reply_to=msg)
+    if context.node_config.get("data"):
         held = sorted(run.held or ())
     return Message(content=RecordDict({CLIENTS: ConfigRecord({"clients": json.dumps(held)})}), reply_to=msg)
 
