@@ -173,8 +173,10 @@ def run_job(content: Any, context: Context) -> tuple[NodeRun, Job, Any]:
         result = hook(job.payload, job.state, data, gen)
     if charged is not None:
         assert dp is not None
-        stats = getattr(result[0], "stats", None)
-        dp.accountant().settle(cid, charged, stats.steps if stats is not None else 0)
+        stats, book = getattr(result[0], "stats", None), dp.accountant()
+        book.settle(cid, charged, stats.steps if stats is not None else 0)
+        log.info("local DP: client %d has spent ε = %.4g of this node's %g (δ = %g)", cid, book.epsilon(cid),
+                 dp.epsilon, dp.delta)
     if private and method == "fit":  # evaluation reads the kept entries but leaves them as they are
         result = (result[0], keep_private(result[1], private, context, cid))
     return run, job, result
