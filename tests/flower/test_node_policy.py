@@ -224,3 +224,27 @@ def test_a_lora_run_on_flower_loads_the_nodes_base_not_the_servers(tmp_path, mon
     except Exception as e:  # the data may be missing on this machine; the base is loaded first either way
         pytest.skip(f"tiny-shakespeare not available: {e}")
     assert run.cfg.algorithm_options["base"] == mine and opened and set(opened) == {mine}
+
+
+def test_every_dp_sgd_call_is_checked_with_the_parameters_it_really_runs_with(tmp_path, monkeypatch, caplog):
+    """The check sits in DP-SGD itself (``local_dp.guarded``), not in the run config: a client step that calls
+    DP-SGD with a weaker noise than the node's is refused even when the run config says otherwise, and a client
+    step that trains without DP-SGD at all has its reply withheld."""
+    import fedfuse.algorithms.fedavg as fedavg
+    from fedfuse.engine.client import TrainStats
+
+    caplog.set_level(logging.WARNING, logger="fedfuse")
+    real = fedavg.train_dp_sgd
+    monkeypatch.setattr(fedavg, "train_dp_sgd", lambda *a, noise, clip: real(*a, noise=noise / 10, clip=clip))
+    exp = _run(_cfg(), _policy(tmp_path))
+    assert exp.history[0]["dropped"] == [0, 1]
+    assert not (tmp_path / "node" / "local-dp.json").exists() or json.loads(
+        (tmp_path / "node" / "local-dp.json").read_text())["clients"] == {}
+
+    def plain_sgd(model, split, train, gen, *, noise, clip):  # a client step that skips DP-SGD
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, TrainStats(steps=5, samples=50)
+
+    monkeypatch.setattr(fedavg, "train_dp_sgd", plain_sgd)
+    exp = _run(_cfg(), _policy(tmp_path / "b"))
+    assert exp.history[0]["dropped"] == [0, 1] and exp.history[0]["replied"] == 0
+    assert "DP-SGD asked with noise 0.1" in caplog.text and "without DP-SGD" in caplog.text

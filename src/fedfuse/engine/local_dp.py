@@ -23,12 +23,16 @@ refused with Opacus's reasons (use a GroupNorm or normalisation-free variant).  
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 import warnings
 import weakref
+from collections.abc import Iterator
+from contextvars import ContextVar
 from functools import lru_cache
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -100,6 +104,31 @@ def is_secure(gen: torch.Generator) -> bool:
     return gen in _SECURE
 
 
+class Guard(Protocol):
+    """What a device that enforces its own local DP checks at every DP-SGD call (:func:`guarded`)."""
+
+    def admit(self, noise: float, clip: float, rate: float, steps: int) -> None:
+        """Raise to refuse ``steps`` steps of noise multiplier ``noise``, clip ``clip``, sampling rate ``rate``."""
+
+    def spent(self, steps: int) -> None:
+        """The steps the admitted call took."""
+
+
+_GUARD: ContextVar[Any] = ContextVar("fedfuse_local_dp_guard", default=None)
+
+
+@contextlib.contextmanager
+def guarded(guard: Guard) -> Iterator[None]:
+    """Every :func:`train_dp_sgd` call inside is checked by ``guard`` with the parameters it really runs with
+    (whatever algorithm calls it, with whatever settings), and draws from a fresh :func:`secure_generator`
+    whatever generator it is handed."""
+    token = _GUARD.set(guard)
+    try:
+        yield
+    finally:
+        _GUARD.reset(token)
+
+
 def train_dp_sgd(model: nn.Module, split: Split, train: TrainConfig, gen: torch.Generator, *, noise: float,
                  clip: float) -> tuple[TensorDict, TrainStats]:
     """DP-SGD on a copy of ``model`` for ``train.local_epochs`` epochs of Poisson-sampled batches; returns the
@@ -110,6 +139,11 @@ def train_dp_sgd(model: nn.Module, split: Split, train: TrainConfig, gen: torch.
     from opacus import PrivacyEngine
 
     _opacus()
+    guard = _GUARD.get()
+    if guard is not None:  # a device enforcing its own local DP: its check, its accountant, its randomness
+        n = len(split)
+        guard.admit(noise, clip, sample_rate(n, min(train.batch_size, max(n, 1))), planned_steps(n, train))
+        gen = secure_generator()
     work = copy.deepcopy(model).train()  # Opacus hooks the module: never touch the caller's (cached) one
     params = [p for p in work.parameters() if p.requires_grad]
     if train.optimizer == "adam":
@@ -129,6 +163,8 @@ def train_dp_sgd(model: nn.Module, split: Split, train: TrainConfig, gen: torch.
     with warnings.catch_warnings():  # Opacus's hooks on a first layer whose input needs no gradient
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         stats = _steps(private, popt, ploader, train)
+    if guard is not None:
+        guard.spent(stats.steps)
     state = {k: v.detach().clone() for k, v in private._module.state_dict().items()}
     return state, stats
 

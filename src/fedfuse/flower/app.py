@@ -21,6 +21,7 @@ local DP it enforces and accounts — is :mod:`fedfuse.flower.node_policy`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -33,7 +34,7 @@ from fedfuse.algorithms import get_algorithm
 from fedfuse.config import make_config, resolve_device
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
-from fedfuse.engine.local_dp import planned_steps, sample_rate, secure_generator
+from fedfuse.engine.local_dp import guarded, secure_generator
 from fedfuse.engine.loop import Experiment, assemble
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
@@ -165,31 +166,22 @@ def run_job(content: Any, context: Context) -> tuple[NodeRun, Job, Any]:
     state = restore_private(body["state"], private, context, cid)
     job = Job(cid, payload.to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
     seed_global(seed, job)
-    gen, charged = job_generator(seed, job), None
-    if dp is not None and method == "fit":  # the node's own accountant and randomness, never the job's seed
-        gen, charged = secure_generator(), _reserve(dp, run, cid, len(data.train))
     hook = {"fit": run.algo.fit, "evaluate": run.algo.evaluate}[method]
-    with use_precision(run.precision, run.memory_format, run.fp32_matmul):
-        result = hook(job.payload, job.state, data, gen)
-    if charged is not None:
-        assert dp is not None
-        stats, book = getattr(result[0], "stats", None), dp.accountant()
-        book.settle(cid, charged, stats.steps if stats is not None else 0)
-        log.info("local DP: client %d has spent ε = %.4g of this node's %g (δ = %g)", cid, book.epsilon(cid),
-                 dp.epsilon, dp.delta)
+    guard = dp.guard(cid) if dp is not None and method == "fit" else None
+    with use_precision(run.precision, run.memory_format, run.fp32_matmul), \
+            guarded(guard) if guard is not None else contextlib.nullcontext():
+        # a node enforcing its own local DP: every DP-SGD call is checked, charged and drawn from the OS
+        result = hook(job.payload, job.state, data, secure_generator() if guard else job_generator(seed, job))
+    trained = getattr(getattr(result[0], "stats", None), "steps", 0) if guard is not None else 0
+    if guard is not None and trained and not guard.charged:  # trained outside DP-SGD: nothing of it leaves
+        raise RefusedJob(f"client {cid}: the job trained {trained} steps without DP-SGD, which this node "
+                         f"enforces ({guard.policy.describe()}): reply withheld")
+    if guard is not None and guard.charged:
+        log.info("local DP: client %d has spent ε = %.4g of this node's %g (δ = %g)", cid,
+                 guard.book.epsilon(cid), guard.policy.epsilon, guard.policy.delta)
     if private and method == "fit":  # evaluation reads the kept entries but leaves them as they are
         result = (result[0], keep_private(result[1], private, context, cid))
     return run, job, result
-
-
-def _reserve(dp: NodeDP, run: NodeRun, cid: int, n: int) -> int:
-    """Charge client ``cid``'s DP-SGD steps of this job to the node's accountant before training (refused past
-    the node's budget); the run's noise is the node's or stronger (``NodeDP.check_run``)."""
-    if not run.ctx.dp.local or run.ctx.dp.noise < dp.noise or run.ctx.dp.clip > dp.clip:
-        raise RefusedJob(f"the node's run settings are not {dp.describe()}: job refused")
-    train = run.ctx.train
-    return dp.accountant().reserve(cid, run.ctx.dp.noise, sample_rate(n, min(train.batch_size, max(n, 1))),
-                                   planned_steps(n, train), dp.epsilon)
 
 
 KEPT = "fedfuse:kept-on-node"  # what the server holds in place of a node-private client-state entry

@@ -15,7 +15,10 @@ algorithm, its settings, the model) but not with what protects the device:
   ran for that client, in every run, persisted in ``state-dir/local-dp.json``) and refuses a training job whose
   steps (``local_epochs`` × ⌈n/B⌉, ``max_steps``, as the server asks) would take a client past ``dp-epsilon``.
   The noise and the Poisson batches come from a generator seeded from ``os.urandom``
-  (:func:`fedfuse.engine.local_dp.secure_generator`), not from the seed the job carries.
+  (:func:`fedfuse.engine.local_dp.secure_generator`), not from the seed the job carries.  The check and the
+  charge sit in DP-SGD itself (:func:`fedfuse.engine.local_dp.guarded`): every call is checked with the noise,
+  clip, sampling rate and steps it really runs with, whatever algorithm makes it; a training job that took steps
+  outside DP-SGD has its reply withheld.
 
 A refused job is a :class:`RefusedJob`: the node replies with an error (logged on both sides) and the server counts
 the client as a dropout of the round.
@@ -127,6 +130,32 @@ class NodeDP:
 
     def accountant(self) -> NodeAccountant:
         return NodeAccountant(self.state_dir / ACCOUNTANT_FILE, self.delta)
+
+    def guard(self, cid: int) -> NodeGuard:
+        """The check of every DP-SGD call of client ``cid``'s job (:func:`fedfuse.engine.local_dp.guarded`)."""
+        return NodeGuard(self, cid)
+
+
+class NodeGuard:
+    """Checks each DP-SGD call of one job with the parameters it really runs with — noise and clip at least the
+    node's, the steps within the client's budget (charged before they run, corrected after) — whatever algorithm
+    makes the call."""
+
+    def __init__(self, policy: NodeDP, cid: int) -> None:
+        self.policy, self.cid = policy, cid
+        self.book = policy.accountant()
+        self.charged: list[int] = []
+
+    def admit(self, noise: float, clip: float, rate: float, steps: int) -> None:
+        p = self.policy
+        if not (noise >= p.noise and clip <= p.clip):
+            raise RefusedJob(f"client {self.cid}: DP-SGD asked with noise {noise:g}, clip {clip:g}; this node trains "
+                             f"only under {p.describe()}: job refused")
+        self.charged.append(self.book.reserve(self.cid, noise, rate, steps, p.epsilon))
+
+    def spent(self, steps: int) -> None:
+        if self.charged:
+            self.book.settle(self.cid, self.charged[-1], steps)
 
 
 class NodeAccountant:
