@@ -403,3 +403,60 @@ def test_base_state_hash_reads_the_weights_not_the_file(tmp_path):
     state[name].view(-1)[0] += 1e-6
     torch.save({**ck, "state": state}, tmp_path / "changed.pt")
     assert base_state_sha256(tmp_path / "changed.pt") != base_state_sha256(path)
+
+
+class _Payload:
+    """A pickled payload: unpickling it with ``weights_only=False`` runs ``touch MARKER``."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _lora_record(base: str, federation: dict | None) -> dict:
+    rec = {"table": "t", "cell": {"method": "fedit"}, "seed": 0, "commit": "0" * 40, "metrics": {},
+           "config": {"algorithm": "fedit", "dataset": "tiny-shakespeare", "seed": 0,
+                      "algorithm_options": {"base": base}}}
+    return {**rec, "federation": federation} if federation is not None else rec
+
+
+def test_verify_refuses_a_lora_record_without_its_base_digest(tmp_path):
+    """Adversary: whoever edits a results record (a pull request, a shared results folder).  A record naming a
+    LoRA base but not its weights digest would re-run on whatever file sits at that path: refused."""
+    from fedfuse.reproduce.fedmerge_lora import record_federation
+
+    base = f"fedfuse:{tmp_path / 'base.pt'}"
+    for fed in (None, record_federation("roles", base_sha=""), {"kind": "lora", "base_state_sha256": "xyz"}):
+        with pytest.raises(SystemExit, match="not its weights digest"):
+            records.verify(_lora_record(base, fed))
+
+
+def test_a_tampered_lora_base_runs_no_code_during_verify(tmp_path, capsys):
+    """The base a LoRA record names is replaced by a file whose pickle runs a payload: ``fedfuse results
+    verify`` refuses it with one line, and the payload never runs (its base is read with ``weights_only``)."""
+    import torch
+
+    from fedfuse.adapters.lora import load_base
+    from fedfuse.cli import main
+    from fedfuse.config import ConfigError
+    from fedfuse.reproduce.fedmerge_lora import record_federation
+    from support import lora_tiny_base
+
+    good = lora_tiny_base(tmp_path).removeprefix("fedfuse:")
+    marker = tmp_path / "marker"
+    evil = tmp_path / "evil.pt"
+    torch.save({**torch.load(good, weights_only=True), "info": _Payload(marker)}, evil)
+    root = tmp_path / "repo"
+    rec = _lora_record(f"fedfuse:{evil}", record_federation("roles", quick=True, clients=3, base_sha="a" * 64))
+    records.write_record(root, {**rec, "config_hash": "0"})
+    capsys.readouterr()
+    assert main(["results", "--root", str(root), "verify", "--table", "t", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedfuse: error:") and len(err.splitlines()) == 1 and "posix.system" in err, err
+    with pytest.raises(ConfigError, match="refused"):  # the LoRA algorithms' own loader refuses it too
+        load_base(f"fedfuse:{evil}")
+    assert not marker.exists()

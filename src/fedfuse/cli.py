@@ -341,7 +341,7 @@ def cmd_export_partitions(args: argparse.Namespace) -> int:
         try:
             paths = write_node_bundles(fed, cfg.out, args.nodes, overwrite=args.overwrite,
                                        meta={"seed": cfg.seed, "partition": cfg.partition,
-                                             "val_fraction": cfg.val_fraction})
+                                             "val_fraction": cfg.val_fraction}, config=cfg)
         except FileExistsError as e:
             raise ConfigError(str(e)) from None
         for k, p in enumerate(paths):

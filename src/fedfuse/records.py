@@ -449,6 +449,7 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
     from fedfuse.config import RunConfig, apply, validate
     from fedfuse.runner import experiment
 
+    check_base_digest(rec)
     out = out or tempfile.mkdtemp(prefix="fedfuse-verify-")
     cfg = validate(apply(RunConfig(), {**rec["config"], "out": out, "data_dir": data_dir, "threads": 1,
                                        "plots": False}))
@@ -469,6 +470,18 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
     exp = experiment(cfg, fed=fed, progress=False)
     summary = exp.run()
     return {**_scalars(summary.get("final", {})), **_stability_metrics(exp.history), "curve": _curve(exp.history)[0]}
+
+
+def check_base_digest(rec: dict[str, Any]) -> None:
+    """Refuse (``SystemExit``) a record whose run names a LoRA base but that does not record the base's weights
+    digest (``federation.base_state_sha256``): a re-run would load whatever file now sits at that path."""
+    base = (rec.get("config", {}).get("algorithm_options") or {}).get("base")
+    if not base:
+        return
+    digest = str((rec.get("federation") or {}).get("base_state_sha256") or "")
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise SystemExit(f"fedfuse results verify: the record names the LoRA base {base!r} but not its weights "
+                         "digest (federation.base_state_sha256): refused to re-run it on an unchecked base")
 
 
 #: The row of :func:`verify`'s comparison that covers the per-round curve (tables read points and means of it).

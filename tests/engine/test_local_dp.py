@@ -144,3 +144,35 @@ def test_secure_fedmr_trains_with_dp_sgd_in_its_first_stage(tmp_path) -> None:
         eps = [local_epsilon(1.1, sample_rate(int(sizes[c]), 16), s, 1e-5) for c, s in steps.items()]
         assert rec["dp_epsilon"] == pytest.approx(max(eps))
     assert exp.local_dp_steps == steps
+
+
+def test_a_secure_generator_is_not_reproducible_from_any_seed() -> None:
+    """Two :func:`secure_generator` draws differ, and DP-SGD with one (Opacus secure mode: noise and Poisson batches
+    from it) gives a different model each time from the same seeds, where the seeded generator repeats exactly."""
+    from fedfuse.engine.executor import Job, seed_global
+    from fedfuse.engine.local_dp import is_secure, secure_generator
+
+    a, b = secure_generator(), secure_generator()
+    assert is_secure(a) and not is_secure(torch.Generator())
+    draws = torch.randn(20000, generator=a)
+    assert not torch.equal(draws[:8], torch.randn(8, generator=b))
+    assert abs(float(draws.mean())) < 0.05 and abs(float(draws.std()) - 1) < 0.05  # still N(0, 1)
+    cfg = TrainConfig(local_epochs=1, batch_size=4, lr=0.5)
+
+    def step(gen: torch.Generator) -> dict:
+        seed_global(0, Job(0, None, None, ("fit", 0, 0)))  # the job's seeds, as every executor sets them
+        return train_dp_sgd(_model(), _split(), cfg, gen, noise=1.0, clip=1.0)[0]
+
+    assert _dist(step(torch.Generator().manual_seed(3)), step(torch.Generator().manual_seed(3))) == 0.0
+    assert _dist(step(secure_generator()), step(secure_generator())) > 0.1
+
+
+@pytest.mark.parametrize("epochs,batch,cap", [(1, 4, 0), (3, 5, 0), (2, 12, 0), (3, 4, 4), (2, 100, 0)])
+def test_planned_steps_are_the_steps_dp_sgd_takes(epochs, batch, cap) -> None:
+    """What a device charges before training (local_epochs · ⌈n/B⌉, capped by max_steps over the whole client
+    step) is exactly what :func:`train_dp_sgd` then takes, empty Poisson batches included."""
+    from fedfuse.engine.local_dp import planned_steps
+
+    cfg = TrainConfig(local_epochs=epochs, batch_size=batch, lr=0.1, max_steps=cap)
+    _, stats = train_dp_sgd(_model(), _split(12), cfg, torch.Generator().manual_seed(0), noise=1.0, clip=1.0)
+    assert stats.steps == planned_steps(12, cfg)

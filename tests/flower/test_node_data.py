@@ -106,12 +106,64 @@ def test_a_job_for_a_foreign_client_is_refused_and_counted_as_a_dropout(bundles,
     assert "does not hold client 1" in caplog.text and "job refused" in caplog.text
 
 
-def test_the_server_samples_among_the_clients_that_are_present(bundles):
+def test_clients_nobody_holds_are_absent_dropouts_not_replaced(bundles):
+    """Only node 0 (clients 0 and 2) is connected: the server samples exactly as in process, and every sampled
+    client nobody holds (1, 3) is a dropout of its round — never replaced by a present client."""
     cfg = _cfg(clients_per_round=2, rounds=3)
-    grid = LocalGrid(client_app, 1, node_config=[{"data": str(bundles[0])}])  # only node 0: clients 0 and 2
+    ref = Experiment(cfg, get_algorithm(cfg.algorithm))
+    ref.run()
+    grid = LocalGrid(client_app, 1, node_config=[{"data": str(bundles[0])}])
     _, exp = _run(cfg, grid)
+    assert [r["clients"] for r in exp.history] == [r["clients"] for r in ref.history]
     for rec in exp.history:
-        assert rec["dropped"] == [] and rec["replied"] == 2
+        assert rec["dropped"] == [c for c in rec["clients"] if c % 2 == 1]
+        assert rec["replied"] == len([c for c in rec["clients"] if c % 2 == 0])
+    assert exp.totals.dropped == sum(len(r["dropped"]) for r in exp.history) > 0
+
+
+def test_the_server_refuses_a_second_node_claiming_the_same_clients(bundles, caplog):
+    """Two devices are given node 0's bundle (a copied bundle): the first claim stands, the second node is
+    refused (an error names both) and gets no job; node 1's clients, which nobody holds, are dropouts."""
+    cfg = _cfg()
+    grid = LocalGrid(client_app, 2, node_config=[{"data": str(bundles[0])}, {"data": str(bundles[0])}])
+    served = []
+    real = grid.send_and_receive
+
+    def spy(messages, *, timeout=None):
+        messages = list(messages)
+        served.extend(m.metadata.dst_node_id for m in messages)
+        return real(messages, timeout=timeout)
+
+    grid.send_and_receive = spy
+    with caplog.at_level(logging.ERROR, logger="fedfuse"):
+        _, exp = _run(cfg, grid)
+    assert set(served) == {1}
+    assert "node 2 claims clients [0, 2], which node [1] already holds: refused" in caplog.text
+    for rec in exp.history:
+        assert rec["dropped"] == [1, 3] and rec["replied"] == 2
+
+
+@pytest.mark.parametrize("change", [{"seed": 4}, {"partition_options": {"alpha": 0.1}}, {"val_fraction": 0.2},
+                                    {"partition": "iid", "partition_options": {}}])
+def test_a_node_refuses_a_bundle_exported_with_other_run_settings(tmp_path, change, caplog):
+    """A bundle records the settings that decide its clients' rows; a run with another seed, partition, its
+    options or validation split is refused by the node with the differing settings named (every one of its
+    clients is a dropout), instead of silently training other rows."""
+    from fedfuse.flower.app import node_run
+
+    cfg = _cfg()
+    paths = write_node_bundles(build_federation(cfg), tmp_path / "b", 1, config=cfg)
+    other = make_config({**cfg.to_dict(), **change})
+    import json as _json
+
+    with pytest.raises(NodeDataError, match="was exported with " + next(iter(change))):
+        node_run(_json.dumps(other.to_dict(), sort_keys=True, default=str), {"data": str(paths[0])})
+    node_run(_json.dumps(cfg.to_dict(), sort_keys=True, default=str), {"data": str(paths[0])})  # its own run: fine
+    grid = LocalGrid(client_app, 1, node_config=[{"data": str(paths[0])}])
+    with caplog.at_level(logging.WARNING, logger="fedfuse"):
+        _, exp = _run(make_config({**other.to_dict(), "rounds": 1}), grid)
+    assert exp.history[0]["replied"] == 0 and exp.history[0]["dropped"] == exp.history[0]["clients"]
+    assert "was exported with" in caplog.text
 
 
 def test_among_present_replaces_only_absent_clients():
@@ -216,3 +268,26 @@ def test_node_data_from_a_table_an_image_folder_and_a_flower_partition(tmp_path)
     data = load_node_data({"data": str(tmp_path / "img"), "partition-id": 1}, seed=0, val_fraction=0.0)
     assert data.client_ids == [1] and data.input_shape == (3, 6, 6) and data.class_names == ["cat", "dog"]
     assert len(data.clients[1].train) == 8 and len(data.clients[1].test) == 2
+
+
+def test_export_partitions_records_the_run_settings_and_older_bundles_are_checked_too(tmp_path):
+    """``fedfuse export-partitions --nodes`` writes every run-defining setting into each bundle; a bundle written
+    before (only ``seed``, ``partition``, ``val_fraction`` in its metadata) is checked on what it has."""
+    import json
+
+    from fedfuse.cli import main
+    from fedfuse.flower.node_data import RUN_SETTINGS, check_compatible, run_settings
+
+    out = tmp_path / "parts"
+    assert main(["export-partitions", "--dataset", "digits", "--clients", "4", "--clients-per-round", "4",
+                 "--seed", "3", "--nodes", "2",
+                 "--out", str(out)]) == 0
+    meta = json.loads((out / "node-1" / "fedfuse_node.json").read_text())
+    cfg = make_config(dataset="digits", clients=4, clients_per_round=4, seed=3)
+    assert sorted(meta["run"]) == sorted(RUN_SETTINGS) and meta["run"] == run_settings(cfg)
+    old = write_node_bundles(build_federation(cfg), tmp_path / "old", 1,
+                             meta={"seed": 3, "partition": "dirichlet", "val_fraction": 0.1})
+    data = load_node_data({"data": str(old[0])}, seed=3, val_fraction=0.1)
+    check_compatible(data, cfg)
+    with pytest.raises(NodeDataError, match=r"seed=3 \(the run: 5\)"):
+        check_compatible(data, make_config(dataset="digits", clients=4, clients_per_round=4, seed=5))

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedfuse.engine.checkpoint import safe_load
 from fedfuse.errors import UserError
 from fedfuse.types import TensorDict
 
@@ -90,9 +91,10 @@ def load_base(base: str, device: torch.device | str = "cpu") -> tuple[nn.Module,
         path = Path(where)
         if not path.is_file():
             raise FileNotFoundError(f"base model {path} not found: run `fedfuse pretrain` first (it prints the path)")
-        ck = torch.load(path, map_location="cpu", weights_only=False)
-        if ck.get("kind") != "fedfuse-lm":
-            raise UserError(f"{path} is not a fedfuse pretrained LM (kind={ck.get('kind')!r})")
+        ck = safe_load(path, what=f"LoRA base {base!r}", kind="fedfuse pretrained LM")  # tensors only, never code
+        if not isinstance(ck, dict) or ck.get("kind") != "fedfuse-lm":
+            found = ck.get("kind") if isinstance(ck, dict) else type(ck).__name__
+            raise UserError(f"{path} is not a fedfuse pretrained LM (kind={found!r})")
         vocab = list(ck["vocab"])
         lm = TransformerModel(len(vocab), len(vocab), task="lm", **ck["model"])
         lm.load_state_dict(ck["state"])
@@ -100,7 +102,7 @@ def load_base(base: str, device: torch.device | str = "cpu") -> tuple[nn.Module,
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        lm = AutoModelForCausalLM.from_pretrained(where)
+        lm = AutoModelForCausalLM.from_pretrained(where)  # transformers: safetensors or weights_only, no remote code
         try:
             tok = AutoTokenizer.from_pretrained(where)
         except (OSError, ValueError, TypeError):

@@ -8,6 +8,14 @@ with it (example-level privacy; central DP is client-level).  ε_i comes from Op
 steps client i has taken in the run; ``metrics.jsonl`` reports the largest ε_i over the clients so far
 (``dp_epsilon``) and the median over the clients that trained (``dp_epsilon_median``).
 
+**Whose randomness.**  Run in process, the noise comes from the job's generator and the batches from the global
+torch RNG, both seeded from the run's seed: reproducible, and so no protection against anyone who knows the seed
+(it is in ``config.yaml``, the records and every Flower job).  A device that enforces its own local DP
+(:mod:`fedfuse.flower.node_policy`) trains with a :func:`secure_generator` instead: :func:`train_dp_sgd` then runs
+Opacus in its secure mode (the noise as the sum of four Gaussian draws halved, against floating-point attacks)
+with both the noise and the Poisson batches drawn from that generator, whose state comes from ``os.urandom`` and
+is never stored or sent.
+
 Layers whose output mixes samples (BatchNorm in training mode) have no per-sample gradient: such a model is
 refused with Opacus's reasons (use a GroupNorm or normalisation-free variant).  Opacus is an optional dependency
 (``pip install fedfuse[dp]``).
@@ -15,11 +23,18 @@ refused with Opacus's reasons (use a GroupNorm or normalisation-free variant).  
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import os
 import warnings
+import weakref
+from collections.abc import Iterator
+from contextvars import ContextVar
 from functools import lru_cache
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -55,15 +70,80 @@ def sample_rate(n: int, batch_size: int) -> float:
     return 1.0 / max(math.ceil(n / batch_size), 1)
 
 
+def planned_steps(n: int, train: TrainConfig) -> int:
+    """The DP-SGD steps :func:`train_dp_sgd` takes on ``n`` examples: ``local_epochs`` × ⌈n/B⌉ (Opacus's Poisson
+    loader has that many batches an epoch, empty ones included), capped by ``max_steps``."""
+    steps = max(int(train.local_epochs), 0) * max(math.ceil(n / max(min(train.batch_size, max(n, 1)), 1)), 1)
+    return min(steps, int(train.max_steps)) if train.max_steps else steps
+
+
+_SECURE: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+#: CPU generator state of torch 2.x: seed (8 bytes), left and seeded (4 + 4), next (8), then 624 state words of
+#: 8 bytes (32 bits used each), then the cached normal draws (40 bytes)
+_MT_STATE_BYTES, _MT_WORDS_AT, _MT_WORDS = 5056, 24, 624
+
+
+def secure_generator() -> torch.Generator:
+    """A CPU ``torch.Generator`` whose whole Mersenne-Twister state (624 words of 32 bits) is read from
+    ``os.urandom``, and never stored or sent: its draws cannot be regenerated from the run's seed or anything
+    else the server knows.  :func:`train_dp_sgd` recognises it and runs Opacus in secure mode with it."""
+    gen = torch.Generator()
+    state = gen.get_state().numpy().copy()
+    if state.size == _MT_STATE_BYTES:
+        words = np.frombuffer(os.urandom(4 * _MT_WORDS), dtype=np.uint32).astype(np.uint64)
+        state[_MT_WORDS_AT:_MT_WORDS_AT + 8 * _MT_WORDS] = words.view(np.uint8)
+        gen.set_state(torch.from_numpy(state))
+    else:  # another layout: 64 bits from the OS, the most manual_seed takes
+        gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    _SECURE.add(gen)
+    return gen
+
+
+def is_secure(gen: torch.Generator) -> bool:
+    """True for a generator made by :func:`secure_generator`."""
+    return gen in _SECURE
+
+
+class Guard(Protocol):
+    """What a device that enforces its own local DP checks at every DP-SGD call (:func:`guarded`)."""
+
+    def admit(self, noise: float, clip: float, rate: float, steps: int) -> None:
+        """Raise to refuse ``steps`` steps of noise multiplier ``noise``, clip ``clip``, sampling rate ``rate``."""
+
+    def spent(self, steps: int) -> None:
+        """The steps the admitted call took."""
+
+
+_GUARD: ContextVar[Any] = ContextVar("fedfuse_local_dp_guard", default=None)
+
+
+@contextlib.contextmanager
+def guarded(guard: Guard) -> Iterator[None]:
+    """Every :func:`train_dp_sgd` call inside is checked by ``guard`` with the parameters it really runs with
+    (whatever algorithm calls it, with whatever settings), and draws from a fresh :func:`secure_generator`
+    whatever generator it is handed."""
+    token = _GUARD.set(guard)
+    try:
+        yield
+    finally:
+        _GUARD.reset(token)
+
+
 def train_dp_sgd(model: nn.Module, split: Split, train: TrainConfig, gen: torch.Generator, *, noise: float,
                  clip: float) -> tuple[TensorDict, TrainStats]:
     """DP-SGD on a copy of ``model`` for ``train.local_epochs`` epochs of Poisson-sampled batches; returns the
     trained state and the statistics (``steps`` counts every sampling step, empty batches included: each one is
     accounted).  The noise comes from ``gen``; batch sampling from the global torch RNG (seeded per client step by
-    every executor), so runs are reproducible."""
+    every executor), so runs are reproducible — unless ``gen`` is a :func:`secure_generator`: then Opacus runs in
+    secure mode and both the noise and the batches come from it."""
     from opacus import PrivacyEngine
 
     _opacus()
+    guard = _GUARD.get()
+    if guard is not None:  # a device enforcing its own local DP: its check, its accountant, its randomness
+        n = len(split)
+        guard.admit(noise, clip, sample_rate(n, min(train.batch_size, max(n, 1))), planned_steps(n, train))
+        gen = secure_generator()
     work = copy.deepcopy(model).train()  # Opacus hooks the module: never touch the caller's (cached) one
     params = [p for p in work.parameters() if p.requires_grad]
     if train.optimizer == "adam":
@@ -71,15 +151,20 @@ def train_dp_sgd(model: nn.Module, split: Split, train: TrainConfig, gen: torch.
     else:
         opt = torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
     loader = DataLoader(TensorDataset(split.x, split.y), batch_size=min(train.batch_size, max(len(split), 1)))
-    with warnings.catch_warnings():  # simulation: the noise comes from the run's seeded generator, not a CSPRNG
+    secure = is_secure(gen)
+    with warnings.catch_warnings():  # in process the noise comes from the run's seeded generator, not a CSPRNG
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         engine = PrivacyEngine(accountant="rdp")
+        if secure:  # Opacus's secure mode with our OS-seeded generator in place of torchcsprng's
+            engine.secure_mode, engine.secure_rng = True, gen
         private, popt, ploader = engine.make_private(module=work, optimizer=opt, data_loader=loader,
                                                      noise_multiplier=noise, max_grad_norm=clip,
-                                                     noise_generator=gen)
+                                                     noise_generator=None if secure else gen)
     with warnings.catch_warnings():  # Opacus's hooks on a first layer whose input needs no gradient
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         stats = _steps(private, popt, ploader, train)
+    if guard is not None:
+        guard.spent(stats.steps)
     state = {k: v.detach().clone() for k, v in private._module.state_dict().items()}
     return state, stats
 
@@ -100,7 +185,7 @@ def _steps(private: nn.Module, popt: torch.optim.Optimizer, ploader: DataLoader,
             stats.samples += len(x)
             stats.loss_sum += float(loss.detach()) * len(x)
             if train.max_steps and stats.steps >= train.max_steps:
-                break
+                return stats  # a cap on the steps of the whole client step, as in engine.client
     return stats
 
 

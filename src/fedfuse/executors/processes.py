@@ -50,6 +50,11 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _loads(data: bytes) -> Any:
+    # weights_only=False is safe here, and only here: these bytes never cross a trust boundary.  They are made by
+    # _dumps in this process or in one of the pool's worker processes it forked/spawned itself, travel only
+    # through that pool's own pipes (which carry the task tuple with the standard pickler anyway), and are never
+    # written to a file or a socket anyone else can reach.  Jobs hold fedfuse objects (Job, Message), which
+    # weights_only=True refuses.  Files on disk go through fedfuse.engine.checkpoint.safe_load instead.
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 

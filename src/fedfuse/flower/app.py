@@ -15,11 +15,13 @@ replies are dropouts) and ``min-nodes`` (SuperNodes to wait for before the first
 The ClientApp is stateless: each message carries the run's config, the job (client id, seed keys, local
 training settings), the payload and the client's state; the node rebuilds the federation and the algorithm
 from the config once (cached per config) and returns the reply and the client's new state.  Nothing is
-pickled: see :mod:`fedfuse.flower.wire`.
+pickled: see :mod:`fedfuse.flower.wire`.  What the node does not take from the server — the files it opens, the
+local DP it enforces and accounts — is :mod:`fedfuse.flower.node_policy`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,10 +34,13 @@ from fedfuse.algorithms import get_algorithm
 from fedfuse.config import make_config, resolve_device
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
+from fedfuse.engine.local_dp import guarded, secure_generator
 from fedfuse.engine.loop import Experiment, assemble
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
+from fedfuse.flower.node_data import NODE_KEYS, NodeDataError
+from fedfuse.flower.node_policy import NODE_PATHS, NodeDP, RefusedJob, node_view
 from fedfuse.flower.secure import is_secure_fit, node_fit, secure_mod
 from fedfuse.runtime.precision import resolve_precision, use_precision
 from fedfuse.runtime.threads import apply_threads
@@ -68,6 +73,7 @@ class NodeRun:
     memory_format: str = "contiguous"  # the run's memory_format setting
     fp32_matmul: str = "ieee"  # the run's fp32_matmul setting
     frac_bits: int = 24  # the run's secagg_frac_bits (the fixed point of SecAgg+ contributions)
+    cfg: Any = None  # the run's config as this node runs it (its own paths: node_policy.node_view)
 
 
 def run_key(run_json: str) -> str:
@@ -77,17 +83,16 @@ def run_key(run_json: str) -> str:
 def node_run(run_json: str, node_config: Any = None) -> NodeRun:
     """The node-side federation and algorithm of a run (built once per config, then cached).
 
-    A SuperNode started with ``--node-config "data-dir='/path'"`` reads the dataset files from its own
-    directory instead of the path in the server's config (the files must be the same for the same run)."""
+    Every path of the run (data directory, LoRA base, an ``hf:`` dataset's files) is the node's own
+    (:func:`~fedfuse.flower.node_policy.node_view`: ``--node-config "data-dir='/path'"`` and so on), never the
+    server's; with ``data='DIR'`` the node's clients are its node-local data."""
     node_config = dict(node_config or {})
     key = run_key(run_json)
-    if node_config.get("data"):  # the same run over other node-local data is another node run
-        from fedfuse.flower.node_data import NODE_KEYS
-
-        key = run_key(run_json + json.dumps({k: str(node_config[k]) for k in (*NODE_KEYS, "partition-id")
-                                             if k in node_config}))
+    own = {k: str(node_config[k]) for k in (*NODE_KEYS, *NODE_PATHS, "partition-id") if k in node_config}
+    if node_config.get("data") or any(k in node_config for k in NODE_PATHS):  # another node run of the same run
+        key = run_key(run_json + json.dumps(own, sort_keys=True))
     if key not in _RUNS:
-        cfg = make_config(json.loads(run_json))
+        cfg = node_view(make_config(json.loads(run_json)), node_config)
         if node_config.get("data"):  # node-local data: only the clients the node holds
             from fedfuse.algorithms.base import Algorithm
             from fedfuse.flower.node_data import check_compatible, load_node_data
@@ -101,8 +106,7 @@ def node_run(run_json: str, node_config: Any = None) -> NodeRun:
             built.held = frozenset(data.client_ids)
             log.info("node data %s: clients %s", data.source, data.client_ids)
         else:
-            data_dir = node_config.get("data-dir")
-            prepare_node(dataclasses.replace(cfg, data_dir=str(data_dir)) if data_dir else cfg, key=key)
+            prepare_node(cfg, key=key)
     return _RUNS[key]
 
 
@@ -116,15 +120,11 @@ def prepare_node(cfg: Any, fed: Any = None, *, key: str | None = None) -> NodeRu
         # client hooks never see the partition's ground truth
         built = NodeRun(fed.blinded(), ctx, algo, precision=resolve_precision(cfg.precision, device),
                         memory_format=cfg.memory_format, fp32_matmul=cfg.fp32_matmul,
-                        frac_bits=cfg.secagg_frac_bits)
+                        frac_bits=cfg.secagg_frac_bits, cfg=cfg)
     while len(_RUNS) >= 4:  # a node process serves one run at a time; a few entries for in-process test grids
         del _RUNS[next(iter(_RUNS))]
     _RUNS[key or run_key(json.dumps(cfg.to_dict(), sort_keys=True, default=str))] = built
     return built
-
-
-class RefusedJob(Exception):
-    """A job for a client whose data this node does not hold."""
 
 
 def handle(msg: Message, context: Context) -> Message:
@@ -135,7 +135,8 @@ def handle(msg: Message, context: Context) -> Message:
                        reply_to=msg)
     try:
         _, job, result = run_job(msg.content, context)
-    except RefusedJob as e:
+    except (RefusedJob, NodeDataError) as e:
+        log.error("job refused: %s", e)
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(e)), reply_to=msg)
     content = wire.pack({"result": result})
     content[JOB] = ConfigRecord({"cid": job.cid, "method": str(msg.content[JOB]["method"])})
@@ -144,15 +145,17 @@ def handle(msg: Message, context: Context) -> Message:
 
 
 def run_job(content: Any, context: Context) -> tuple[NodeRun, Job, Any]:
-    """Run the fedfuse client job in a message's ``content``: (the node's run, the job, the hook's result)."""
+    """Run the fedfuse client job in a message's ``content``: (the node's run, the job, the hook's result).  A
+    job the node will not run raises :class:`~fedfuse.flower.node_policy.RefusedJob`."""
     job_rec = content[JOB]
     run = node_run(str(job_rec["run"]), context.node_config)
     method, cid, seed = str(job_rec["method"]), int(job_rec["cid"]), int(job_rec["seed"])
     if run.held is not None and cid not in run.held:  # never train or evaluate as another client
-        reason = (f"node {context.node_id} does not hold client {cid} (it holds clients {sorted(run.held)}): "
-                  "job refused")
-        log.error("%s", reason)
-        raise RefusedJob(reason)
+        raise RefusedJob(f"node {context.node_id} does not hold client {cid} (it holds clients {sorted(run.held)}): "
+                         "job refused")
+    dp = NodeDP.from_node_config(context.node_config)
+    if dp is not None and run.cfg is not None:
+        dp.check_run(run.cfg)
     train = json.loads(str(job_rec["train"]))
     if train:
         run.ctx.train = TrainConfig(**train)
@@ -164,8 +167,18 @@ def run_job(content: Any, context: Context) -> tuple[NodeRun, Job, Any]:
     job = Job(cid, payload.to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
     seed_global(seed, job)
     hook = {"fit": run.algo.fit, "evaluate": run.algo.evaluate}[method]
-    with use_precision(run.precision, run.memory_format, run.fp32_matmul):
-        result = hook(job.payload, job.state, data, job_generator(seed, job))
+    guard = dp.guard(cid) if dp is not None and method == "fit" else None
+    with use_precision(run.precision, run.memory_format, run.fp32_matmul), \
+            guarded(guard) if guard is not None else contextlib.nullcontext():
+        # a node enforcing its own local DP: every DP-SGD call is checked, charged and drawn from the OS
+        result = hook(job.payload, job.state, data, secure_generator() if guard else job_generator(seed, job))
+    trained = getattr(getattr(result[0], "stats", None), "steps", 0) if guard is not None else 0
+    if guard is not None and trained and not guard.charged:  # trained outside DP-SGD: nothing of it leaves
+        raise RefusedJob(f"client {cid}: the job trained {trained} steps without DP-SGD, which this node "
+                         f"enforces ({guard.policy.describe()}): reply withheld")
+    if guard is not None and guard.charged:
+        log.info("local DP: client %d has spent ε = %.4g of this node's %g (δ = %g)", cid,
+                 guard.book.epsilon(cid), guard.policy.epsilon, guard.policy.delta)
     if private and method == "fit":  # evaluation reads the kept entries but leaves them as they are
         result = (result[0], keep_private(result[1], private, context, cid))
     return run, job, result
@@ -243,8 +256,12 @@ def _query(msg: Message, context: Context) -> Message:
     """Which clients this node serves: ``[ids]`` when it holds node-local data, ``"*"`` when it rebuilds the
     whole federation from the config (and so can serve any client)."""
     held: Any = "*"
-    if context.node_config.get("data"):
+    try:
         run = node_run(str(msg.content[JOB]["run"]), context.node_config)
+    except (RefusedJob, NodeDataError) as e:  # this node will not serve the run: say why
+        log.error("run refused: %s", e)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(e)), reply_to=msg)
+    if context.node_config.get("data"):
         held = sorted(run.held or ())
     return Message(content=RecordDict({CLIENTS: ConfigRecord({"clients": json.dumps(held)})}), reply_to=msg)
 

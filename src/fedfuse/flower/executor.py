@@ -113,8 +113,23 @@ class FlowerExecutor:
                 log.warning("flower: node %d did not say which clients it holds: %s", node, rep.error.reason)
                 continue
             held = json.loads(str(rep.content[CLIENTS]["clients"]))
+            if held != "*" and self._claimed_elsewhere(node, [int(c) for c in held], ids):
+                continue
             self.served[node] = None if held == "*" else [int(c) for c in held]
             log.info("flower: node %d serves %s", node, "any client" if held == "*" else f"clients {held}")
+
+    def _claimed_elsewhere(self, node: int, held: list[int], ids: list[int]) -> bool:
+        """True (and logged as an error) when a connected node already serves one of the clients ``node`` claims:
+        two devices holding one client's data is a misconfiguration (a copied bundle), and the first claim stands.
+        The refused node is asked again on the next call (a restarted device's old node id leaves the SuperLink's
+        list when its heartbeat expires)."""
+        taken = {c: n for n in ids if n != node for c in (self.served.get(n) or ())}
+        clash = sorted(c for c in held if c in taken)
+        if clash:
+            log.error("flower: node %d claims clients %s, which node %s already holds: refused (two devices must "
+                      "not hold one client's data; give each device its own bundle)", node, clash,
+                      sorted({taken[c] for c in clash}))
+        return bool(clash)
 
     def holders(self, ids: list[int]) -> dict[int, int]:
         """client id -> the connected node that holds its data (nodes with node-local data only)."""
@@ -125,13 +140,11 @@ class FlowerExecutor:
         return out
 
     def present(self) -> set[int] | None:
-        """The clients a connected node can serve, or ``None`` when some node serves any client (it rebuilds the
-        federation from the config).  The loop samples among these."""
-        ids = self.nodes()
-        self.discover(ids)
-        if any(self.served.get(n, None) is None for n in ids if n in self.served) or not self.served:
-            return None
-        return set(self.holders(self.route(ids, strict=True)))
+        """``None``: every client may be sampled, exactly as in process.  A sampled client that no connected node
+        holds is absent — a dropout of the round (:meth:`assign`), never replaced by another client — so the sample,
+        and the sampling probability a DP accountant assumes, are the run's own."""
+        self.discover(self.nodes())
+        return None
 
     def route(self, ids: list[int], strict: bool = False) -> list[int]:
         """The nodes to send to: those that answered lately.  A node that left a message unanswered (it died,
@@ -206,7 +219,7 @@ class FlowerExecutor:
         ids = self.nodes()
         self.discover(ids)
         holders = self.holders(self.route(ids, strict=True))  # a silent node's clients are absent for a while
-        anyone = self.route([n for n in ids if self.served.get(n, None) is None])
+        anyone = self.route([n for n in ids if n in self.served and self.served[n] is None])
         self._silent = {n: k - 1 for n, k in self._silent.items() if k > 1}
         routes: dict[int, int] = {}
         for job in jobs:

@@ -35,6 +35,8 @@ from fedfuse.rng import numpy_rng
 from fedfuse.types import ClientData, Federation, Split
 
 BUNDLE_META = "fedfuse_node.json"
+#: the run settings that decide which rows each client holds: a bundle records them, a node checks them
+RUN_SETTINGS = ("dataset", "dataset_options", "partition", "partition_options", "clients", "seed", "val_fraction")
 NODE_KEYS = ("data", "client-id", "input-column", "label-column", "test-fraction", "normalization")
 
 
@@ -81,10 +83,17 @@ class NodeData:
 # ------------------------------------------------------------------------------------------------ bundles
 
 
+def run_settings(cfg: Any) -> dict[str, Any]:
+    """The :data:`RUN_SETTINGS` of run config ``cfg``, as JSON values (what a bundle records and a node compares)."""
+    return json.loads(json.dumps({k: getattr(cfg, k) for k in RUN_SETTINGS}, sort_keys=True, default=str))
+
+
 def write_node_bundles(fed: Federation, out: str | Path, nodes: int, meta: Mapping[str, Any] | None = None,
-                       overwrite: bool = False) -> list[Path]:
+                       overwrite: bool = False, config: Any = None) -> list[Path]:
     """Write ``OUT/node-K/`` for ``K < nodes``: client ``c`` goes to node ``c % nodes``; each bundle holds its
-    clients' train / validation / test tensors (``client-C.pt``) and ``fedfuse_node.json``."""
+    clients' train / validation / test tensors (``client-C.pt``) and ``fedfuse_node.json``, with the run settings
+    of ``config`` (the run config ``fed`` was built from: :func:`run_settings`) that a node checks every run
+    against."""
     if nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {nodes}")
     target = Path(out)
@@ -109,6 +118,8 @@ def write_node_bundles(fed: Federation, out: str | Path, nodes: int, meta: Mappi
                 "num_clients": fed.num_clients, "dataset": fed.dataset, "task": fed.task,
                 "num_classes": fed.num_classes, "input_shape": list(fed.input_shape),
                 "class_names": fed.class_names, **dict(meta or {})}
+        if config is not None:
+            info["run"] = run_settings(config)
         (d / BUNDLE_META).write_text(json.dumps(info, indent=2, default=str) + "\n")
         paths.append(d)
     return paths
@@ -126,7 +137,16 @@ def _read_bundle(path: Path) -> NodeData:
     return NodeData(clients, int(meta["num_classes"]), tuple(int(s) for s in meta["input_shape"]), path,
                     task=str(meta.get("task", "classification")), dataset=str(meta.get("dataset", "")),
                     class_names=meta.get("class_names"), num_clients=int(meta["num_clients"]),
-                    info={"format": meta.get("format"), "node": meta.get("node")})
+                    info={"format": meta.get("format"), "node": meta.get("node"), "run": _recorded_run(meta)})
+
+
+def _recorded_run(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The run settings a bundle was exported with: ``run`` (every :data:`RUN_SETTINGS`), or for a bundle written
+    before it recorded them, the ones its metadata has (``seed``, ``partition``, ``val_fraction``, clients)."""
+    if isinstance(meta.get("run"), dict):
+        return dict(meta["run"])
+    old = {k: meta[k] for k in ("seed", "partition", "val_fraction") if k in meta}
+    return {**old, "clients": meta["num_clients"]} if "num_clients" in meta else old
 
 
 # ------------------------------------------------------------------------------------------------ tables
@@ -294,8 +314,16 @@ def load_node_data(node_config: Mapping[str, Any], *, seed: int, val_fraction: f
 
 
 def check_compatible(data: NodeData, cfg: Any) -> None:
-    """The run's config and the node's data must agree on the clients and the data's shape."""
+    """The run's config and the node's data must agree on the clients and the data: a bundle's recorded run
+    settings (dataset, its options, partition and its options, clients, seed, validation split) must equal the
+    run's, or the node would train other rows than the run's clients hold (a bundle of another export)."""
     if data.dataset and cfg.dataset and data.dataset != cfg.dataset and data.info.get("format") != "table":
         raise NodeDataError(f"node data {data.source} was exported from dataset {data.dataset!r}; the run uses "
                             f"{cfg.dataset!r}")
-
+    recorded = data.info.get("run") or {}
+    now = run_settings(cfg)
+    differ = [f"{k}={recorded[k]!r} (the run: {now[k]!r})" for k in RUN_SETTINGS if k in recorded
+              and recorded[k] != now[k]]
+    if differ:
+        raise NodeDataError(f"node data {data.source} was exported with {', '.join(differ)}: it does not hold "
+                            "this run's clients; export the bundles again with the run's settings")

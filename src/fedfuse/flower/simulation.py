@@ -49,6 +49,9 @@ class SimulationExecutor(FlowerExecutor):
                  round_timeout: float | None = None) -> None:
         super().__init__(None, config, seed, round_timeout=round_timeout, min_nodes=num_nodes)
         self.num_nodes = num_nodes
+        self.data_dir = config.data_dir or os.environ.get("FEDFUSE_DATA")
+        self.base = (config.algorithm_options or {}).get("base") or None
+        self.hf_path = str(config.dataset)[3:] if str(config.dataset).startswith("hf:") else None
         self.workers = workers
         self.threads = threads
         self._fed: Any = None
@@ -70,6 +73,9 @@ class SimulationExecutor(FlowerExecutor):
         src = str(Path(__file__).resolve().parents[2])  # this checkout's src/, also in Flower's processes
         env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p),
                "RAY_DEDUP_LOGS": "0", "FEDFUSE_THREADS": str(self.threads)}
+        # the simulated nodes run on this machine for this user: their own paths (node_policy) are this run's
+        own = {"FEDFUSE_DATA": self.data_dir, "FEDFUSE_LORA_BASE": self.base, "FEDFUSE_HF_DATASET": self.hf_path}
+        env.update({var: value for var, value in own.items() if value})
         self._fed = LocalFederation(self._dir / "fed", nodes=0, auth=False, env=env, simulation=True)
         atexit.register(self.close)  # a run that raised is not closed by its loop: stop the SuperLink anyway
         self._fed.start()

@@ -26,7 +26,7 @@ class MLP(FedModel):
         self.fc = nn.Linear(dims[-1], num_classes)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(x.shape[0], -1)
+        x = x.flatten(1)  # also an empty batch (a DP-SGD Poisson batch may be): reshape(0, -1) is ambiguous
         for linear in self.hidden:
             x = F.relu(linear(x))
         return x

@@ -155,7 +155,9 @@ def base_state_sha256(path: str | Path) -> str:
 
     import torch
 
-    ck = torch.load(path, map_location="cpu", weights_only=True)
+    from fedfuse.engine.checkpoint import safe_load
+
+    ck = safe_load(path, what="fedfuse results verify: LoRA base", kind="fedfuse pretrained LM")
     h = hashlib.sha256(json.dumps({"model": ck["model"], "vocab": list(ck["vocab"])}, sort_keys=True).encode())
     for name in sorted(ck["state"]):
         t = ck["state"][name].contiguous()
