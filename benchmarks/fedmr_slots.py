@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fedfuse.config import RunConfig, apply, load_yaml
+from fedfuse.engine.checkpoint import load_checkpoint
 from fedfuse.engine.client import evaluate_model
 from fedfuse.fusion.average import weighted_average
 from fedfuse.runner import experiment
@@ -29,7 +30,7 @@ def main() -> None:
     p.add_argument("--data-dir", default=None, help="override the run's data directory")
     args = p.parse_args()
     torch.set_num_threads(1)
-    ck = torch.load(args.run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    ck = load_checkpoint(args.run / "checkpoint.pt")  # safe: a tampered file is refused, nothing in it runs
     slots = ck["state"].get("slots")
     if not slots:
         raise SystemExit(f"{args.run}: no FedMR slots in the checkpoint")

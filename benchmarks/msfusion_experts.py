@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from fedfuse.engine.checkpoint import load_checkpoint
 from fedfuse.fusion.slicing import load_submodel
 from fedfuse.result import load
 from fedfuse.runner import experiment
@@ -39,7 +40,7 @@ def analyse(run_dir: Path, data_dir: str | None) -> dict[str, float | str]:
     cfg = res.config
     cfg.out, cfg.data_dir = None, data_dir or cfg.data_dir
     exp = experiment(cfg, progress=False)
-    ck = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    ck = load_checkpoint(run_dir / "checkpoint.pt")  # safe: a tampered file is refused, nothing in it runs
     x, y = exp.fed.test.x, exp.fed.test.y
     g = exp.algo.global_model(ck["state"])
     full_logits = logits_of(exp.ctx.load(g[0], g[1]), x)
