@@ -134,11 +134,14 @@ def _bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def _federation(tmp_path_factory: pytest.TempPathFactory, _bundles: list[Path]):
-    """One TLS SuperLink + two authenticated SuperNodes for the module, each holding only its own client's data
-    and served by a warm ClientApp worker that records every file it opens (start-up ~15 s on 2 busy cores)."""
+    """One TLS SuperLink + two authenticated SuperNodes for the module, deployed as docs/deploy.md does: the
+    SuperLink on its own loopback port (runs are submitted there), the SuperNodes dialing the Fleet API gateway and
+    running only bundles signed by the operator's key (``--trusted-entities``).  Each holds only its own client's
+    data and is served by a warm ClientApp worker that records every file it opens (start-up ~15 s on 2 busy
+    cores)."""
     root = tmp_path_factory.mktemp("fed")
-    with LocalFederation(root, nodes=2, auth=True, env=_env(), warm=True, audit_open=True,
-                         node_config=[f"data='{b}'" for b in _bundles]) as fed:
+    with LocalFederation(root, nodes=2, auth=True, env=_env(), warm=True, audit_open=True, gateway=True,
+                         signed=True, node_config=[f"data='{b}'" for b in _bundles]) as fed:
         yield fed
 
 
@@ -310,3 +313,204 @@ def test_app_bundle_holds_the_config_but_no_keys_or_outputs(tmp_path: Path) -> N
     names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(app))).namelist())
     assert {"pyproject.toml", "fedfuse-config.yaml"} <= names
     assert not any(n.startswith(("certs/", ".flwr/", "runs/")) for n in names), names
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the trust model: only the operator submits runs; devices run only bundles the operator signed
+
+PROBE_APP = '''\
+"""A third-party Flower app: its ClientApp leaves a mark where it runs (what a payload on a device would do)."""
+import json
+import time
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+server_app = ServerApp()
+client_app = ClientApp()
+
+
+@client_app.query()
+def payload(msg: Message, context: Context) -> Message:
+    marks = Path(str(context.run_config["marks"]))
+    (marks / f"ran-on-{context.node_id}").write_text("payload ran")
+    return Message(RecordDict({"r": ConfigRecord({"ok": 1})}), reply_to=msg)
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    nodes, deadline = [], time.time() + 60
+    while len(nodes) < int(context.run_config["nodes"]) and time.time() < deadline:
+        nodes = list(grid.get_node_ids())
+        time.sleep(0.5)
+    msgs = [Message(RecordDict({"q": ConfigRecord({"x": 1})}), dst_node_id=n, message_type="query") for n in nodes]
+    replies = grid.send_and_receive(msgs, timeout=120)
+    out = [{"node": r.metadata.src_node_id, "error": r.error.code if r.has_error() else None} for r in replies]
+    (Path(str(context.run_config["marks"])) / "replies.json").write_text(json.dumps(out))
+'''
+
+
+def _probe_app(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A third-party app (not fedfuse's) whose ClientApp writes ``marks/ran-on-NODE``; returns (app, marks)."""
+    marks = tmp_path / f"marks-{name}"
+    marks.mkdir()
+    app = write_app(tmp_path / name, None, serverapp="probe_app:server_app", clientapp="probe_app:client_app",
+                    run_config={"marks": str(marks), "nodes": 2}, dependencies=("flwr",), name=f"probe-{name}")
+    (app / "probe_app.py").write_text(PROBE_APP)
+    return app, marks
+
+
+def test_gateway_forwards_only_the_fleet_api() -> None:
+    """The gateway's routes are flwr's Fleet router's (what a SuperNode calls) and nothing of the Control API
+    (``flwr run``, ``flwr stop``, ``flwr supernode register``) or the Runtime API (the ServerApp's)."""
+    from flwr.superlink.routers.control.router import router as control
+    from flwr.superlink.routers.fleet.router import router as fleet
+
+    from fedfuse.flower.gateway import fleet_routes
+
+    routes = fleet_routes()
+    assert {"/v1/fleet/register-node", "/v1/fleet/pull-messages", "/v1/fleet/push-messages",
+            "/v1/fleet/get-fab", "/v1/fleet/pull-object", "/v1/fleet/push-object"} <= routes
+    assert routes == {r.path for r in fleet.routes}
+    control_paths = {r.path for r in control.routes}
+    assert "/v1/control/start-run" in control_paths and not routes & control_paths
+    assert all(r.startswith("/v1/fleet/") for r in routes)
+
+
+def test_signature_records_verify_with_flowers_own_check(tmp_path: Path) -> None:
+    """What a SuperNode started with --trusted-entities does with a bundle (flwr's own ``_verify_fab`` on the
+    verifications the gateway attaches): the operator's signature verifies; an unsigned bundle, a signature by
+    another key filed under the operator's key id, and the operator's genuine signature of another bundle do not."""
+    import base64
+    import hashlib
+
+    import yaml
+    from flwr.supercore.fab import Fab
+    from flwr.supernode.start_client_internal import _verify_fab
+
+    from fedfuse.flower.deploy import make_signing_key, public_key_id, sign_fab, write_trusted_entities
+    from fedfuse.flower.gateway import attach_signatures, verification_records
+
+    operator = make_signing_key(tmp_path / "op" / "key")
+    trusted = yaml.safe_load(write_trusted_entities(tmp_path / "te.yaml", [operator]).read_text())
+    assert list(trusted) == [public_key_id(operator)] and trusted[public_key_id(operator)].startswith("ssh-ed25519")
+    assert oct((tmp_path / "op" / "key").stat().st_mode & 0o777) == "0o600"
+    sigs = tmp_path / "sigs"
+    fab, other = b"PK\x03\x04 the operator's bundle", b"PK\x03\x04 someone else's bundle"
+
+    def verified(content: bytes) -> bool:
+        records = verification_records(sigs, content)
+        return bool(records.get("valid_license")) and _verify_fab(Fab("h", content, records), trusted)
+
+    assert verification_records(sigs, fab) == {} and not verified(fab)  # unsigned: nothing attached
+    path = sign_fab(fab, tmp_path / "op" / "key", sigs)
+    assert verified(fab)
+    # a replay: the operator's record for `fab` filed under `other`'s digest
+    (sigs / f"{hashlib.sha256(other).hexdigest()}.json").write_text(path.read_text())
+    assert not verified(other)
+    # a forgery: an attacker's key signs `fab` and files the record under the operator's key id
+    make_signing_key(tmp_path / "attacker" / "key")
+    forged = sign_fab(fab, tmp_path / "attacker" / "key", tmp_path / "forged")
+    rec = json.loads(forged.read_text())[0]
+    rec["public_key_id"] = public_key_id(operator)
+    path.write_text(json.dumps([rec]))
+    assert base64.urlsafe_b64decode(rec["signature"] + "==") and not verified(fab)
+    # the gateway replaces whatever verifications the SuperLink's reply carried with the operator's records
+    from flwr.proto.fab_pb2 import Fab as ProtoFab
+    from flwr.proto.fab_pb2 import GetFabResponse
+
+    sign_fab(fab, tmp_path / "op" / "key", sigs)
+    reply = GetFabResponse(fab=ProtoFab(hash_str="h", content=fab, verifications={"valid_license": "Valid",
+                                                                                  "fpk_x": "{}"}))
+    got = GetFabResponse.FromString(attach_signatures(reply.SerializeToString(), sigs)).fab
+    assert set(got.verifications) == {"valid_license", public_key_id(operator)}
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses a TCP socket listens on at ``port`` (from /proc/net/tcp and tcp6)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                    out.append(addr)
+    return out
+
+
+def test_run_submission_on_the_device_facing_address_is_refused(federation: LocalFederation,
+                                                                tmp_path: Path) -> None:
+    """Anyone on the network holds ca.crt and reaches the device-facing address: `flwr run` of their own app there
+    fails, and raw requests to the Control and Runtime APIs get 403 without reaching the SuperLink; the SuperLink
+    itself listens on loopback only (the operator's address)."""
+    import subprocess
+
+    import httpx
+
+    from fedfuse.flower.deploy import write_connection
+    from fedfuse.flower.federation import _tool
+
+    assert federation.certs is not None
+    app, marks = _probe_app(tmp_path, "intruder")
+    home = tmp_path / "intruder-home"
+    write_connection(home, federation.address, federation.certs.ca_cert, "target")
+
+    res = subprocess.run([_tool("flwr"), "run", str(app), "target"],
+                         capture_output=True, text=True, env={**os.environ, **_env(), "FLWR_HOME": str(home)},
+                         timeout=120, stdin=subprocess.DEVNULL)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "Successfully started run" not in res.stdout
+    with httpx.Client(base_url=f"https://{federation.address}", verify=ssl.create_default_context(cafile=str(federation.certs.ca_cert))) as http:
+        for path in ("/v1/control/start-run", "/v1/control/list-runs", "/v1/control/stop-run",
+                     "/v1/control/register-supernode", "/v1/control/list-supernodes", "/docs", "/openapi.json"):
+            r = http.post(path, content=b"", headers={"content-type": "application/protobuf"})
+            assert r.status_code == 403, (path, r.status_code)
+        assert http.get("/v1/control/list-runs").status_code == 403
+    assert "refused POST /v1/control/start-run" in (federation.logs / "gateway.log").read_text()
+    assert "probe-intruder" not in json.dumps(federation.flwr_json("list", federation.connection).get("runs", []))
+    assert not any(marks.iterdir())
+    assert _listening(federation.admin_port) == ["0100007F"]  # 127.0.0.1, nothing else
+
+
+@pytest.mark.slow
+def test_devices_run_only_bundles_the_operator_signed(federation: LocalFederation, tmp_path: Path) -> None:
+    """Even a run that reaches the SuperLink (an attacker on the server host) runs nothing on the devices unless
+    the operator's key signed its bundle: an unsigned bundle, one signed by another key under the operator's key
+    id, and one carrying the operator's signature of another bundle are refused by every SuperNode (Flower's
+    INVALID_FAB reply; the ClientApp never runs); the operator-signed bundle runs on both devices."""
+    import hashlib
+
+    from flwr.common.constant import ErrorCode
+
+    from fedfuse.flower.deploy import build_fab, make_signing_key, public_key_id, sign_fab
+
+    def submit(app: Path, sign: bool) -> list[dict]:
+        run_id = federation.run(app, sign=sign)
+        _finished(federation, run_id, timeout=300)
+        return json.loads((Path(str(app)).parent / f"marks-{app.name}" / "replies.json").read_text())
+
+    unsigned, marks = _probe_app(tmp_path, "unsigned")
+    forged, forged_marks = _probe_app(tmp_path, "forged")
+    make_signing_key(tmp_path / "attacker")
+    record = json.loads(sign_fab(build_fab(forged), tmp_path / "attacker", tmp_path / "scratch").read_text())[0]
+    operator = federation.signing_key.with_name(federation.signing_key.name + ".pub").read_text()
+    record["public_key_id"] = public_key_id(operator)  # the attacker's signature, filed as the operator's
+    (federation.signatures / f"{hashlib.sha256(build_fab(forged)).hexdigest()}.json").write_text(json.dumps([record]))
+    replayed, replayed_marks = _probe_app(tmp_path, "replayed")
+    genuine = federation.sign(_probe_app(tmp_path, "decoy")[0])
+    (federation.signatures / f"{hashlib.sha256(build_fab(replayed)).hexdigest()}.json").write_text(
+        genuine.read_text())
+    for app, m in ((unsigned, marks), (forged, forged_marks), (replayed, replayed_marks)):
+        replies = submit(app, sign=False)
+        assert len(replies) == 2 and all(r["error"] == ErrorCode.INVALID_FAB for r in replies), (app.name, replies)
+        assert not any(p.name.startswith("ran-on") for p in m.iterdir()), app.name
+    logs = "".join((federation.logs / f"supernode-{i}.log").read_text() for i in range(2))
+    assert "FAB verification failed" in logs and "could not be verified" in logs
+    signed, signed_marks = _probe_app(tmp_path, "signed")
+    replies = submit(signed, sign=True)
+    assert [r["error"] for r in replies] == [None, None]
+    assert sorted(p.name for p in signed_marks.iterdir() if p.name.startswith("ran-on")) == sorted(
+        f"ran-on-{n}" for n in federation.node_id)
