@@ -266,10 +266,21 @@ def test_secagg_plus_deployment_equals_the_run_without_it(federation: LocalFeder
 
 
 def test_flower_app_command_writes_app_and_prints_commands(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """`fedfuse flower-app DIR --config C` writes a valid Flower app whose run config points at a copy of C."""
+    """`fedfuse flower-app DIR --config C` writes a valid Flower app whose run config points at a copy of C and
+    declares `resume`, connects the operator's flwr to the SuperLink's loopback port, signs the exact bundle
+    `flwr run` builds (verified by Flower's own check against the trusted-entities file it wrote for the
+    devices) and prints the deployment's commands: SuperLink on loopback with a database, the gateway on the
+    device-facing address, devices making their own keys and verifying bundles."""
     import tomllib
 
+    import yaml
+    from flwr.common.config import fuse_dicts
+    from flwr.supercore.fab import Fab
+    from flwr.supernode.start_client_internal import _verify_fab
+
     from fedfuse.cli import main
+    from fedfuse.flower.deploy import build_fab
+    from fedfuse.flower.gateway import verification_records
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("algorithm: fedavg\ndataset: digits\nrounds: 3\n")
@@ -286,14 +297,27 @@ def test_flower_app_command_writes_app_and_prints_commands(tmp_path: Path, capsy
                                  "clientapp": "fedfuse.flower.app:client_app"}
     copy = Path(app["config"]["fedfuse-config"])
     assert copy.read_text() == cfg.read_text() and copy.parent == (tmp_path / "app").resolve()
+    # what the SuperLink checks `--run-config` with: an undeclared key is refused ("Invalid run configuration")
+    assert fuse_dicts(dict(app["config"]), {"resume": True}, check_keys=True)["resume"] is True
+    with pytest.raises(ValueError, match="not present"):
+        fuse_dicts(dict(app["config"]), {"resumee": True}, check_keys=True)
     conn = tomllib.loads((tmp_path / "app" / ".flwr" / "config.toml").read_text())["superlink"]
-    assert conn["default"] == "fedfuse" and conn["fedfuse"]["address"] == "10.0.0.5:9093"
+    assert conn["default"] == "fedfuse" and conn["fedfuse"]["address"] == "127.0.0.1:9091"
     assert Path(conn["fedfuse"]["root-certificates"]).read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
-    for command in ("flower-superlink", "flower-supernode", "flwr supernode register", "flwr run",
-                    "--isolation process", "python -m fedfuse.flower.worker --runtime-api-address 127.0.0.1:9094",
-                    "--node-config \"data="):
-        assert command in printed
-    assert "10.0.0.5:9093" in printed and "--disable-runtime-dependency-installation" in printed
+    fab = build_fab(tmp_path / "app")  # the bundle `flwr run` uploads
+    trusted = yaml.safe_load((tmp_path / "app" / "trusted-entities.yaml").read_text())
+    records = verification_records(tmp_path / "app" / "signatures", fab)
+    assert records["valid_license"] and _verify_fab(Fab("h", fab, records), trusted)
+    assert not list((tmp_path / "certs").glob("node-*"))  # devices make their own keys
+    for command in ("flower-superlink", "--host 127.0.0.1 --port 9091", "--database", "--enable-supernode-auth",
+                    "python -m fedfuse.flower.gateway --listen 0.0.0.0:9093 --superlink 127.0.0.1:9091",
+                    "flwr supernode register node-0.pub", "ssh-keygen -t ecdsa -b 384",
+                    "python -m fedfuse.flower.supernode --worker --superlink 10.0.0.5:9093",
+                    "--trusted-entities trusted-entities.yaml", "--isolation process", "--node-config \"data=",
+                    "flwr run", "resume=true"):
+        assert command in printed, command
+    assert "--disable-runtime-dependency-installation" in printed and "0.0.0.0:909" not in printed.replace(
+        "--listen 0.0.0.0:9093", "")
 
 
 def test_app_bundle_holds_the_config_but_no_keys_or_outputs(tmp_path: Path) -> None:
@@ -463,7 +487,8 @@ def test_run_submission_on_the_device_facing_address_is_refused(federation: Loca
                          timeout=120, stdin=subprocess.DEVNULL)
     assert res.returncode != 0, res.stdout + res.stderr
     assert "Successfully started run" not in res.stdout
-    with httpx.Client(base_url=f"https://{federation.address}", verify=ssl.create_default_context(cafile=str(federation.certs.ca_cert))) as http:
+    tls = ssl.create_default_context(cafile=str(federation.certs.ca_cert))
+    with httpx.Client(base_url=f"https://{federation.address}", verify=tls) as http:
         for path in ("/v1/control/start-run", "/v1/control/list-runs", "/v1/control/stop-run",
                      "/v1/control/register-supernode", "/v1/control/list-supernodes", "/docs", "/openapi.json"):
             r = http.post(path, content=b"", headers={"content-type": "application/protobuf"})
@@ -514,3 +539,34 @@ def test_devices_run_only_bundles_the_operator_signed(federation: LocalFederatio
     assert [r["error"] for r in replies] == [None, None]
     assert sorted(p.name for p in signed_marks.iterdir() if p.name.startswith("ran-on")) == sorted(
         f"ran-on-{n}" for n in federation.node_id)
+
+
+def test_supernode_launcher_worker_exits_with_its_supernode(tmp_path: Path) -> None:
+    """`python -m fedfuse.flower.supernode --worker` (the documented device command) runs the SuperNode and its
+    warm worker; a SuperNode that dies without a goodbye (SIGKILL) takes its worker with it (no orphan)."""
+    import signal
+    import subprocess
+    import sys
+
+    from fedfuse.flower.federation import _tree, free_port
+
+    cmd = [sys.executable, "-m", "fedfuse.flower.supernode", "--worker", "--superlink", f"127.0.0.1:{free_port()}",
+           "--insecure", "--isolation", "process", "--port", str(free_port())]  # no SuperLink: it keeps retrying
+    with (tmp_path / "node.log").open("wb") as log:
+        node = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **_env(), "FLWR_HOME": str(tmp_path)})
+    try:
+        deadline, workers = time.monotonic() + 120, []
+        while not workers:
+            assert node.poll() is None and time.monotonic() < deadline, (tmp_path / "node.log").read_text()
+            workers = [p for p in _tree(node.pid)[1:]
+                       if b"fedfuse.flower.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            time.sleep(0.5)
+        assert f"--parent-pid\x00{node.pid}".encode() in Path(f"/proc/{workers[0]}/cmdline").read_bytes()
+    finally:
+        node.send_signal(signal.SIGKILL)
+        node.wait()
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{workers[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{workers[0]}").exists(), "the worker outlived its SuperNode"
