@@ -570,3 +570,39 @@ def test_supernode_launcher_worker_exits_with_its_supernode(tmp_path: Path) -> N
     while Path(f"/proc/{workers[0]}").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not Path(f"/proc/{workers[0]}").exists(), "the worker outlived its SuperNode"
+
+
+def test_keys_made_with_ssh_keygen_serve_as_device_and_signing_keys(tmp_path: Path) -> None:
+    """The documented key steps: a device's `ssh-keygen -t ecdsa -b 384` key is what flower-supernode's
+    --auth-supernode-private-key accepts (its own loader), and its .pub what `flwr supernode register` reads; an
+    operator's own `ssh-keygen -t ed25519` key given as --signing-key signs the app the devices verify."""
+    import argparse
+    import shutil
+    import subprocess
+
+    import yaml
+    from cryptography.hazmat.primitives.serialization import load_ssh_public_key
+    from flwr.supercore.fab import Fab
+    from flwr.supernode.cli.flower_supernode import _try_setup_client_authentication
+    from flwr.supernode.start_client_internal import _verify_fab
+
+    from fedfuse.flower.deploy import build_fab, prepare_deployment
+    from fedfuse.flower.gateway import verification_records
+
+    keygen = shutil.which("ssh-keygen")
+    if keygen is None:
+        pytest.skip("ssh-keygen not installed")
+    for kind, name in ((["-t", "ecdsa", "-b", "384"], "node-0"), (["-t", "ed25519"], "operator")):
+        subprocess.run([keygen, *kind, "-N", "", "-q", "-f", str(tmp_path / name)], check=True)
+    keys = _try_setup_client_authentication(argparse.Namespace(auth_supernode_private_key=str(tmp_path / "node-0"),
+                                                               auth_supernode_public_key=None))
+    assert keys is not None and keys[0].curve.name == "secp384r1"
+    assert load_ssh_public_key((tmp_path / "node-0.pub").read_bytes()).public_numbers() == \
+        keys[1].public_numbers()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(CONFIG)
+    d = prepare_deployment(tmp_path / "app", cfg, "10.0.0.5:9093", signing_key=tmp_path / "operator")
+    trusted = yaml.safe_load(d.trusted_entities.read_text())
+    assert list(trusted.values()) == [" ".join((tmp_path / "operator.pub").read_text().split()[:2])]
+    fab = build_fab(d.app)
+    assert _verify_fab(Fab("h", fab, verification_records(d.signatures, fab)), trusted)

@@ -155,6 +155,17 @@ def make_signing_key(path: str | Path) -> str:
     return public
 
 
+def signing_public_key(private_key: str | Path) -> str:
+    """The OpenSSH public key line of an Ed25519 OpenSSH private key (what ``--trusted-entities`` lists)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = serialization.load_ssh_private_key(Path(private_key).read_bytes(), None)
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise ValueError(f"{private_key}: not an Ed25519 key (flower-supernode --trusted-entities needs Ed25519)")
+    return key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+
+
 def public_key_id(public_line: str) -> str:
     """The id a signing key is listed under in ``--trusted-entities`` (``fpk_`` + a digest of the key)."""
     from cryptography.hazmat.primitives import serialization
@@ -376,12 +387,11 @@ def prepare_deployment(dir: str | Path, config: str | Path, superlink: str, *, a
     else:
         certs = make_certificates(cert_dir, hosts=[host], nodes=nodes)
     key = Path(signing_key).resolve() if signing_key else cert_dir / SIGNING_KEY
-    public = key.with_name(key.name + ".pub")
     if not key.exists():
         make_signing_key(key)
     app = write_app(app_dir, config, superlink=f"127.0.0.1:{admin_port}", root_certificates=certs.ca_cert,
                     **app_options)
-    trusted = write_trusted_entities(app / TRUSTED_ENTITIES, [public.read_text()])
+    trusted = write_trusted_entities(app / TRUSTED_ENTITIES, [signing_public_key(key)])
     sign_fab(build_fab(app), key, app / "signatures")
     return Deployment(app, certs, superlink, admin_port, key, trusted, app / "signatures",
                       app / "state" / "superlink.db")

@@ -186,7 +186,7 @@ class LocalFederation:
         self.admin_port = free_port() if self.use_gateway else self.port
         write_connection(self.home, self.admin_address, self.certs.ca_cert, self.connection)
         self.start_superlink()
-        if self.auth:  # registrations run side by side: each `flwr` call is a Python start-up
+        if self.auth and self.num_nodes:  # registrations run side by side: each `flwr` call is a Python start-up
             with ThreadPoolExecutor(self.num_nodes) as pool:
                 list(pool.map(self.register, range(self.num_nodes)))
         self.nodes = [self._start_node(i) for i in range(self.num_nodes)]
