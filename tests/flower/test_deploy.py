@@ -452,6 +452,34 @@ def test_signature_records_verify_with_flowers_own_check(tmp_path: Path) -> None
     assert set(got.verifications) == {"valid_license", public_key_id(operator)}
 
 
+def test_warm_worker_serves_only_fedfuse_app_bundles(tmp_path: Path) -> None:
+    """The bundle check of the warm worker: fedfuse's app (as `flwr run` builds it) passes; a third-party ClientApp,
+    fedfuse's ClientApp name on a bundle that ships its own `fedfuse/flower/app.py` (shadowing the installed one),
+    and a file that is not a bundle are refused."""
+    import io
+    import zipfile
+
+    from fedfuse.flower.deploy import build_fab, check_fedfuse_bundle
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(CONFIG)
+    check_fedfuse_bundle(build_fab(write_app(tmp_path / "app", cfg)))
+    probe, _ = _probe_app(tmp_path, "probe")
+    with pytest.raises(PermissionError, match="its ClientApp is 'probe_app:client_app'"):
+        check_fedfuse_bundle(build_fab(probe))
+    shadow = write_app(tmp_path / "shadow", cfg)
+    (shadow / "fedfuse" / "flower").mkdir(parents=True)
+    (shadow / "fedfuse" / "flower" / "app.py").write_text("import os; os.system('echo owned')\n")
+    with pytest.raises(PermissionError, match=r"carries code \(fedfuse/flower/app.py\)"):
+        check_fedfuse_bundle(build_fab(shadow))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("README", "no pyproject")
+    for junk in (b"not a zip", buf.getvalue()):
+        with pytest.raises(PermissionError, match="not a fedfuse app bundle"):
+            check_fedfuse_bundle(junk)
+
+
 def _listening(port: int) -> list[str]:
     """Local addresses a TCP socket listens on at ``port`` (from /proc/net/tcp and tcp6)."""
     out = []
@@ -505,7 +533,9 @@ def test_devices_run_only_bundles_the_operator_signed(federation: LocalFederatio
     """Even a run that reaches the SuperLink (an attacker on the server host) runs nothing on the devices unless
     the operator's key signed its bundle: an unsigned bundle, one signed by another key under the operator's key
     id, and one carrying the operator's signature of another bundle are refused by every SuperNode (Flower's
-    INVALID_FAB reply; the ClientApp never runs); the operator-signed bundle runs on both devices."""
+    INVALID_FAB reply; the ClientApp never runs).  The same third-party app signed by the operator passes the
+    SuperNodes' check and is then refused by the warm workers, which run fedfuse's app only; fedfuse's signed
+    app runs on both devices in the other deployment tests of this module."""
     import hashlib
 
     from flwr.common.constant import ErrorCode
@@ -536,9 +566,10 @@ def test_devices_run_only_bundles_the_operator_signed(federation: LocalFederatio
     assert "FAB verification failed" in logs and "could not be verified" in logs
     signed, signed_marks = _probe_app(tmp_path, "signed")
     replies = submit(signed, sign=True)
-    assert [r["error"] for r in replies] == [None, None]
-    assert sorted(p.name for p in signed_marks.iterdir() if p.name.startswith("ran-on")) == sorted(
-        f"ran-on-{n}" for n in federation.node_id)
+    assert [r["error"] for r in replies] == [ErrorCode.CLIENT_APP_RAISED_EXCEPTION] * 2  # the worker's refusal
+    assert not any(p.name.startswith("ran-on") for p in signed_marks.iterdir())
+    workers = "".join((federation.logs / f"worker-{i}.log").read_text() for i in range(2))
+    assert workers.count("not a fedfuse app: its ClientApp is 'probe_app:client_app'") >= 2
 
 
 def test_supernode_launcher_worker_exits_with_its_supernode(tmp_path: Path) -> None:

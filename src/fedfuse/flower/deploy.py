@@ -218,6 +218,32 @@ def build_fab(app: str | Path) -> bytes:
     return build_fab_from_disk(Path(app))
 
 
+#: Files a bundle must not carry to pass as a fedfuse app: code that would run, or shadow fedfuse, on a device.
+CODE_SUFFIXES = (".py", ".pyc", ".pyd", ".pyi", ".so", ".pth", ".dylib", ".dll", ".whl", ".egg", ".zip")
+
+
+def check_fedfuse_bundle(fab: bytes) -> None:
+    """Refuse (``PermissionError``) an app bundle that is not a fedfuse app: its ClientApp must be fedfuse's
+    (``fedfuse.flower.app:...``, run from the installed fedfuse) and it may carry no code (a module of its own, or
+    one that would shadow fedfuse's).  The warm worker checks every bundle before installing it."""
+    import io
+    import tomllib
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(fab)) as z:
+            names = z.namelist()
+            components = tomllib.loads(z.read("pyproject.toml").decode())["tool"]["flwr"]["app"]["components"]
+    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise PermissionError(f"not a fedfuse app bundle: {e}") from None
+    client = str(components.get("clientapp", ""))
+    if not client.startswith("fedfuse.flower.app:"):
+        raise PermissionError(f"not a fedfuse app: its ClientApp is {client!r}")
+    code = [n for n in names if n.lower().endswith(CODE_SUFFIXES)]
+    if code:
+        raise PermissionError(f"not a fedfuse app: the bundle carries code ({', '.join(sorted(code)[:5])})")
+
+
 def certificate_hosts(cert: str | Path) -> list[str]:
     """The IP addresses and DNS names a PEM certificate is valid for (its subject alternative names)."""
     from cryptography import x509

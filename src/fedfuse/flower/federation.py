@@ -99,14 +99,14 @@ class LocalFederation:
     (:mod:`fedfuse.flower.gateway`) at :attr:`address`; ``signed=True`` also gives the operator a signing key,
     starts the SuperNodes with ``--trusted-entities`` (that key only) and signs every app :meth:`run` submits
     (``sign=False`` submits it unsigned); ``database=True`` keeps the SuperLink's state in ``dir/superlink.db``
-    across :meth:`restart_superlink`.
+    across :meth:`restart_superlink`.  Warm workers serve only fedfuse's app unless ``any_app=True``.
     """
 
     def __init__(self, dir: str | Path, nodes: int = 2, *, auth: bool = True, env: Mapping[str, str] | None = None,
                  connection: str = DEFAULT_CONNECTION, node_config: Sequence[str] | None = None,
                  startup_timeout: float = 60.0, warm: bool = False, worker_poll: float | None = None,
                  node_poll: float | None = None, audit_open: bool = False, simulation: bool = False,
-                 gateway: bool = False, signed: bool = False, database: bool = False) -> None:
+                 gateway: bool = False, signed: bool = False, database: bool = False, any_app: bool = False) -> None:
         self.dir = Path(dir).resolve()
         self.num_nodes = nodes
         self.auth = auth
@@ -120,6 +120,7 @@ class LocalFederation:
         self.audit_open = audit_open  # warm workers record every file they open (logs/worker-I.opened)
         self.simulation = simulation  # a plain-HTTP loopback SuperLink in simulation mode, no SuperNodes
         self.use_gateway = gateway
+        self.any_app = any_app  # warm workers serve any Flower app, not only fedfuse's
         self.signed = signed
         self.database = self.dir / "superlink.db" if database else None
         self.signatures = self.dir / "signatures"  # what the gateway hands out with a bundle
@@ -274,6 +275,8 @@ class LocalFederation:
                       "--parent-pid", str(proc.popen.pid)]
             if self.worker_poll is not None:
                 worker += ["--poll", str(self.worker_poll)]
+            if self.any_app:
+                worker.append("--any-app")
             extra = {"FEDFUSE_AUDIT_OPEN": str(self.logs / f"worker-{i}.opened")} if self.audit_open else {}
             self.workers[i] = self._spawn(f"worker-{i}", worker, self.dir / f"supernode-{i}-home", extra)
         return proc

@@ -40,7 +40,8 @@ class CappedTime:
         time.sleep(min(seconds, self.cap))
 
 
-def start_worker(flower_args: Sequence[str], poll: float | None = None) -> subprocess.Popen[bytes]:
+def start_worker(flower_args: Sequence[str], poll: float | None = None,
+                 any_app: bool = False) -> subprocess.Popen[bytes]:
     """Start the warm ClientApp worker of the SuperNode that ``flower_args`` describe (its Runtime API is
     ``--port``, Flower's default 9094), watching this process: it exits when this process does."""
     p = argparse.ArgumentParser(add_help=False)
@@ -53,6 +54,8 @@ def start_worker(flower_args: Sequence[str], poll: float | None = None) -> subpr
            "--parent-pid", str(os.getpid())]
     if poll is not None:
         cmd += ["--poll", str(poll)]
+    if any_app:
+        cmd.append("--any-app")
     worker = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     atexit.register(worker.terminate)
     return worker
@@ -63,9 +66,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--idle-poll", type=float, default=3.0)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--worker-poll", type=float, default=None)
+    p.add_argument("--worker-any-app", action="store_true")  # the worker serves any Flower app, not only fedfuse's
     args, rest = p.parse_known_args(argv)
     if args.worker:
-        start_worker(rest, args.worker_poll)
+        start_worker(rest, args.worker_poll, args.worker_any_app)
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
 
