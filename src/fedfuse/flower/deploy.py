@@ -15,6 +15,13 @@ one SuperLink port (``--host``/``--port``) serves the Fleet, Control and Runtime
 --root-certificates CA`` and serves its own local Runtime API on ``--port``; with ``--enable-supernode-auth`` the
 SuperLink only accepts SuperNodes whose public key was registered with ``flwr supernode register KEY.pub``, and a
 SuperNode signs with ``--auth-supernode-private-key``.
+
+The deployment :func:`prepare_deployment` writes (``fedfuse flower-app``; who is trusted with what: docs/deploy.md,
+*Trust model*): no flag authenticates a Control API caller, so the SuperLink listens on the server's loopback and
+devices dial :mod:`fedfuse.flower.gateway`, which forwards the Fleet API only; the app bundle is signed at build
+(:func:`sign_fab`, Ed25519 as ``flwr app review`` signs) and devices run ``flower-supernode --trusted-entities``
+with the operator's public key (:func:`write_trusted_entities`); the warm worker runs fedfuse's bundles only
+(:func:`check_fedfuse_bundle`).
 """
 
 from __future__ import annotations
