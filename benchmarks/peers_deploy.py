@@ -78,6 +78,7 @@ def run_variant(name: str, root: Path, *, data_dir: str, nodes: int, rounds: int
                         dependencies=("flwr",))
     t0 = time.time()
     with LocalFederation(d / "fed", nodes=nodes, auth=True, env=env, warm=warm, node_config=node_config,
+                         any_app=not name.startswith("fedfuse"),  # the plain Flower app on warm workers too
                          node_poll=node_poll if "poll" in name else None) as fed:
         t1 = time.time()
         run_id = fed.run(app)

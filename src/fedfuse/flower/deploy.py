@@ -15,11 +15,20 @@ one SuperLink port (``--host``/``--port``) serves the Fleet, Control and Runtime
 --root-certificates CA`` and serves its own local Runtime API on ``--port``; with ``--enable-supernode-auth`` the
 SuperLink only accepts SuperNodes whose public key was registered with ``flwr supernode register KEY.pub``, and a
 SuperNode signs with ``--auth-supernode-private-key``.
+
+The deployment :func:`prepare_deployment` writes (``fedfuse flower-app``; who is trusted with what: docs/deploy.md,
+*Trust model*): no flag authenticates a Control API caller, so the SuperLink listens on the server's loopback and
+devices dial :mod:`fedfuse.flower.gateway`, which forwards the Fleet API only; the app bundle is signed at build
+(:func:`sign_fab`, Ed25519 as ``flwr app review`` signs) and devices run ``flower-supernode --trusted-entities``
+with the operator's public key (:func:`write_trusted_entities`); the warm worker runs fedfuse's bundles only
+(:func:`check_fedfuse_bundle`).
 """
 
 from __future__ import annotations
 
+import base64
 import datetime as _dt
+import hashlib
 import ipaddress
 import json
 import re
@@ -35,6 +44,9 @@ DEFAULT_PORT = 9093
 SERVERAPP = "fedfuse.flower.app:server_app"
 CLIENTAPP = "fedfuse.flower.app:client_app"
 CONFIG_COPY = "fedfuse-config.yaml"
+DEFAULT_ADMIN_PORT = 9091  # the SuperLink's own port, on loopback only: the Control API (runs) lives there
+TRUSTED_ENTITIES = "trusted-entities.yaml"
+SIGNING_KEY = "operator-signing"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -132,6 +144,113 @@ def make_certificates(dir: str | Path, hosts: Sequence[str] = (), nodes: int = 0
     return paths
 
 
+def make_signing_key(path: str | Path) -> str:
+    """Write an Ed25519 key pair in OpenSSH format, ``path`` (private, 0600) and ``path.pub`` — the key that signs
+    app bundles (what ``flwr app review`` signs with; ``ssh-keygen -t ed25519`` makes the same).  Returns the
+    public key line."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = ed25519.Ed25519PrivateKey.generate()
+    _write_private(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                           serialization.NoEncryption()))
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                           serialization.PublicFormat.OpenSSH).decode() + " fedfuse-operator"
+    path.with_name(path.name + ".pub").write_text(public + "\n")
+    return public
+
+
+def signing_public_key(private_key: str | Path) -> str:
+    """The OpenSSH public key line of an Ed25519 OpenSSH private key (what ``--trusted-entities`` lists)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = serialization.load_ssh_private_key(Path(private_key).read_bytes(), None)
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise ValueError(f"{private_key}: not an Ed25519 key (flower-supernode --trusted-entities needs Ed25519)")
+    return key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+
+
+def public_key_id(public_line: str) -> str:
+    """The id a signing key is listed under in ``--trusted-entities`` (``fpk_`` + a digest of the key)."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_ssh_public_key(public_line.strip().encode())
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return "fpk_" + hashlib.sha256(raw).hexdigest()[:32]
+
+
+def write_trusted_entities(path: str | Path, public_lines: Sequence[str]) -> Path:
+    """The YAML file of ``flower-supernode --trusted-entities``: key id -> ``ssh-ed25519 ...`` public key."""
+    import yaml
+
+    path = Path(path)
+    path.write_text(yaml.safe_dump({public_key_id(line): line.strip() for line in public_lines}, sort_keys=True))
+    return path
+
+
+def sign_fab(fab: bytes, private_key: str | Path, signatures: str | Path) -> Path:
+    """Sign an app bundle with an Ed25519 OpenSSH private key and add the record to ``signatures/<sha256>.json``.
+
+    The record is Flower's (``flwr app review``): ``signature`` = Ed25519 over the 8-byte big-endian ``signed_at``
+    followed by SHA-256 of the bundle, base64url; the gateway (:mod:`fedfuse.flower.gateway`) hands it to the
+    SuperNodes with the bundle and a SuperNode with ``--trusted-entities`` verifies it."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = serialization.load_ssh_private_key(Path(private_key).read_bytes(), None)
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise ValueError(f"{private_key}: not an Ed25519 key (flower-supernode --trusted-entities needs Ed25519)")
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    signed_at = int(_dt.datetime.now(_dt.UTC).timestamp())
+    digest = hashlib.sha256(fab).digest()
+    signature = key.sign(signed_at.to_bytes(8, "big") + digest)
+    record = {"public_key_id": public_key_id(public.decode()), "signed_at": signed_at,
+              "signature": base64.urlsafe_b64encode(signature).rstrip(b"=").decode("ascii")}
+    out = Path(signatures)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{digest.hex()}.json"
+    have = [r for r in (json.loads(path.read_text()) if path.exists() else [])
+            if r["public_key_id"] != record["public_key_id"]]
+    path.write_text(json.dumps([*have, record], indent=1) + "\n")
+    return path
+
+
+def build_fab(app: str | Path) -> bytes:
+    """The app bundle ``flwr run APP`` uploads (flwr's own deterministic builder: same files, same bytes)."""
+    from flwr.cli.build import build_fab_from_disk
+
+    return build_fab_from_disk(Path(app))
+
+
+#: Files a bundle must not carry to pass as a fedfuse app: code that would run, or shadow fedfuse, on a device.
+CODE_SUFFIXES = (".py", ".pyc", ".pyd", ".pyi", ".so", ".pth", ".dylib", ".dll", ".whl", ".egg", ".zip")
+
+
+def check_fedfuse_bundle(fab: bytes) -> None:
+    """Refuse (``PermissionError``) an app bundle that is not a fedfuse app: its ClientApp must be fedfuse's
+    (``fedfuse.flower.app:...``, run from the installed fedfuse) and it may carry no code (a module of its own, or
+    one that would shadow fedfuse's).  The warm worker checks every bundle before installing it."""
+    import io
+    import tomllib
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(fab)) as z:
+            names = z.namelist()
+            components = tomllib.loads(z.read("pyproject.toml").decode())["tool"]["flwr"]["app"]["components"]
+    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise PermissionError(f"not a fedfuse app bundle: {e}") from None
+    client = str(components.get("clientapp", ""))
+    if not client.startswith("fedfuse.flower.app:"):
+        raise PermissionError(f"not a fedfuse app: its ClientApp is {client!r}")
+    code = [n for n in names if n.lower().endswith(CODE_SUFFIXES)]
+    if code:
+        raise PermissionError(f"not a fedfuse app: the bundle carries code ({', '.join(sorted(code)[:5])})")
+
+
 def certificate_hosts(cert: str | Path) -> list[str]:
     """The IP addresses and DNS names a PEM certificate is valid for (its subject alternative names)."""
     from cryptography import x509
@@ -210,6 +329,8 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
     cfg["out"] = str(Path(out).resolve()) if out else ""
     cfg["round-timeout"] = float(round_timeout)
     cfg["min-nodes"] = int(min_nodes)
+    if config_path is not None:  # `flwr run ... --run-config 'resume=true'` continues from the last checkpoint
+        cfg["resume"] = False
     cfg.update(run_config or {})
     deps = ", ".join(json.dumps(d) for d in dependencies)
     text = (
@@ -226,7 +347,8 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
     )
     (app / "pyproject.toml").write_text(text)
     write_connection(app / ".flwr", superlink, root_certificates, connection, insecure)
-    ignore = [".flwr/", "certs/"]  # flwr run builds the app bundle from DIR minus .gitignore: no keys, no outputs
+    # flwr run builds the app bundle from DIR minus .gitignore: no keys, no state, no signatures, no outputs
+    ignore = [".flwr/", "certs/", "signatures/", "state/", TRUSTED_ENTITIES]
     if out and Path(out).resolve().is_relative_to(app):
         ignore.append(Path(out).resolve().relative_to(app).as_posix() + "/")
     gitignore = app / ".gitignore"
@@ -239,60 +361,54 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
 # `fedfuse flower-app`
 
 
-def deployment_commands(app: str | Path, certs: Certificates, superlink: str, connection: str = DEFAULT_CONNECTION,
-                        node: int = 0, node_data: str = "/path/to/node-0") -> dict[str, list[str]]:
-    """The commands that start a two-machine federation: the SuperLink and ``flwr`` on machine A (where ``app``
-    and ``certs`` are), one SuperNode on machine B (which needs ``ca.crt``, its node key and its own data —
-    ``node_data``, e.g. a bundle of ``fedfuse export-partitions --nodes`` — copied over) with its warm ClientApp
-    worker (``--isolation process``: the worker runs every message in one long-lived process)."""
-    app = Path(app).resolve()
-    port = superlink.rsplit(":", 1)[1]
+@dataclass(frozen=True)
+class Deployment:
+    """What ``fedfuse flower-app`` wrote: the app, its certificates and the trust files around it."""
+
+    app: Path
+    certs: Certificates
+    superlink: str  # device-facing HOST:PORT (the gateway)
+    admin_port: int  # the SuperLink's loopback port (Control API: runs are submitted there)
+    signing_key: Path  # the operator's Ed25519 key; its .pub is in the trusted entities
+    trusted_entities: Path
+    signatures: Path
+    database: Path
+    connection: str = DEFAULT_CONNECTION
+
+
+def deployment_commands(d: Deployment, node: str = "node-0", node_data: str = "/data/node-0") -> dict[str, list[str]]:
+    """The commands of a deployment, by machine: ``A`` (server: SuperLink on loopback, the device-facing gateway,
+    the registration of a device's public key), ``B`` (a device: its own key, then one command that runs the
+    SuperNode — verifying bundles against the operator's key — and its warm ClientApp worker) and ``run``."""
+    app, certs = d.app.resolve(), d.certs
     home = f"FLWR_HOME={app / '.flwr'}"
-    auth = bool(certs.node_keys)
-    link = (f"flower-superlink --ssl-ca-certfile {certs.ca_cert} --ssl-certfile {certs.server_cert} "
-            f"--ssl-keyfile {certs.server_key} --host 0.0.0.0 --port {port} "
-            "--disable-runtime-dependency-installation" + (" --enable-supernode-auth" if auth else ""))
-    a = [link]
-    if auth:
-        a.append(f"{home} flwr supernode register {certs.node_keys[node][1]} {connection}")
-    b = [f"flower-supernode --superlink {superlink} --root-certificates ca.crt"
-         + (f" --auth-supernode-private-key {certs.node_keys[node][0].name}" if auth else "")
-         + f" --isolation process --port 9094 --node-config \"data='{node_data}'\"",
-         "python -m fedfuse.flower.worker --runtime-api-address 127.0.0.1:9094"]
-    return {"A": a, "B": b, "run": [f"{home} flwr run {app} {connection} --stream"]}
+    tls = f"--ssl-ca-certfile {certs.ca_cert} --ssl-certfile {certs.server_cert} --ssl-keyfile {certs.server_key}"
+    port = d.superlink.rsplit(":", 1)[1]
+    a = [f"flower-superlink {tls} --host 127.0.0.1 --port {d.admin_port} --database {d.database} "
+         "--disable-runtime-dependency-installation --enable-supernode-auth",
+         f"python -m fedfuse.flower.gateway --listen 0.0.0.0:{port} --superlink 127.0.0.1:{d.admin_port} {tls} "
+         f"--signatures {d.signatures}",
+         f"{home} flwr supernode register {node}.pub {d.connection}"]
+    b = [f"ssh-keygen -t ecdsa -b 384 -N '' -f {node}",
+         f"python -m fedfuse.flower.supernode --worker --superlink {d.superlink} --root-certificates ca.crt "
+         f"--trusted-entities {TRUSTED_ENTITIES} --auth-supernode-private-key {node} --isolation process "
+         f"--port 9094 --node-config \"data='{node_data}'\""]
+    return {"A": a, "B": b, "run": [f"{home} flwr run {app} {d.connection} --stream"]}
 
 
-def add_flower_app_parser(sub: Any) -> None:
-    """Register ``fedfuse flower-app`` on the CLI's subparsers."""
-    p = sub.add_parser("flower-app", help="write a Flower app (flwr run) for a config; print the deployment commands",
-                       description="Write DIR/pyproject.toml (a Flower app whose ServerApp and ClientApp run the "
-                                   "fedfuse experiment in CONFIG), DIR/.flwr/config.toml (the SuperLink connection "
-                                   "for `flwr run`) and TLS certificates plus SuperNode keys, then print the "
-                                   "commands that start a federation on two machines.")
-    p.add_argument("dir", metavar="DIR", help="app directory to write")
-    p.add_argument("--config", required=True, metavar="CONFIG.yaml", help="fedfuse config of the experiment")
-    p.add_argument("--superlink", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
-                   help="address the SuperNodes and flwr use to reach the SuperLink (default %(default)s)")
-    p.add_argument("--certificates", default=None, metavar="CERTDIR",
-                   help="use the CA/server certificates and node keys in CERTDIR; generated there (for the "
-                        "--superlink host) if CERTDIR/ca.crt is missing (default DIR/certs)")
-    p.add_argument("--nodes", type=int, default=2, help="SuperNode key pairs to generate (0 = no node "
-                   "authentication; default %(default)s)")
-    p.add_argument("--out", default=None, help="output directory of the run on the SuperLink's machine")
-    p.add_argument("--round-timeout", type=float, default=0.0,
-                   help="seconds a round waits for replies before it continues without them (0 = forever)")
-    p.add_argument("--min-nodes", type=int, default=1, help="SuperNodes to wait for before the first round")
-    p.set_defaults(func=cmd_flower_app)
+def prepare_deployment(dir: str | Path, config: str | Path, superlink: str, *, admin_port: int = DEFAULT_ADMIN_PORT,
+                       certificates: str | Path | None = None, signing_key: str | Path | None = None,
+                       nodes: int = 0, **app_options: Any) -> Deployment:
+    """Write the app (:func:`write_app`, connected to the SuperLink's loopback ``admin_port``), TLS certificates
+    for the ``superlink`` host (reused if ``certificates`` has them), the operator's signing key (generated if
+    missing), ``trusted-entities.yaml`` for the devices, and sign the app bundle exactly as ``flwr run`` will
+    build it.  ``nodes`` > 0 also generates that many SuperNode key pairs here (trying it on one machine; real
+    devices make their own)."""
+    from fedfuse.config import ConfigError
 
-
-def cmd_flower_app(args: Any) -> int:
-    """``fedfuse flower-app``: validate the config, write app + connection + certificates, print the commands."""
-    import fedfuse.algorithms  # noqa: F401  (registers the algorithms the config is checked against)
-    from fedfuse.config import ConfigError, RunConfig, apply, load_yaml, validate
-
-    validate(apply(RunConfig(), load_yaml(args.config)))
-    host = args.superlink.rsplit(":", 1)[0].strip("[]")
-    cert_dir = (Path(args.certificates) if args.certificates else Path(args.dir) / "certs").resolve()
+    host = superlink.rsplit(":", 1)[0].strip("[]")
+    app_dir = Path(dir).resolve()
+    cert_dir = (Path(certificates) if certificates else app_dir / "certs").resolve()
     if (cert_dir / "ca.crt").exists():
         names = certificate_hosts(cert_dir / "server.pem")
         if host not in names:
@@ -302,25 +418,73 @@ def cmd_flower_app(args: Any) -> int:
         certs = Certificates(cert_dir, cert_dir / "ca.crt", cert_dir / "ca.key", cert_dir / "server.pem",
                              cert_dir / "server.key", tuple((k.with_suffix(""), k) for k in keys))
     else:
-        certs = make_certificates(cert_dir, hosts=[host], nodes=args.nodes)
-    app = write_app(args.dir, args.config, superlink=args.superlink, root_certificates=certs.ca_cert,
-                    out=args.out, round_timeout=args.round_timeout, min_nodes=args.min_nodes)
-    cmds = deployment_commands(app, certs, args.superlink)
-    auth = "with SuperNode authentication" if certs.node_keys else "without SuperNode authentication"
-    print(f"Flower app written to {app} (certificates in {certs.dir.resolve()}, {auth}).\n"
-          "fedfuse and flwr must be installed on both machines (pip install 'fedfuse[flower]').\n")
-    print(f"Machine A (the SuperLink, reachable at {args.superlink}):")
+        certs = make_certificates(cert_dir, hosts=[host], nodes=nodes)
+    key = Path(signing_key).resolve() if signing_key else cert_dir / SIGNING_KEY
+    if not key.exists():
+        make_signing_key(key)
+    app = write_app(app_dir, config, superlink=f"127.0.0.1:{admin_port}", root_certificates=certs.ca_cert,
+                    **app_options)
+    trusted = write_trusted_entities(app / TRUSTED_ENTITIES, [signing_public_key(key)])
+    sign_fab(build_fab(app), key, app / "signatures")
+    return Deployment(app, certs, superlink, admin_port, key, trusted, app / "signatures",
+                      app / "state" / "superlink.db")
+
+
+def add_flower_app_parser(sub: Any) -> None:
+    """Register ``fedfuse flower-app`` on the CLI's subparsers."""
+    p = sub.add_parser("flower-app", help="write and sign a Flower app (flwr run) for a config; print the "
+                       "deployment commands",
+                       description="Write DIR/pyproject.toml (a Flower app whose ServerApp and ClientApp run the "
+                                   "fedfuse experiment in CONFIG), DIR/.flwr/config.toml (the operator's "
+                                   "connection to the SuperLink's loopback port), TLS certificates, the operator's "
+                                   "signing key, DIR/trusted-entities.yaml for the devices and the app bundle's "
+                                   "signature, then print the commands of the deployment.  Run it again after "
+                                   "changing anything in DIR: devices run only the bundle that was signed.")
+    p.add_argument("dir", metavar="DIR", help="app directory to write")
+    p.add_argument("--config", required=True, metavar="CONFIG.yaml", help="fedfuse config of the experiment")
+    p.add_argument("--superlink", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
+                   help="device-facing address of the server (the Fleet API gateway; default %(default)s)")
+    p.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
+                   help="the SuperLink's port on the server's loopback, where runs are submitted "
+                        "(default %(default)s)")
+    p.add_argument("--certificates", default=None, metavar="CERTDIR",
+                   help="use the CA/server certificates in CERTDIR; generated there (for the --superlink host) if "
+                        "CERTDIR/ca.crt is missing (default DIR/certs)")
+    p.add_argument("--signing-key", default=None, metavar="KEY",
+                   help="the operator's Ed25519 OpenSSH key that signs the app (generated if missing; default "
+                        "CERTDIR/operator-signing)")
+    p.add_argument("--nodes", type=int, default=0, help="also generate this many SuperNode key pairs here, for a "
+                   "trial on one machine (default %(default)s: each device makes its own with ssh-keygen)")
+    p.add_argument("--out", default=None, help="output directory of the run on the SuperLink's machine")
+    p.add_argument("--round-timeout", type=float, default=0.0,
+                   help="seconds a round waits for replies before it continues without them (0 = forever)")
+    p.add_argument("--min-nodes", type=int, default=1, help="SuperNodes to wait for before the first round")
+    p.set_defaults(func=cmd_flower_app)
+
+
+def cmd_flower_app(args: Any) -> int:
+    """``fedfuse flower-app``: validate the config, write and sign the app, print the commands."""
+    import fedfuse.algorithms  # noqa: F401  (registers the algorithms the config is checked against)
+    from fedfuse.config import RunConfig, apply, load_yaml, validate
+
+    validate(apply(RunConfig(), load_yaml(args.config)))
+    d = prepare_deployment(args.dir, args.config, args.superlink, admin_port=args.admin_port,
+                           certificates=args.certificates, signing_key=args.signing_key, nodes=args.nodes,
+                           out=args.out, round_timeout=args.round_timeout, min_nodes=args.min_nodes)
+    cmds = deployment_commands(d)
+    print(f"Flower app written to {d.app} and signed with {d.signing_key} (certificates in {d.certs.dir}).\n"
+          "fedfuse and flwr must be installed on every machine (pip install 'fedfuse[flower]').\n")
+    print(f"Server (the SuperLink on 127.0.0.1:{d.admin_port}, runs are submitted there only; devices reach the "
+          f"gateway at {d.superlink}, which serves the Fleet API alone); register each device's public key:")
     print("\n".join(f"  {c}" for c in cmds["A"]))
-    copy = "ca.crt" + (f" and {certs.node_keys[0][0].name}" if certs.node_keys else "")
-    print(f"\nMachine B (a SuperNode; copy {copy} from {certs.dir.resolve()} first, and its own data: e.g. node-0/ "
-          "of `fedfuse export-partitions --nodes N --out DIR`, or a table/image folder with --node-config "
-          "\"data='...' client-id=K\"):")
+    print(f"\nEach device (copy ca.crt and {TRUSTED_ENTITIES} from the server, and its own data only: e.g. node-0/ "
+          "of `fedfuse export-partitions --nodes N --out DIR`). It makes its own key and sends only node-0.pub to "
+          "the operator; the second command runs the SuperNode and its warm ClientApp worker, which exits with it:")
     print("\n".join(f"  {c}" for c in cmds["B"]))
-    print("  (the second command is the warm ClientApp worker: it runs every message of the node in one process; "
-          "without it, drop --isolation process and Flower starts a ClientApp process per message)")
-    print("\nMachine A, once the SuperNodes are up (streams the ServerApp's log):")
+    print("\nServer, once the devices are up (streams the ServerApp's log; add --run-config 'resume=true' to "
+          "continue a run from its last checkpoint):")
     print("\n".join(f"  {c}" for c in cmds["run"]))
-    if len(certs.node_keys) > 1:
-        print(f"\nMore SuperNodes: register node-I.pub and start each with its node-I key (I < "
-              f"{len(certs.node_keys)}).")
+    if d.certs.node_keys:
+        print(f"\nNode key pairs for a trial on this machine: {d.certs.dir}/node-I(.pub), I < "
+              f"{len(d.certs.node_keys)}.")
     return 0

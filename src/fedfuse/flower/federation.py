@@ -25,7 +25,19 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from fedfuse.flower.deploy import DEFAULT_CONNECTION, Certificates, make_certificates, toml_value, write_connection
+from fedfuse.flower.deploy import (
+    DEFAULT_CONNECTION,
+    SIGNING_KEY,
+    TRUSTED_ENTITIES,
+    Certificates,
+    build_fab,
+    make_certificates,
+    make_signing_key,
+    sign_fab,
+    toml_value,
+    write_connection,
+    write_trusted_entities,
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -81,12 +93,20 @@ class LocalFederation:
     registers every SuperNode's public key (``flwr supernode register``) before the SuperNode starts.  ``env`` is
     added to every process's environment (e.g. ``PYTHONPATH`` so the app's modules import on the SuperLink and the
     SuperNodes).
+
+    ``gateway=True`` deploys as docs/deploy.md does: the SuperLink listens on its own loopback port
+    (:attr:`admin_address`, where the ``flwr`` CLI submits runs) and the SuperNodes dial the Fleet API gateway
+    (:mod:`fedfuse.flower.gateway`) at :attr:`address`; ``signed=True`` also gives the operator a signing key,
+    starts the SuperNodes with ``--trusted-entities`` (that key only) and signs every app :meth:`run` submits
+    (``sign=False`` submits it unsigned); ``database=True`` keeps the SuperLink's state in ``dir/superlink.db``
+    across :meth:`restart_superlink`.  Warm workers serve only fedfuse's app unless ``any_app=True``.
     """
 
     def __init__(self, dir: str | Path, nodes: int = 2, *, auth: bool = True, env: Mapping[str, str] | None = None,
                  connection: str = DEFAULT_CONNECTION, node_config: Sequence[str] | None = None,
                  startup_timeout: float = 60.0, warm: bool = False, worker_poll: float | None = None,
-                 node_poll: float | None = None, audit_open: bool = False, simulation: bool = False) -> None:
+                 node_poll: float | None = None, audit_open: bool = False, simulation: bool = False,
+                 gateway: bool = False, signed: bool = False, database: bool = False, any_app: bool = False) -> None:
         self.dir = Path(dir).resolve()
         self.num_nodes = nodes
         self.auth = auth
@@ -99,6 +119,15 @@ class LocalFederation:
         self.node_poll = node_poll  # SuperNode idle poll (fedfuse.flower.supernode); None: Flower's 3 s
         self.audit_open = audit_open  # warm workers record every file they open (logs/worker-I.opened)
         self.simulation = simulation  # a plain-HTTP loopback SuperLink in simulation mode, no SuperNodes
+        self.use_gateway = gateway
+        self.any_app = any_app  # warm workers serve any Flower app, not only fedfuse's
+        self.signed = signed
+        self.database = self.dir / "superlink.db" if database else None
+        self.signatures = self.dir / "signatures"  # what the gateway hands out with a bundle
+        self.signing_key = self.dir / "operator" / SIGNING_KEY  # the operator's key (``signed=True``)
+        self.trusted_entities = self.dir / "operator" / TRUSTED_ENTITIES
+        self.admin_port = 0
+        self.gateway: _Proc | None = None
         self.workers: list[_Proc | None] = [None] * nodes  # warm ClientApp workers (``warm=True``)
         self.logs = self.dir / "logs"
         self.home = self.dir / "cli-home"  # FLWR_HOME of the flwr CLI (holds the SuperLink connection)
@@ -117,8 +146,14 @@ class LocalFederation:
 
     @property
     def address(self) -> str:
-        """The SuperLink's ``host:port`` (Fleet, Control and Runtime APIs share it)."""
+        """The device-facing ``host:port``: the gateway's (``gateway=True``: Fleet API only), else the SuperLink's
+        (Fleet, Control and Runtime APIs share it)."""
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def admin_address(self) -> str:
+        """The SuperLink's own ``host:port`` (loopback), where the ``flwr`` CLI submits runs."""
+        return f"127.0.0.1:{self.admin_port}"
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -140,25 +175,59 @@ class LocalFederation:
         if self.simulation:  # Flower's local simulation runtime: `flwr run` starts the ServerApp and the
             # simulated SuperNodes in one flwr-simulation process (Ray), as `flwr run APP local` does
             write_connection(self.home, self.address, None, self.connection, insecure=True)
+            self.admin_port = self.port
             cmd = [_tool("flower-superlink"), "--insecure", "--simulation", "--host", "127.0.0.1", "--port",
                    str(self.port), "--disable-runtime-dependency-installation"]
             self.superlink = self._spawn("superlink", cmd, self.dir / "superlink-home")
             self._wait_listening(self.superlink, self.port)
             return
         self.certs = make_certificates(self.dir / "certs", nodes=self.num_nodes if self.auth else 0)
-        write_connection(self.home, self.address, self.certs.ca_cert, self.connection)
-        cmd = [_tool("flower-superlink"), "--ssl-ca-certfile", str(self.certs.ca_cert),
-               "--ssl-certfile", str(self.certs.server_cert), "--ssl-keyfile", str(self.certs.server_key),
-               "--host", "127.0.0.1", "--port", str(self.port), "--disable-runtime-dependency-installation"]
-        if self.auth:
-            cmd.append("--enable-supernode-auth")
-        self.superlink = self._spawn("superlink", cmd, self.dir / "superlink-home")
-        self._wait_listening(self.superlink, self.port)
-        if self.auth:  # registrations run side by side: each `flwr` call is a Python start-up
+        if self.signed:
+            write_trusted_entities(self.trusted_entities, [make_signing_key(self.signing_key)])
+        self.admin_port = free_port() if self.use_gateway else self.port
+        write_connection(self.home, self.admin_address, self.certs.ca_cert, self.connection)
+        self.start_superlink()
+        if self.auth and self.num_nodes:  # registrations run side by side: each `flwr` call is a Python start-up
             with ThreadPoolExecutor(self.num_nodes) as pool:
                 list(pool.map(self.register, range(self.num_nodes)))
         self.nodes = [self._start_node(i) for i in range(self.num_nodes)]
         self.node_id = [self._wait_node(i) for i in range(self.num_nodes)]
+
+    def start_superlink(self) -> None:
+        """Start the SuperLink (on :attr:`admin_address`) and, with ``gateway``, the gateway in front of it."""
+        assert self.certs is not None
+        tls = ["--ssl-ca-certfile", str(self.certs.ca_cert), "--ssl-certfile", str(self.certs.server_cert),
+               "--ssl-keyfile", str(self.certs.server_key)]
+        cmd = [_tool("flower-superlink"), *tls, "--host", "127.0.0.1", "--port", str(self.admin_port),
+               "--disable-runtime-dependency-installation"]
+        if self.auth:
+            cmd.append("--enable-supernode-auth")
+        if self.database is not None:
+            cmd += ["--database", str(self.database)]
+        self.superlink = self._spawn("superlink", cmd, self.dir / "superlink-home")
+        self._wait_listening(self.superlink, self.admin_port)
+        if self.use_gateway and self.gateway is None:
+            self.signatures.mkdir(parents=True, exist_ok=True)
+            gw = [sys.executable, "-m", "fedfuse.flower.gateway", "--listen", self.address,
+                  "--superlink", self.admin_address, *tls, "--signatures", str(self.signatures)]
+            self.gateway = self._spawn("gateway", gw, self.dir / "gateway-home")
+            self._wait_listening(self.gateway, self.port)
+
+    def stop_superlink(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Stop the SuperLink and what it spawned (the ServerApp of a running run); SuperNodes and gateway stay."""
+        if self.superlink is not None:
+            tree = _tree(self.superlink.popen.pid)
+            _signal_tree([self.superlink.popen.pid], sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.superlink.popen.wait(timeout=10)
+            _signal_tree(tree, signal.SIGKILL)
+            self.superlink.popen.wait()
+            self.superlink = None
+
+    def restart_superlink(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Stop the SuperLink (SIGKILL by default: a crash) and start it again on the same port and database."""
+        self.stop_superlink(sig)
+        self.start_superlink()
 
     def register(self, i: int) -> None:
         """``flwr supernode register certs/node-I.pub``: the SuperLink will accept SuperNode ``i``'s key."""
@@ -193,6 +262,8 @@ class LocalFederation:
                "--host", "127.0.0.1", "--port", str(free_port())]
         if self.auth:
             cmd += ["--auth-supernode-private-key", str(self.certs.node_keys[i][0])]
+        if self.signed:
+            cmd += ["--trusted-entities", str(self.trusted_entities)]
         if self.node_config[i]:
             cmd += ["--node-config", self.node_config[i]]
         runtime = cmd[cmd.index("--port") + 1]
@@ -204,6 +275,8 @@ class LocalFederation:
                       "--parent-pid", str(proc.popen.pid)]
             if self.worker_poll is not None:
                 worker += ["--poll", str(self.worker_poll)]
+            if self.any_app:
+                worker.append("--any-app")
             extra = {"FEDFUSE_AUDIT_OPEN": str(self.logs / f"worker-{i}.opened")} if self.audit_open else {}
             self.workers[i] = self._spawn(f"worker-{i}", worker, self.dir / f"supernode-{i}-home", extra)
         return proc
@@ -284,7 +357,7 @@ class LocalFederation:
             stream.wait()
         self._streams.clear()
         nodes = [p for p in self.nodes + self.workers if p is not None]
-        for procs in (nodes, [self.superlink] if self.superlink else []):
+        for procs in (nodes, [p for p in (self.gateway, self.superlink) if p is not None]):
             trees = [_tree(p.popen.pid) for p in procs]
             for p in procs:
                 _signal_tree([p.popen.pid], signal.SIGTERM)
@@ -298,7 +371,7 @@ class LocalFederation:
                 p.popen.wait()
         self.nodes = [None] * len(self.nodes)
         self.workers = [None] * len(self.workers)
-        self.superlink = None
+        self.superlink = self.gateway = None
 
     # -- the flwr CLI ------------------------------------------------------------------------------------------
 
@@ -321,11 +394,18 @@ class LocalFederation:
             raise FederationError(f"no JSON in the output of flwr {' '.join(args)}:\n{out}")
         return json.loads(out[start:])
 
+    def sign(self, app: str | Path) -> Path:
+        """Sign the bundle ``flwr run APP`` will upload with the operator's key (``signed=True``)."""
+        return sign_fab(build_fab(Path(app)), self.signing_key, self.signatures)
+
     def run(self, app: str | Path, run_config: Mapping[str, Any] | None = None, timeout: float = 120.0,
-            federation_config: Mapping[str, Any] | None = None) -> int:
+            federation_config: Mapping[str, Any] | None = None, sign: bool = True) -> int:
         """Submit ``app`` with ``flwr run APP <connection> --stream``; returns the run id once the SuperLink has
         accepted it.  The ``flwr`` process keeps streaming the ServerApp's log to ``logs/run-ID.log`` until the run
-        ends, which is what :meth:`wait` waits for (no status polling)."""
+        ends, which is what :meth:`wait` waits for (no status polling).  With ``signed=True`` the bundle is signed
+        first (``sign=False``: submitted unsigned)."""
+        if self.signed and sign:
+            self.sign(app)
         args = ["run", str(app), self.connection, "--stream"]
         for k, v in (run_config or {}).items():
             args += ["--run-config", f"{k}={toml_value(v)}"]

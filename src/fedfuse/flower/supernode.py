@@ -9,11 +9,18 @@ sees with one whose ``sleep`` is capped; nothing else changes).  A shorter poll 
 requests: one per node every ``--idle-poll`` seconds while idle.
 
     python -m fedfuse.flower.supernode --idle-poll 0.1 --superlink HOST:PORT ...   # flower-supernode's flags
+
+``--worker`` (with ``--isolation process``) also starts the SuperNode's warm ClientApp worker
+(:mod:`fedfuse.flower.worker`) on its Runtime API (``--port``), as a child that exits with the SuperNode — also
+when the SuperNode is killed (the worker watches its parent's pid): one command per device, no orphaned worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -33,10 +40,36 @@ class CappedTime:
         time.sleep(min(seconds, self.cap))
 
 
+def start_worker(flower_args: Sequence[str], poll: float | None = None,
+                 any_app: bool = False) -> subprocess.Popen[bytes]:
+    """Start the warm ClientApp worker of the SuperNode that ``flower_args`` describe (its Runtime API is
+    ``--port``, Flower's default 9094), watching this process: it exits when this process does."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--port", default="9094")
+    p.add_argument("--isolation", default="subprocess")
+    known, _ = p.parse_known_args(list(flower_args))
+    if known.isolation != "process":
+        raise SystemExit("--worker needs --isolation process (the worker runs the ClientApp tasks)")
+    cmd = [sys.executable, "-m", "fedfuse.flower.worker", "--runtime-api-address", f"127.0.0.1:{known.port}",
+           "--parent-pid", str(os.getpid())]
+    if poll is not None:
+        cmd += ["--poll", str(poll)]
+    if any_app:
+        cmd.append("--any-app")
+    worker = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    atexit.register(worker.terminate)
+    return worker
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--idle-poll", type=float, default=3.0)
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--worker-poll", type=float, default=None)
+    p.add_argument("--worker-any-app", action="store_true")  # the worker serves any Flower app, not only fedfuse's
     args, rest = p.parse_known_args(argv)
+    if args.worker:
+        start_worker(rest, args.worker_poll, args.worker_any_app)
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
 

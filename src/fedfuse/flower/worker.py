@@ -16,8 +16,8 @@ Run one per SuperNode, next to it::
     flower-supernode ... --isolation process --port 9094
     python -m fedfuse.flower.worker --runtime-api-address 127.0.0.1:9094
 
-It serves any Flower app (the ClientApp is whatever the submitted bundle names), one task at a time, as
-``flwr-clientapp`` does.
+It serves fedfuse's app only (a bundle whose ClientApp is not fedfuse's, or that carries code, gets an error
+reply; ``--any-app`` serves any Flower app), one task at a time, as ``flwr-clientapp`` does.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class WarmWorker:
     """Claims the ClientApp tasks of one SuperNode's Runtime API and runs them in this process."""
 
     def __init__(self, runtime_api_address: str, *, insecure: bool = True, root_certificates: bytes | None = None,
-                 poll: float = DEFAULT_POLL) -> None:
+                 poll: float = DEFAULT_POLL, any_app: bool = False) -> None:
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
         from flwr.supercore.retry import make_simple_http_retry_invoker
         from flwr.supercore.runtime import RuntimeHttpClient
@@ -49,6 +49,7 @@ class WarmWorker:
         self.insecure = insecure
         self.root_certificates = root_certificates
         self.poll = poll
+        self.any_app = any_app  # False: only fedfuse's app bundles (fedfuse.flower.deploy.check_fedfuse_bundle)
         self.apps: dict[str, Any] = {}  # fab hash -> loaded ClientApp
         self.tasks = 0
         self._acquire = RuntimeHttpClient.from_server_address(
@@ -68,6 +69,10 @@ class WarmWorker:
         """The bundle's ClientApp, installed and loaded on first use, then reused."""
         app = self.apps.get(fab.hash_str)
         if app is None:
+            if not self.any_app:
+                from fedfuse.flower.deploy import check_fedfuse_bundle
+
+                check_fedfuse_bundle(fab.content)
             from flwr.cli.install import install_from_fab
             from flwr.clientapp.utils import get_load_client_app_fn
 
@@ -153,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="CA of the Runtime API's TLS certificate (omit for the plain loopback API)")
     p.add_argument("--poll", type=float, default=DEFAULT_POLL, help="seconds between task polls while idle")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the SuperNode) exits")
+    p.add_argument("--any-app", action="store_true", help="run any Flower app's ClientApp (default: fedfuse's only)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     audit = os.environ.get("FEDFUSE_AUDIT_OPEN")
@@ -175,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch  # paid once, before the first task
 
     torch.set_num_threads(int(os.environ.get("FEDFUSE_THREADS", "1")))
-    worker = WarmWorker(args.runtime_api_address, insecure=certs is None, root_certificates=certs, poll=args.poll)
+    worker = WarmWorker(args.runtime_api_address, insecure=certs is None, root_certificates=certs, poll=args.poll,
+                         any_app=args.any_app)
     log.info("warm ClientApp worker serving %s (pid %d)", args.runtime_api_address, os.getpid())
     worker.serve()
     return 0
