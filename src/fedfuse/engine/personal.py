@@ -24,6 +24,7 @@ to know nothing of this.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -205,8 +206,6 @@ class ClientSide:
 
     def client_program(self, payload: Message, client_state: Any, data: ClientData) -> ClientProgram | None:
         """The algorithm's program on the whole model; its reply leaves without the client's own entries."""
-        import dataclasses
-
         full, inner, keys, own = self._merged(payload, client_state)
         prog = self.algo.client_program(full, inner, data)
         if prog is None:
