@@ -23,7 +23,7 @@ from fedfuse.engine.program import ClientProgram
 from fedfuse.fusion.slicing import slice_state
 from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Federation, FitStats, Message, Split
-from golden.make_golden import lora_base, token_federation
+from golden.make_golden import lora_base, tiny_model, token_federation
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository (worktree) root."""
@@ -44,8 +44,10 @@ def _lora_base() -> str:
 
 
 def conformance_cfg(algorithm: str, executor: str) -> RunConfig:
-    """A tiny run of ``algorithm`` under ``executor``: digits + MLP, or generated token sequences + a transformer
-    for Simple-FedMA and the LoRA algorithms (the conformance, options-act and Flower suites share it)."""
+    """A tiny run of ``algorithm`` under ``executor``: digits on the first tiny model that has what the algorithm
+    ``requires`` (:func:`golden.make_golden.tiny_model`: the MLP, or a BatchNorm ResNet), or generated token
+    sequences + a transformer for Simple-FedMA and the LoRA algorithms (the conformance, options-act and Flower
+    suites share it)."""
     if algorithm in LORA:  # LoRA adapters on a frozen base LM: generated token sequences
         return apply(RunConfig(), dict(
             algorithm=algorithm, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
@@ -60,9 +62,9 @@ def conformance_cfg(algorithm: str, executor: str) -> RunConfig:
             model_options=dict(d_model=8, n_heads=2, n_layers=1, d_ff=12, dropout=0.0, persistent_pe=True),
         ))
     return apply(RunConfig(), dict(
-        algorithm=algorithm, dataset="digits", model="mlp", clients=4, clients_per_round=3, rounds=2,
-        batch_size=32, lr=0.05, seed=1, plots=False, executor=executor, local_epochs=1, eval_every=2,
-        model_options={"widths": [16]}, partition_options={"alpha": 1.0, "min_size": 20},
+        algorithm=algorithm, dataset="digits", clients=4, clients_per_round=3, rounds=2, batch_size=32, seed=1,
+        plots=False, executor=executor, local_epochs=1, eval_every=2, **tiny_model(algorithm),
+        partition_options={"alpha": 1.0, "min_size": 20},
     ))
 
 

@@ -40,7 +40,7 @@ def test_resume_cli_continues_a_run(tmp_path, capsys):
         (["run", "--set", "bogus=1"], "unknown key 'bogus' (keys: fedfuse show config"),
         (["run", "--set", "clients_per_rnd=3"], "unknown key 'clients_per_rnd'; did you mean clients_per_round"),
         (["run", "--set", "muu=0.1"], "did you mean mu? It is an option of fedprox"),
-        (["run", "--set", "mu=0.1"], "mu is an option of fedprox, fedrolex, heterofl, msfusion, not of fedavg: "
+        (["run", "--set", "mu=0.1"], "mu is an option of fedprox, fedrolex, heterofl, moon, msfusion, not of fedavg: "
                                      "e.g. --algorithm fedprox --set mu=..."),
         (["run", "--set", "fedprox.mu=0.1"], "fedprox.mu: an option of fedprox, but this run's algorithm is fedavg; "
                                              "run it with --algorithm fedprox --set fedprox.mu=..."),

@@ -11,6 +11,10 @@ Two declarations, both plain data built from the model's state-dict keys:
   of Linear/Conv layers needs no declaration: :func:`fedfuse.fusion.permute.chain_spec` derives its groups from
   the torch module types.
 
+A third kind of structure needs no declaration: the model's **BatchNorm layers**, found by module type
+(:func:`is_batchnorm`, :func:`batchnorm_modules`, :func:`batchnorm_keys`: FedBN keeps them on the client, HeteroFL
+recomputes their statistics, SAM restores their buffers, the batched executor buckets them).
+
 Any ``nn.Module`` may declare them (``tests/system/test_layers.py`` slices a custom module), not only fedfuse's models.
 This module sits at the bottom of the layers (it imports only torch), next to :mod:`fedfuse.types`.
 """
@@ -21,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 # A tensor dimension is either unsliced (None) or (group, outer, inner): the dimension is laid out as
 # [outer][K_group][inner] (heads: outer = n_heads; a conv output flattened into a linear layer: inner = H·W).
@@ -115,4 +120,25 @@ class PermGroup:
         return [m for m in self.members if m.role == "in"]
 
 
-__all__ = ["DimSpec", "Member", "PermGroup", "Selection", "UnitGroupBuilder", "UnitGroups", "axis"]
+def is_batchnorm(module: nn.Module) -> bool:
+    """Whether ``module`` is a BatchNorm layer (1d, 2d, 3d, lazy or synchronised)."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def batchnorm_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The BatchNorm layers of ``model`` with their names, in registration order."""
+    return [(name, m) for name, m in model.named_modules() if is_batchnorm(m)]
+
+
+def batchnorm_keys(model: nn.Module) -> frozenset[str]:
+    """Every state-dict key of ``model``'s BatchNorm layers: the affine ``weight``/``bias`` and the buffers
+    ``running_mean``, ``running_var`` and ``num_batches_tracked``."""
+    prefixes = tuple(f"{name}." if name else "" for name, _ in batchnorm_modules(model))
+    if not prefixes:
+        return frozenset()
+    return frozenset(k for k in model.state_dict() if any(k.startswith(p) and "." not in k[len(p):]
+                                                          for p in prefixes))
+
+
+__all__ = ["DimSpec", "Member", "PermGroup", "Selection", "UnitGroupBuilder", "UnitGroups", "axis", "batchnorm_keys",
+           "batchnorm_modules", "is_batchnorm"]

@@ -16,6 +16,7 @@ from fedfuse.errors import DivergenceError
 from fedfuse.fusion.average import clip_updates, robust_average
 from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Federation, FitStats, Message, Split
+from golden.make_golden import tiny_model
 
 BASE = dict(dataset="digits", model="mlp", model_options={"widths": [16]}, clients=4, clients_per_round=4,
             rounds=2, local_epochs=1, plots=False, eval_every=2, threads=1)
@@ -181,6 +182,8 @@ def test_every_algorithm_runs_a_partial_round(fed, algorithm):
     """Dropouts and stragglers: every algorithm completes with what arrived, reports accuracy, quarantines nobody
     honest, and is deterministic."""
     kw = dict(algorithm=algorithm, rounds=2, eval_every=2, dropout=0.3, stragglers=0.3, seed=1)
+    if ALGORITHMS[algorithm].requires:  # e.g. FedBN: the first tiny model that has what it requires
+        kw.update(tiny_model(algorithm))
     if algorithm == "simple-fedma":  # a transformer method
         fed, kw = _lm_fed(), {**kw, **LM}
     if "lora" in algorithm or algorithm == "fedit":  # adapters on a frozen base LM

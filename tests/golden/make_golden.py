@@ -54,6 +54,31 @@ def is_lora(algorithm: str) -> bool:
     return ALGORITHMS[algorithm].__module__ in ("fedfuse.algorithms.fedit", "fedfuse.algorithms.fedmerge_lora")
 
 
+#: The tiny runs' image models, first match wins: an algorithm runs on the first one that has what it declares it
+#: ``requires`` (``fedfuse.engine.personal.REQUIREMENTS``).  The BatchNorm ResNet trains with a smaller step: at
+#: 0.05 its second round is chaotic enough that float summation order (batched vs sequential) moves a client's
+#: weights by 0.05.
+TINY_MODELS: tuple[dict[str, Any], ...] = (
+    dict(model="mlp", model_options={"widths": [16]}, lr=0.05),
+    dict(model="resnet9", model_options={"width_mult": 0.25}, lr=0.01),
+)
+
+
+def tiny_model(algorithm: str) -> dict[str, Any]:
+    """The model (``model``, ``model_options``, ``lr``) of ``algorithm``'s tiny digits run: the first of
+    :data:`TINY_MODELS` that meets what the algorithm ``requires``."""
+    from fedfuse.algorithms import ALGORITHMS
+    from fedfuse.engine.personal import unmet_requirements
+    from fedfuse.models import build_model
+
+    requires = ALGORITHMS[algorithm].requires
+    for choice in TINY_MODELS:
+        model = build_model(choice["model"], (1, 8, 8), 10, **choice["model_options"])
+        if not unmet_requirements(model, requires):
+            return dict(choice)
+    raise LookupError(f"no tiny model has what {algorithm} requires: {sorted(requires)}")
+
+
 def config(algorithm: str, executor: str, base: str | None = None) -> dict[str, Any]:
     """The tiny run's configuration (a dict for ``fedfuse.config.apply``)."""
     common = dict(algorithm=algorithm, rounds=ROUNDS, seed=1, plots=False, executor=executor, local_epochs=1,
@@ -67,8 +92,8 @@ def config(algorithm: str, executor: str, base: str | None = None) -> dict[str, 
         return dict(common, dataset="tiny-shakespeare", model="transformer", clients=3, clients_per_round=3,
                     batch_size=8, lr=0.1, partition="iid",
                     model_options=dict(d_model=8, n_heads=2, n_layers=1, d_ff=12, dropout=0.0, persistent_pe=True))
-    return dict(common, dataset="digits", model="mlp", clients=4, clients_per_round=3, batch_size=32, lr=0.05,
-                model_options={"widths": [16]}, partition_options={"alpha": 1.0, "min_size": 20})
+    return dict(common, dataset="digits", clients=4, clients_per_round=3, batch_size=32, **tiny_model(algorithm),
+                partition_options={"alpha": 1.0, "min_size": 20})
 
 
 def final_metrics(algorithm: str, executor: str, base: str | None = None) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Conformance: every registered algorithm runs the same under every executor.
 
-For each algorithm ``fedfuse list`` names (bundled digits, a 64-16-10 MLP, 2 rounds; Simple-FedMA needs a
-transformer, so it runs on generated token sequences):
+For each algorithm ``fedfuse list`` names (bundled digits, 2 rounds, on the first tiny model that has what the
+algorithm declares it ``requires``: a 64-16-10 MLP, or a BatchNorm ResNet for FedBN; Simple-FedMA and the LoRA
+algorithms need a transformer, so they run on generated token sequences):
 
 - ``processes`` equals ``sequential`` exactly (same seeds, same single-threaded kernels, other processes);
 - ``batched`` equals ``sequential`` within float tolerance: losses to a relative 1e-4, accuracies to 2 %

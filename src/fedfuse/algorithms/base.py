@@ -13,6 +13,11 @@ Class attributes (declarations the engine reads):
     ``echo_meta`` — payload meta keys copied into the reply's meta before fusion (what the server sent);
     ``reply_kind`` — ``"state"`` / ``"delta"`` / ``"other"`` / ``None``: what a reply is, for the update checks;
     ``node_private`` — client-state entries that never leave a Flower node;
+    ``stays_local`` — the model entries that are every client's own (:class:`StaysLocal`; personalisation):
+    the engine takes them out of payloads and replies, keeps them in the client's state and merges them back
+    for its step and its evaluation (:mod:`fedfuse.engine.personal`), under every executor;
+    ``requires`` — what the algorithm needs of a model (``"batchnorm"``, ``"head"``, ``"features"``; checked
+    when it is built, and the conformance suite picks a model that has it);
     ``privacy`` — what the server must see and which of central DP, local DP and SecAgg apply (config checks).
 
 Hooks in round order (server side may read and return server state; client side is pure: a function of the
@@ -50,10 +55,12 @@ from torch import nn
 
 from fedfuse.engine.client import EvalStats, TrainConfig, TrainStats, evaluate_model, train_flops_per_sample
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState, state_of
+from fedfuse.engine.personal import StaysLocal, check_requirements
 from fedfuse.engine.program import ClientProgram, LossTerm, run_program
 from fedfuse.types import ClientData, Federation, FitStats, Message, Privacy, TensorDict, privacy_entry
 
-__all__ = ["Algorithm", "ClientState", "RoundInfo", "RunContext", "ServerState", "evaluate_splits", "state_of"]
+__all__ = ["Algorithm", "ClientState", "RoundInfo", "RunContext", "ServerState", "StaysLocal", "evaluate_splits",
+           "state_of"]
 
 
 class Algorithm:
@@ -71,6 +78,14 @@ class Algorithm:
     #: registered algorithm declares its own (tests/system/test_privacy_table.py); docs/privacy.md is generated
     #: from them.
     privacy: ClassVar[tuple[Privacy, ...]] = ()
+    #: The model entries that stay on the client (each client's own: never sent, never returned, merged from its
+    #: state for its step and its evaluation); ``None``: the whole model is shared.  May be a property when it
+    #: depends on the options.  An algorithm with entries of its own has no single model to test globally:
+    #: :meth:`global_model` is ``None`` by default and clients evaluate the shared entries with their own.
+    stays_local: ClassVar[StaysLocal | None] = None
+    #: What the algorithm needs of a model (``fedfuse.engine.personal.REQUIREMENTS``: ``"batchnorm"``,
+    #: ``"head"``, ``"features"``); a model without it is refused when the algorithm is built.
+    requires: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def privacy_for(cls, options: Any = None) -> Privacy | None:
@@ -84,6 +99,8 @@ class Algorithm:
     def __init__(self, ctx: RunContext, options: Any | None = None) -> None:
         self.ctx = ctx
         self.opt = options if options is not None else self.Options()
+        if self.requires:
+            check_requirements(self.name or type(self).__name__, ctx.model(), self.requires)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that overrides ``fit`` without declaring its own ``client_program`` has a custom client step:
@@ -164,18 +181,25 @@ class Algorithm:
         raise NotImplementedError(f"{self.name} does not admit secure aggregation (see its privacy entry)")
 
     def global_model(self, state: ServerState) -> tuple[TensorDict, dict[str, Any]] | None:
-        """The model evaluated on the global test set (tensors, meta), or None if there is none."""
-        return state["global"], {}
+        """The model evaluated on the global test set (tensors, meta), or None if there is none (the default
+        when entries stay local: no one model is the run's)."""
+        return None if self.stays_local is not None else (state["global"], {})
 
     def configure_evaluate(self, state: ServerState, clients: list[int]) -> dict[int, Message]:
-        """What every client evaluates (default: the global model, or an empty message without one)."""
+        """What every client evaluates (default: the global model, or an empty message without one; with entries
+        that stay local, ``state["global"]``, whose shared entries each client completes with its own)."""
         g = self.global_model(state)
+        if g is None and self.stays_local is not None:
+            g = state["global"], {}
         msg = Message() if g is None else Message(g[0], dict(g[1]))
         return {c: msg for c in clients}
 
     def server_parameters(self, state: ServerState) -> int:
-        """Model parameters the server holds (buffers excluded)."""
+        """Model parameters the server holds (buffers excluded; with entries that stay local, the shared ones)."""
         g = self.global_model(state)
+        if g is None and self.stays_local is not None:
+            own = self.stays_local.keys(self.ctx.model())
+            g = {k: v for k, v in state["global"].items() if k not in own}, {}
         if g is None:
             return 0
         keys = self.ctx.param_keys(g[1])

@@ -52,6 +52,7 @@ from fedfuse.fusion.slicing import (
     widths_of,
 )
 from fedfuse.options import opt
+from fedfuse.structure import batchnorm_modules
 from fedfuse.types import ClientData, FitStats, Message, Privacy, ServerView, TensorDict, not_built
 
 
@@ -62,7 +63,7 @@ def masked_cross_entropy(b: Batch) -> torch.Tensor:
 
 
 def has_bn(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return bool(batchnorm_modules(model))
 
 
 def has_norm(model: nn.Module) -> bool:
@@ -73,7 +74,7 @@ def has_norm(model: nn.Module) -> bool:
 
 def bn_statistics(model: nn.Module, x: torch.Tensor, batch_size: int) -> tuple[TensorDict, int]:
     """Cumulative (momentum=None) BN running statistics of ``model`` over ``x``; returns (buffers, batches)."""
-    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    bns = [m for _, m in batchnorm_modules(model)]
     saved = [(m.momentum, m.track_running_stats) for m in bns]
     for m in bns:
         m.momentum = None

@@ -57,9 +57,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
 from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerState, evaluate_splits
 from fedfuse.engine.client import (
@@ -74,6 +72,7 @@ from fedfuse.engine.client import (
 from fedfuse.engine.context import seeded_state
 from fedfuse.engine.peers import deliver, mail_of, own_tensors, route_peers, unpack_mail
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
+from fedfuse.engine.representation import FeatureView, contrastive_loss, frozen_features
 from fedfuse.errors import UserError
 from fedfuse.fusion.slice_stats import adjacent_overlap, coverage, holder_churn
 from fedfuse.fusion.slicing import (
@@ -95,43 +94,6 @@ from fedfuse.fusion.slicing import (
 )
 from fedfuse.options import opt
 from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, no, not_built
-
-
-def contrastive_loss(z: torch.Tensor, z_agg: torch.Tensor, z_prev: torch.Tensor, tau: float = 0.5,
-                     similarity: str = "cosine", reduction: str = "mean") -> torch.Tensor:
-    """Eq. 7 averaged over samples: −log(e^{ẑ·z*/τ} / (e^{ẑ·z*/τ} + e^{ẑ·z^{r−1}/τ})).
-
-    Inputs are (B, D) (or (B, L, D), flattened to tokens).  ``similarity="cosine"`` normalises the vectors.
-    ``reduction="none"`` returns one value per sample (per token for (B, L, D) inputs).  Zeroed entries
-    (masked units) contribute nothing to either similarity.
-    """
-    if z.shape[-1] == 0:  # no common unit: the term is undefined and contributes nothing
-        return z.sum() * 0.0
-    z, z_agg, z_prev = (t.reshape(-1, t.shape[-1]) for t in (z, z_agg, z_prev))
-    if similarity == "cosine":
-        pos, neg = F.cosine_similarity(z, z_agg, dim=-1), F.cosine_similarity(z, z_prev, dim=-1)
-    elif similarity == "dot":
-        pos, neg = (z * z_agg).sum(-1), (z * z_prev).sum(-1)
-    else:
-        raise UserError(f"similarity={similarity!r}; choose dot or cosine")
-    per = F.softplus((neg - pos) / tau)
-    return per if reduction == "none" else per.mean()
-
-
-class _FeatureView(nn.Module):
-    """``forward`` = the wrapped model's penultimate ``features`` (for ``functional_call`` on frozen copies)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.features(x)
-
-
-def _prefixed(refs: TensorDict, prefix: str) -> TensorDict:
-    """The entries of ``refs`` under ``prefix``, renamed for a :class:`_FeatureView` (``model.<key>``)."""
-    return {"model." + k[len(prefix):]: v for k, v in refs.items() if k.startswith(prefix)}
 
 
 def _padded(v: torch.Tensor, width: int) -> torch.Tensor:
@@ -483,7 +445,7 @@ class MSfusion(Algorithm):
                     **{f"prev/{k}": v for k, v in client_state["sub"].items()},
                     "pos_cur": _padded(pos_cur, width), "pos_prev": _padded(pos_prev, width),
                     "pos_mask": _padded(torch.ones(pos_cur.numel()), width)}
-            terms = (self.contrastive_term(_FeatureView(agg).eval(), _FeatureView(prev).eval()),)
+            terms = (self.contrastive_term(FeatureView(agg).eval(), FeatureView(prev).eval()),)
 
         def finalize(state: TensorDict, stats: TrainStats) -> tuple[Message, ClientState]:
             fit = self.fit_stats(model, data, stats)
@@ -512,7 +474,7 @@ class MSfusion(Algorithm):
         g = self.spec.feature_group
         return int(self._full.head.in_features) if g is None else int(sel[g].numel())
 
-    def contrastive_term(self, agg: nn.Module, prev: nn.Module) -> LossTerm:
+    def contrastive_term(self, agg: FeatureView, prev: FeatureView) -> LossTerm:
         """λ·ℓ_con (Eq. 7-8), averaged over the batch's samples, over the common units (``refs["pos_*"]``);
         ``agg``/``prev`` compute the frozen models' features functionally."""
         tau, lam, sim = float(self.opt.tau), float(self.opt.lam), self.opt.similarity
@@ -520,9 +482,7 @@ class MSfusion(Algorithm):
         def con(b: Batch) -> torch.Tensor:
             z, x, refs = b.features, b.x, b.refs
             assert z is not None  # the program declares features=True
-            with torch.no_grad():
-                z_agg = functional_call(agg, _prefixed(refs, "agg/"), (x,), strict=False)
-                z_prev = functional_call(prev, _prefixed(refs, "prev/"), (x,), strict=False)
+            z_agg, z_prev = frozen_features(agg, refs, "agg/", x), frozen_features(prev, refs, "prev/", x)
             m = refs["pos_mask"].to(z.dtype)
             cur, old = refs["pos_cur"], refs["pos_prev"]
             per = contrastive_loss(z[..., cur] * m, z_agg[..., cur] * m, z_prev[..., old] * m, tau, sim,

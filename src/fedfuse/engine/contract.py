@@ -23,6 +23,7 @@ from fedfuse.engine.routing import RouteLog
 from fedfuse.types import ClientData, Federation, Message, TensorDict
 
 if TYPE_CHECKING:
+    from fedfuse.engine.personal import StaysLocal
     from fedfuse.engine.program import ClientProgram
 
 
@@ -58,6 +59,8 @@ class Algorithm(Protocol):
     def node_private(self) -> tuple[str, ...]: ...
     @property
     def accepts_late(self) -> bool: ...
+    @property
+    def stays_local(self) -> StaysLocal | None: ...
     @property
     def selects_own_clients(self) -> bool: ...
 

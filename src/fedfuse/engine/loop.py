@@ -27,6 +27,7 @@ from fedfuse.engine.contract import Algorithm, Executor, Job
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
 from fedfuse.engine.local_dp import local_epsilon, sample_rate
+from fedfuse.engine.personal import client_side, outgoing
 from fedfuse.engine.round import Collected, RoundLedger
 from fedfuse.engine.routing import executor_summary
 from fedfuse.engine.sampling import make_sampler
@@ -174,6 +175,7 @@ class Experiment:
         self.threads = apply_threads(self.cfg.threads)
         self.precision = resolve_precision(self.cfg.precision, self.device)  # fp32 | bf16 (runtime/precision.py)
         self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, algorithm, fed=fed)
+        self.client = client_side(self.algo)  # what executors run: with entries that stay local, engine/personal.py
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
         self.local_dp_steps: dict[int, int] = {}  # dp=local: DP-SGD steps each client has taken so far
@@ -390,11 +392,11 @@ class Experiment:
         """Send the stage's payloads to the active clients, run them, and gather what arrives in time (see
         :meth:`_arrivals`) plus, in the first stage, the late replies of an earlier round.  Records dropouts and
         the traffic."""
-        payloads = self.algo.configure_fit(self.state, info, ledger.active)
+        payloads = outgoing(self.client, self.algo.configure_fit(self.state, info, ledger.active))
         # a dropped-out client received its payload but never replies (and does no work)
         jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", info.index, info.stage))
                 for c in payloads if fates.get(c) != DROPOUT]
-        outs = self.executor.fit(self.algo, jobs)  # the executor runs declared programs or calls fit
+        outs = self.executor.fit(self.client, jobs)  # the executor runs declared programs or calls fit
         if self.ctx.dp.local:  # every model a client sends costs its examples privacy, used or not
             for c, (res, _) in outs.items():
                 if res.stats is not None:
@@ -554,9 +556,9 @@ class Experiment:
             st = evaluate_model(model, self.fed.test, self.cfg.eval_batch_size)
             out["global_accuracy"], out["global_loss"] = st.accuracy, st.loss
         everyone = list(range(self.fed.num_clients))
-        payloads = self.algo.configure_evaluate(self.state, everyone)
+        payloads = outgoing(self.client, self.algo.configure_evaluate(self.state, everyone))
         jobs = [Job(c, payloads[c], self.client_states.get(c), ("evaluate", r, 0)) for c in everyone]
-        res = dict(sorted(self.executor.map(self.algo.evaluate, jobs).items()))
+        res = dict(sorted(self.executor.map(self.client.evaluate, jobs).items()))
         out.update(aggregate_client_metrics(res))
         out["loss"] = out["global_loss"] if out["global_loss"] is not None else out["personal_loss"]
         if self.fed.task == "lm":

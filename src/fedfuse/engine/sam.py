@@ -21,6 +21,7 @@ from torch import nn
 
 from fedfuse.engine.client import GradHook, task_loss
 from fedfuse.runtime.precision import train_autocast
+from fedfuse.structure import batchnorm_modules
 
 TWO_PASS = ("", "sam", "asam")
 
@@ -67,7 +68,7 @@ def sam_step(model: nn.Module, rho: float, adaptive: bool = False, eta: float = 
     keep = None if names is None else set(names)
     named = [(k, p) for k, p in model.named_parameters() if p.requires_grad and (keep is None or k in keep)]
     params = [p for _, p in named]
-    bn_buffers = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+    bn_buffers = [b for _, m in batchnorm_modules(model) for b in m.buffers()]
     objective = loss or (lambda m, x, y: task_loss(m(x), y))
 
     def step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
 from fedfuse.engine.local_dp import guarded, secure_generator
 from fedfuse.engine.loop import Experiment, assemble
+from fedfuse.engine.personal import client_side
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
@@ -162,11 +163,12 @@ def run_job(content: Any, context: Context) -> tuple[NodeRun, Job, Any]:
     body = wire.unpack(content)
     payload = wire.from_records(content[wire.PAYLOAD_ARRAYS], content[wire.PAYLOAD_SKELETON])
     data = run.fed.clients[cid]
-    private = tuple(run.algo.node_private)
+    client = client_side(run.algo)  # with entries that stay local, they are merged here (engine/personal.py)
+    private = tuple(client.node_private)
     state = restore_private(body["state"], private, context, cid)
     job = Job(cid, payload.to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
     seed_global(seed, job)
-    hook = {"fit": run.algo.fit, "evaluate": run.algo.evaluate}[method]
+    hook = {"fit": client.fit, "evaluate": client.evaluate}[method]
     guard = dp.guard(cid) if dp is not None and method == "fit" else None
     with use_precision(run.precision, run.memory_format, run.fp32_matmul), \
             guarded(guard) if guard is not None else contextlib.nullcontext():
