@@ -233,24 +233,35 @@ def test_fedfuse_app_survives_a_dead_supernode_in_round_two(federation: LocalFed
     assert got[-1]["global_accuracy"] is not None and got[-1]["total_dropped"] >= 1
 
 
+SECAGG_CONFIG = CONFIG.replace("clients: 2\nclients_per_round: 2", "clients: 3\nclients_per_round: 3") \
+    + "secagg: true\n"
+
+
 @pytest.mark.slow
-def test_secagg_plus_deployment_equals_the_run_without_it(federation: LocalFederation, tmp_path: Path) -> None:
-    """secagg=true on the TLS deployment: every round runs Flower's SecAgg+ between the two SuperNodes
-    (fedfuse.flower.secure).  The run equals fedfuse's simulated SecAgg bit for bit (the same ring sum) and the
-    run without secure aggregation within the fixed-point step (same accuracies here)."""
+def test_secagg_plus_deployment_equals_the_run_without_it(tmp_path: Path) -> None:
+    """secagg=true on the TLS deployment: every round runs SecAgg+ between three SuperNodes (fedfuse.flower.secure;
+    fewer nodes are refused: a sum over one or two reveals them).  The run equals fedfuse's simulated SecAgg bit for
+    bit (the same ring sum) and the run without secure aggregation within the fixed-point step (same accuracies
+    here).  Its own federation of three devices, one client each, deployed like the module's."""
     import torch
 
     from fedfuse.config import make_config
+    from fedfuse.engine.loop import build_federation
+    from fedfuse.flower.node_data import write_node_bundles
     from fedfuse.runner import experiment
 
-    app, out = _fedfuse_app(tmp_path, round_timeout=0.0, config=CONFIG + "secagg: true\n")
-    run_id = federation.run(app)
-    _finished(federation, run_id, timeout=600)
+    (tmp_path / "bundle.yaml").write_text(SECAGG_CONFIG)
+    bundles = write_node_bundles(build_federation(make_config(str(tmp_path / "bundle.yaml"))), tmp_path / "nodes", 3)
+    app, out = _fedfuse_app(tmp_path, round_timeout=0.0, min_nodes=3, config=SECAGG_CONFIG)
+    with LocalFederation(tmp_path / "fed", nodes=3, auth=True, env=_env(), warm=True, gateway=True, signed=True,
+                         node_config=[f"data='{b}'" for b in bundles]) as federation:
+        run_id = federation.run(app)
+        _finished(federation, run_id, timeout=900)
     got = _metrics(out)
     assert [r["round"] for r in got] == [1, 2, 3]
-    assert all(r["replied"] == 2 and r["secagg_nodes"] == 2 and r["secagg_clients"] == 2 for r in got)
+    assert all(r["replied"] == 3 and r["secagg_nodes"] == 3 and r["secagg_clients"] == 3 for r in got)
     simulated = _in_process(tmp_path)  # the same config in-process: simulated SecAgg
-    (tmp_path / "plain.yaml").write_text(CONFIG)
+    (tmp_path / "plain.yaml").write_text(SECAGG_CONFIG.replace("secagg: true\n", ""))
     experiment(make_config(str(tmp_path / "plain.yaml"), out=str(tmp_path / "plain"), executor="sequential")).run()
     plain = _metrics(tmp_path / "plain")
     for key in ("global_accuracy", "global_loss", "personal_accuracy", "train_loss"):
