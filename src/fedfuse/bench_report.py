@@ -314,7 +314,8 @@ def render_benchmark(spec: dict[str, Any], recs: Sequence[dict[str, Any]]) -> st
     a line saying so (no number is shown that no record holds)."""
     by = cells(spec, recs)
     if not by:
-        return (f"{NO_RECORDS} in `results/records/{spec['id']}/`: this matrix has not been run at this scale. "
+        where = (spec.get("records") or [spec["id"]])[0]
+        return (f"{NO_RECORDS} in `results/records/{where}/`: this matrix has not been run at this scale. "
                 f"`fedfuse bench {spec.get('command', '')}` runs it (see the protocol above).")
     regimes = axes(spec, by)[0]
     window = int(spec.get("window", 5))

@@ -407,7 +407,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     recs = _bench_records(out, table)
     blocks = []
     for track in ("single", "width"):
-        spec = {**benchmark.spec(name, track), "id": table, "figures": "figures"}
+        spec = {**benchmark.spec(name, track), "id": table + ("-width" if track == "width" else ""),
+                "figures": "figures"}
         if any(r["cell"]["track"] == track for r in recs):
             write_figures(spec, recs, out / "figures")
             blocks.append(f"## {track} track\n\n{render_benchmark(spec, recs)}")
