@@ -3,6 +3,7 @@ figures and the docs block with its ``--check``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -72,6 +73,8 @@ def test_cost_to_target_reads_the_cost_at_the_first_evaluation_reaching_it():
     assert rows[("iid", "local")]["MB to target"] == "not reached 3/3"
     assert rows[("iid", "fedavg")]["worst 10 % %"] == "45.5 ± 0.5"
     assert rows[("iid", "fedavg")]["s/round"] == "2.00 ± 0.00"
+    # the last 2 evaluations of iid fedavg: 0.8 → 0.90/0.91/0.92
+    assert rows[("iid", "fedavg")]["swing (pts)"] == "11.0 ± 1.0"
 
 
 def test_friedman_and_posthoc_match_the_hand_computation():
@@ -105,6 +108,11 @@ def test_figures_are_written_only_from_records(tmp_path):
     names = {p.name for p in written}
     assert {"bench-toy-ranks.png", "bench-toy-pareto-iid.png", "bench-toy-pareto-dir0.1.png"} <= names
     assert all(p.stat().st_size > 1000 for p in written)
+    if importlib.util.find_spec("scikit_posthocs"):  # every figure the Markdown links is drawn
+        assert names == set(br.figure_names(SPEC, br.cells(SPEC, toy())).values())
+    one = [r for r in toy() if r["cell"]["regime"] == "iid"]  # one regime: no critical-difference diagram
+    assert "cd" not in br.figure_names(SPEC, br.cells(SPEC, one))
+    assert "-cd.png" not in br.render_benchmark({**SPEC, "figures": "docs/img"}, one)
 
 
 def _repo(tmp: Path, recs: list[dict]) -> Path:

@@ -31,8 +31,8 @@ def test_one_table_per_regime_and_track_with_every_registered_method_fedavg_firs
     assert [t.id for t in width] == [f"mnist-{g}-width" for g in b.SCALES["mnist"].regimes]
     registered = [m for m in b.SINGLE if m in ALGORITHMS]
     for t in single:
-        assert list(t.rows)[0] == "fedavg" and sorted(t.rows) == sorted(registered)
-    assert all(sorted(t.rows) == sorted(b.WIDTH) for t in width)
+        assert next(iter(t.rows)) == "fedavg" and sorted(t.rows) == sorted(registered)
+    assert all(next(iter(t.rows)) == "heterofl" and sorted(t.rows) == sorted(b.WIDTH) for t in width)
     assert len(registered) >= 17  # every single-architecture algorithm of the issue
 
 
@@ -69,6 +69,8 @@ def test_unregistered_methods_are_left_out_with_a_note_and_unknown_ones_rejected
     assert run == ["fedavg"] and missing == (["fedbn"] if "fedbn" not in ALGORITHMS else [])
     with pytest.raises(SystemExit, match="unknown"):
         b.plan_methods(["fedavgg"])
+    only_width = b.tables(args(methods="heterofl,fedrolex", regimes="iid"))  # no single-track table without rows
+    assert [t.id for t in only_width] == ["mnist-iid-width"]
     with pytest.raises(SystemExit, match="regimes"):
         b.tables(args(regimes="natural"))  # MNIST has no writers
     b.tables(args(methods="fedavg,moon"))
@@ -99,6 +101,8 @@ def test_quick_runs_end_to_end_resumes_from_its_cache_and_records(tmp_path, caps
         assert f"| {m} |" in matrix
     assert "| method | iid | dir0.1 | mean rank |" in matrix and "If your clients look like" in matrix
     assert (out / "figures" / "bench-digits-ranks.png").is_file()
+    page = (out / "matrix.html").read_text()
+    assert page.count("<table>") == 2 and "figures/bench-digits-ranks.png" in page
     assert main([*argv, "--record", "bench-digits", "--root", str(root)]) == 0
     assert capsys.readouterr().err.count("6 runs: 6 cached, 0 to run") == 2
     recs = [json.loads(p.read_text()) for p in sorted((root / "results" / "records" / "bench-digits").glob("*"))]

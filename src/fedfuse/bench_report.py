@@ -13,6 +13,7 @@ any (this module reads record dicts only and imports nothing of :mod:`fedfuse.re
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,6 +117,13 @@ def _target_cost(rec: dict[str, Any], target: float, column: int) -> float | Non
     return None
 
 
+def swing(rec: dict[str, Any], window: int) -> float | None:
+    """The largest change between consecutive evaluations within a record's headline window: how far the
+    evaluated model moves from one evaluation to the next (None with fewer than 2 evaluations)."""
+    pts = _points(rec)[-max(2, window):]
+    return max(abs(b - a) for a, b in itertools.pairwise(pts)) if len(pts) > 1 else None
+
+
 def best_in(by: Cells, regime: str, methods: Sequence[str], window: int) -> tuple[str, float]:
     """The method with the highest mean headline in ``regime`` and that mean."""
     scored = [(mean_of(by, (regime, m), window), m) for m in methods if (regime, m) in by]
@@ -126,8 +134,8 @@ def best_in(by: Cells, regime: str, methods: Sequence[str], window: int) -> tupl
 
 def cost_rows(spec: dict[str, Any], by: Cells) -> list[dict[str, Any]]:
     """Per (regime, method): personalised accuracy (mean over clients, worst 10 %), bytes and client FLOPs to
-    reach ``target`` × the regime's best headline (runs that never reach it: "not reached k/n"), seconds per
-    round."""
+    reach ``target`` × the regime's best headline (runs that never reach it: "not reached k/n"), the swing within
+    the headline window (:func:`swing`) and seconds per round."""
     regimes, methods = axes(spec, by)
     window, frac = int(spec.get("window", 5)), float(spec.get("target", 0.9))
     rows = []
@@ -145,6 +153,7 @@ def cost_rows(spec: dict[str, Any], by: Cells) -> list[dict[str, Any]]:
                 got = [v for v in vals if v is not None]
                 row[head] = (mean_std(got).fmt(unit, 1) if len(got) == len(vals)
                              else f"not reached {len(vals) - len(got)}/{len(vals)}")
+            row["swing (pts)"] = mean_std([swing(r, window) for r in recs]).fmt(100.0, 1)
             row["s/round"] = mean_std([r["metrics"].get("wall_seconds", 0) / max(1, r["metrics"].get("round") or 1)
                                        for r in recs]).fmt(1.0, 2)
             rows.append(row)
@@ -227,9 +236,14 @@ def guide(spec: dict[str, Any], by: Cells) -> list[str]:
 
 
 # ---- figures ---------------------------------------------------------------------------------------------------
-def figure_names(spec: dict[str, Any], regimes: Sequence[str]) -> dict[str, str]:
-    """Figure key → file name (below ``spec["figures"]``)."""
-    out = {"heatmap": f"{spec['id']}-ranks.png", "cd": f"{spec['id']}-cd.png"}
+def figure_names(spec: dict[str, Any], by: Cells) -> dict[str, str]:
+    """Figure key → file name (below ``spec["figures"]``) of the figures :func:`write_figures` draws from these
+    cells: the rank heat-map (a method present in every regime), the critical-difference diagram (2+ regimes,
+    3+ such methods; drawn with the ``bench`` extra) and one Pareto plot per regime."""
+    regimes, methods, _ = rank_matrix(spec, by)
+    out = {"heatmap": f"{spec['id']}-ranks.png"} if methods else {}
+    if len(regimes) >= 2 and len(methods) >= 3:
+        out["cd"] = f"{spec['id']}-cd.png"
     out.update({f"pareto-{g}": f"{spec['id']}-pareto-{g}.png" for g in regimes})
     return out
 
@@ -247,7 +261,7 @@ def write_figures(spec: dict[str, Any], recs: Sequence[dict[str, Any]], where: P
 
     where.mkdir(parents=True, exist_ok=True)
     regimes, methods, mat = rank_matrix(spec, by)
-    names = figure_names(spec, axes(spec, by)[0])
+    names = figure_names(spec, by)
     written = []
     if methods:
         rk = ranks(mat)
@@ -263,7 +277,8 @@ def write_figures(spec: dict[str, Any], recs: Sequence[dict[str, Any]], where: P
         written.append(where / names["heatmap"])
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
-        written += _cd_figure(mat, methods, where / names["cd"], plt)
+        if "cd" in names:
+            written += _cd_figure(mat, methods, where / names["cd"], plt)
     window = int(spec.get("window", 5))
     for g in axes(spec, by)[0]:
         pts, labels = [], []
@@ -291,10 +306,8 @@ def write_figures(spec: dict[str, Any], recs: Sequence[dict[str, Any]], where: P
 
 
 def _cd_figure(mat: list[list[float]], methods: list[str], path: Path, plt: Any) -> list[Path]:
-    """The critical-difference diagram (scikit-posthocs) of mean ranks with Nemenyi's p-values; needs 2+
-    regimes and 3+ methods and the ``bench`` extra."""
-    if len(mat) < 2 or len(methods) < 3:
-        return []
+    """The critical-difference diagram (scikit-posthocs) of mean ranks with Nemenyi's p-values; nothing without
+    the ``bench`` extra."""
     try:
         import pandas as pd
         import scikit_posthocs as sp
@@ -309,26 +322,68 @@ def _cd_figure(mat: list[list[float]], methods: list[str], path: Path, plt: Any)
 
 
 # ---- the rendered block ----------------------------------------------------------------------------------------
-def render_benchmark(spec: dict[str, Any], recs: Sequence[dict[str, Any]]) -> str:
-    """The Markdown of a benchmark block: tables, statistics, figure links and the guide; or, without records,
-    a line saying so (no number is shown that no record holds)."""
+def blocks(spec: dict[str, Any], recs: Sequence[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """The matrix as page blocks (``("p", text)``, ``("table", rows)``, ``("img", (path, alt))``): tables,
+    statistics, figure links and the guide; or, without records, one paragraph saying so (no number is shown
+    that no record holds)."""
     by = cells(spec, recs)
     if not by:
         where = (spec.get("records") or [spec["id"]])[0]
-        return (f"{NO_RECORDS} in `results/records/{where}/`: this matrix has not been run at this scale. "
-                f"`fedfuse bench {spec.get('command', '')}` runs it (see the protocol above).")
-    regimes = axes(spec, by)[0]
+        return [("p", f"{NO_RECORDS} in `results/records/{where}/`: this matrix has not been run at this scale. "
+                      f"`fedfuse bench {spec.get('command', '')}` runs it (see the protocol above).")]
     window = int(spec.get("window", 5))
-    parts = [f"Headline accuracy (%), mean ± std over seeds of the mean of the last {window} evaluations; ▲/▼: "
-             f"significantly better/worse than {spec.get('baseline', 'fedavg')} (paired t over the same seeds, "
-             "p < 0.05); ᵖ: personalised accuracy (the method has no global model).",
-             markdown(matrix_rows(spec, by)),
-             f"Costs: bytes and client FLOPs until a run's curve first reaches {spec.get('target', 0.9):g} × the "
-             "regime's best headline.", markdown(cost_rows(spec, by)), friedman_text(spec, by)]
-    names = figure_names(spec, regimes)
+    out: list[tuple[str, Any]] = [
+        ("p", f"Headline accuracy (%), mean ± std over seeds of the mean of the last {window} evaluations; ▲/▼: "
+              f"significantly better/worse than {spec.get('baseline', 'fedavg')} (paired t over the same seeds, "
+              "p < 0.05); ᵖ: personalised accuracy (the method has no global model)."),
+        ("table", matrix_rows(spec, by)),
+        ("p", f"Costs: bytes and client FLOPs until a run's curve first reaches {spec.get('target', 0.9):g} × the "
+              "regime's best headline; swing: the largest change between consecutive evaluations in the headline "
+              "window."),
+        ("table", cost_rows(spec, by)), ("p", friedman_text(spec, by))]
     fig = spec.get("figures")
     if fig:
         rel = Path(fig).relative_to("docs") if fig.startswith("docs/") else Path(fig)
-        parts.append(" ".join(f"![{k}]({rel / v})" for k, v in names.items()))
-    parts.append("\n".join(f"- {s}" for s in guide(spec, by)))
-    return "\n\n".join(parts)
+        out += [("img", (str(rel / v), k)) for k, v in figure_names(spec, by).items()]
+    out += [("li", s) for s in guide(spec, by)]
+    return out
+
+
+def _markdown_block(kind: str, v: Any) -> str:
+    if kind == "table":
+        return markdown(v)
+    if kind == "img":
+        return f"![{v[1]}]({v[0]})"
+    return f"- {v}" if kind == "li" else str(v)
+
+
+def render_benchmark(spec: dict[str, Any], recs: Sequence[dict[str, Any]]) -> str:
+    """The Markdown of a benchmark block (:func:`blocks`): consecutive figures share a paragraph, the guide is
+    one list."""
+    parts: list[tuple[str, str]] = []
+    for kind, v in blocks(spec, recs):
+        text = _markdown_block(kind, v)
+        if parts and kind in ("img", "li") and parts[-1][0] == kind:
+            parts[-1] = (kind, parts[-1][1] + (" " if kind == "img" else "\n") + text)
+        else:
+            parts.append((kind, text))
+    return "\n\n".join(t for _, t in parts)
+
+
+def write_html(sections: Sequence[tuple[str, Sequence[tuple[str, Any]]]], path: Path, title: str) -> Path:
+    """An HTML page of titled sections of :func:`blocks` (``fedfuse bench``'s ``matrix.html``)."""
+    from fedfuse.report import Page
+
+    page = Page()
+    page.h(1, title)
+    for heading, bl in sections:
+        page.h(2, heading)
+        for kind, v in bl:
+            if kind == "table":
+                page.table(v)
+            elif kind == "img":
+                page.img(*v)
+            else:
+                page.p(f"• {v}" if kind == "li" else v)
+    path.write_text(page.html(title))
+    return path

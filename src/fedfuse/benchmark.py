@@ -28,8 +28,15 @@ SINGLE: tuple[str, ...] = (
 )
 #: The width-sliced track: clients hold a slice of the full model (their own table per regime).
 WIDTH: tuple[str, ...] = ("msfusion", "heterofl", "fedrolex")
-#: The baseline of every paired test.
+#: The baseline of every paired test of the single-architecture track ...
 BASELINE = "fedavg"
+#: ... and of the width-sliced track (static first-k slices: the simplest width-sliced method).
+WIDTH_BASELINE = "heterofl"
+
+
+def baseline(track: str) -> str:
+    """The paired tests' baseline of a track."""
+    return BASELINE if track == "single" else WIDTH_BASELINE
 
 #: Regimes by name: (partition, partition options, dataset options, description).  ``natural`` needs a dataset
 #: with writers (FEMNIST); ``rotated`` deals each image a rotation group (``rotate_domains=4``: 0/90/180/270°)
@@ -125,7 +132,8 @@ def resolve(args: Any) -> tuple[Scale, list[str]]:
 
 
 def tables(args: Any) -> list[Table]:
-    """One table per (regime, track), FedAvg first; rows are methods, every row the regime's shared config."""
+    """One table per (regime, track), the track's baseline first; rows are methods, every row the regime's
+    shared config; a track without a chosen registered method has no tables."""
     scale, regimes = resolve(args)
     wanted = _names(getattr(args, "methods", "")) or list(scale.methods)
     where, threads = data_root(args), int(getattr(args, "threads", 1) or 1)
@@ -134,9 +142,9 @@ def tables(args: Any) -> list[Table]:
         methods, missing = plan_methods(wanted, track)
         if missing:
             print(f"fedfuse bench: not registered, left out: {', '.join(missing)}")
-        if track == "width" and not methods:
+        if not methods:
             continue
-        methods = sorted(methods, key=lambda m: m != BASELINE)
+        methods = sorted(methods, key=lambda m: m != baseline(track))
         for regime in regimes:
             base = cell_config(scale, regime, BASELINE, where, threads)
             base = {k: v for k, v in base.items() if k not in ("algorithm", "algorithm_options")}
@@ -168,7 +176,7 @@ def spec(scale_name: str, track: str = "single", target: float = 0.9) -> dict[st
     it; :mod:`fedfuse.bench_report` renders it)."""
     scale = SCALES[scale_name]
     sid = f"bench-{scale.dataset}" + ("-width" if track == "width" else "")
-    return {"id": sid, "kind": "benchmark", "track": track, "window": scale.window, "baseline": BASELINE,
+    return {"id": sid, "kind": "benchmark", "track": track, "window": scale.window, "baseline": baseline(track),
             "target": target, "regimes": list(scale.regimes), "methods": list(SINGLE if track == "single" else WIDTH),
             "regime_text": {g: REGIMES[g][3] for g in scale.regimes}, "figures": f"docs/img/{sid}",
             "command": ("--quick" if scale_name == "quick" else f"--scale {scale_name}")

@@ -396,7 +396,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``fedfuse bench``: run the missing runs of the matrix, render it to OUT/matrix.md (+ figures), and with
     ``--record TABLE`` write a record per run into results/records/TABLE/."""
     from fedfuse import benchmark, records
-    from fedfuse.bench_report import render_benchmark, write_figures
+    from fedfuse.bench_report import blocks as bench_blocks
+    from fedfuse.bench_report import render_benchmark, write_figures, write_html
     from fedfuse.reproduce.preset import run
 
     name = "quick" if args.quick else args.scale
@@ -405,15 +406,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or default_out)
     table = args.record or f"bench-{benchmark.SCALES[name].dataset}"
     recs = _bench_records(out, table)
-    blocks = []
+    sections = []
     for track in ("single", "width"):
         spec = {**benchmark.spec(name, track), "id": table + ("-width" if track == "width" else ""),
                 "figures": "figures"}
         if any(r["cell"]["track"] == track for r in recs):
             write_figures(spec, recs, out / "figures")
-            blocks.append(f"## {track} track\n\n{render_benchmark(spec, recs)}")
-    (out / "matrix.md").write_text("\n\n".join(blocks) + "\n")
-    print(f"wrote {out / 'matrix.md'}")
+            sections.append((f"{track} track", spec))
+    (out / "matrix.md").write_text("\n\n".join(f"## {h}\n\n{render_benchmark(sp, recs)}" for h, sp in sections)
+                                   + "\n")
+    write_html([(h, bench_blocks(sp, recs)) for h, sp in sections], out / "matrix.html", "fedfuse bench")
+    print(f"wrote {out / 'matrix.md'} and {out / 'matrix.html'}")
     if args.record:
         root = Path(args.root) if args.root else records.repo_root()
         paths = [records.write_record(root, r) for r in recs]
