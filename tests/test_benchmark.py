@@ -14,6 +14,7 @@ from fedfuse import benchmark as b
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.cached_runs import run_dir_name
 from fedfuse.config import config_hash
+from fedfuse.records import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,3 +112,5 @@ def test_quick_runs_end_to_end_resumes_from_its_cache_and_records(tmp_path, caps
         (("dataset", "digits"), ("method", m), ("regime", g), ("track", "single"))
         for m in ("fedavg", "scaffold", "local") for g in ("iid", "dir0.1")}
     assert all(r["costs"] and "personal_accuracy_worst10" in r["metrics"] for r in recs)
+    ok, rows = verify(recs[0])  # a recorded cell re-runs to the same numbers, worst-10 % clients included
+    assert ok and "personal_accuracy_worst10" in [r[0] for r in rows]
