@@ -265,13 +265,14 @@ def write_figures(spec: dict[str, Any], recs: Sequence[dict[str, Any]], where: P
     written = []
     if methods:
         rk = ranks(mat)
-        fig, ax = plt.subplots(figsize=(1 + 0.6 * len(methods), 1 + 0.4 * len(regimes)))
+        fig, ax = plt.subplots(figsize=(max(4.0, 1.5 + 0.6 * len(methods)), max(2.5, 1.5 + 0.4 * len(regimes))))
         im = ax.imshow(rk, cmap="viridis_r", aspect="auto")
         ax.set_xticks(range(len(methods)), methods, rotation=60, ha="right")
         ax.set_yticks(range(len(regimes)), regimes)
         for i, row in enumerate(rk):
             for j, r in enumerate(row):
-                ax.text(j, i, f"{r:g}", ha="center", va="center", fontsize=7, color="w")
+                dark = r > (1 + len(methods)) / 2  # the dark half of viridis_r: white text
+                ax.text(j, i, f"{r:g}", ha="center", va="center", fontsize=7, color="w" if dark else "k")
         fig.colorbar(im, ax=ax, label="rank (1 = best)")
         fig.tight_layout()
         written.append(where / names["heatmap"])
@@ -294,7 +295,7 @@ def write_figures(spec: dict[str, Any], recs: Sequence[dict[str, Any]], where: P
         ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "o-", color="C3", label="Pareto front")
         for (x, y), lab in zip(pts, labels):
             ax.annotate(lab, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("MB communicated (up + down, whole run)")
+        ax.set_xlabel("MB communicated (down + up + peer, whole run)")
         ax.set_ylabel(f"headline accuracy % (last {window} evals)")
         ax.set_title(g)
         ax.legend(fontsize=7)
