@@ -80,3 +80,35 @@ def test_single_seed_and_count_zero_message():
     assert parse_seeds("5,") == [5]
     with pytest.raises(ValueError, match="write '0,'"):
         parse_seeds("0")
+
+
+# ---- ranks, Friedman's test, Pareto fronts (the benchmark matrix) ---------------------------------------------
+def test_ranks_give_ties_their_average_rank_and_follow_the_direction():
+    from fedfuse.stats import mean_ranks, ranks
+
+    assert ranks([[0.9, 0.8, 0.8], [0.1, 0.3, 0.2]]) == [[1.0, 2.5, 2.5], [3.0, 1.0, 2.0]]
+    assert ranks([[3.0, 1.0, 2.0]], higher_is_better=False) == [[3.0, 1.0, 2.0]]
+    assert mean_ranks([[0.9, 0.8, 0.8], [0.1, 0.3, 0.2]]) == [2.0, 1.75, 2.25]
+
+
+def test_friedman_matches_the_hand_computed_statistic():
+    """A always first, B second, C third over n = 4 problems: rank sums 4, 8, 12, so
+    χ² = 12 / (n k (k+1)) Σ R² − 3 n (k+1) = 12/48 · 224 − 48 = 8 and p = exp(−8/2) (χ² with 2 dof)."""
+    from fedfuse.stats import friedman
+
+    m = [[0.9, 0.8, 0.7], [0.6, 0.5, 0.1], [0.95, 0.9, 0.2], [0.5, 0.4, 0.3]]
+    fr = friedman(m)
+    assert (fr.n, fr.k) == (4, 3)
+    assert fr.statistic == pytest.approx(8.0)
+    assert fr.p_value == pytest.approx(math.exp(-4.0))
+    assert math.isnan(friedman([[0.1, 0.2, 0.3]]).p_value)  # one problem: undefined
+    assert math.isnan(friedman([[0.1, 0.2], [0.3, 0.4]]).p_value)  # two methods: use a paired test
+
+
+def test_pareto_front_keeps_exactly_the_undominated_points():
+    from fedfuse.stats import pareto_front
+
+    pts = [(1.0, 0.5), (2.0, 0.7), (2.0, 0.6), (3.0, 0.7), (0.5, 0.4)]
+    # (2, 0.6) is dominated by (2, 0.7) (same cost, better); (3, 0.7) by (2, 0.7) (cheaper, as good)
+    assert pareto_front(pts) == [4, 0, 1]
+    assert pareto_front([(1.0, 0.5), (1.0, 0.5)]) == [0, 1]  # equal points dominate neither

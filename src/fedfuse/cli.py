@@ -392,6 +392,55 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return rc
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``fedfuse bench``: run the missing runs of the matrix, render it to OUT/matrix.md (+ figures), and with
+    ``--record TABLE`` write a record per run into results/records/TABLE/."""
+    from fedfuse import benchmark, records
+    from fedfuse.bench_report import blocks as bench_blocks
+    from fedfuse.bench_report import render_benchmark, write_figures, write_html
+    from fedfuse.reproduce.preset import run
+
+    name = "quick" if args.quick else args.scale
+    default_out = f"runs/bench-{name}"
+    rc = run(benchmark.FAMILY, args, reuse=not args.fresh, default_out=default_out)
+    out = Path(args.out or default_out)
+    table = args.record or f"bench-{benchmark.SCALES[name].dataset}"
+    recs = _bench_records(out, table)
+    sections = []
+    for track in ("single", "width"):
+        spec = {**benchmark.spec(name, track), "id": table + ("-width" if track == "width" else ""),
+                "figures": "figures"}
+        if any(r["cell"]["track"] == track for r in recs):
+            write_figures(spec, recs, out / "figures")
+            sections.append((f"{track} track", spec))
+    (out / "matrix.md").write_text("\n\n".join(f"## {h}\n\n{render_benchmark(sp, recs)}" for h, sp in sections)
+                                   + "\n")
+    write_html([(h, bench_blocks(sp, recs)) for h, sp in sections], out / "matrix.html", "fedfuse bench")
+    print(f"wrote {out / 'matrix.md'} and {out / 'matrix.html'}")
+    if args.record:
+        root = Path(args.root) if args.root else records.repo_root()
+        paths = [records.write_record(root, r) for r in recs]
+        print(f"recorded {len(paths)} runs into {root / 'results' / 'records' / table}; render the docs with "
+              "`fedfuse results render`")
+    return rc
+
+
+def _bench_records(out: Path, table: str) -> list[dict[str, Any]]:
+    """A record (:func:`fedfuse.records.make_record`) of every run of a bench output (``OUT/results.json``);
+    cell = ``{dataset, regime, track, method}`` from the bench table id ``DATASET-REGIME[-width]``."""
+    from fedfuse.records import make_record
+
+    recs = []
+    for tid, tab in json.loads((out / "results.json").read_text()).items():
+        dataset, _, rest = tid.partition("-")
+        track = "width" if rest.endswith("-width") else "single"
+        regime = rest.removesuffix("-width")
+        for method, runs in tab["runs"].items():
+            cell = {"dataset": dataset, "regime": regime, "track": track, "method": method}
+            recs += [make_record(r["dir"], table, cell) for r in runs]
+    return recs
+
+
 def _cell_arg(text: str) -> dict[str, str]:
     """``method=msfusion,mu=0.125`` → {"method": "msfusion", "mu": "0.125"}."""
     out = {}
@@ -535,6 +584,28 @@ def _add_reproduce(sub) -> None:
         p.set_defaults(func=cmd_reproduce)
 
 
+def _add_bench(sub: Any) -> None:
+    from fedfuse.benchmark import FAMILY
+    from fedfuse.reproduce.common import add_seed_argument
+
+    p = sub.add_parser("bench", **LAZY["bench"])
+    p.add_argument("--quick", action="store_true",
+                   help="3 methods x 2 regimes x 2 seeds on the bundled digits, a few CPU-minutes (smoke test)")
+    p.add_argument("--data-dir", default=None, help="where the datasets are (default: $FEDFUSE_DATA)")
+    p.add_argument("--out", default=None, help="output directory (default: runs/bench-SCALE)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--fresh", action="store_true",
+                   help="re-run every run (default: keep finished runs of the same config below --out, resume "
+                        "interrupted ones)")
+    p.add_argument("--record", default=None, metavar="TABLE",
+                   help="write a record per run into results/records/TABLE/ (docs/benchmark.md renders "
+                        "bench-mnist, bench-cifar10, bench-femnist)")
+    p.add_argument("--root", default=None, help="repository root for --record (default: the one holding results/)")
+    add_seed_argument(p, FAMILY.seeds, FAMILY.quick_seeds)
+    FAMILY.add_arguments(p)
+    p.set_defaults(func=cmd_bench, plots=False)
+
+
 _GENERIC_HELP = {"seed": "seed of a single-seed run", "part": "which part of the reproduction to run",
                  "batch_size": "mini-batch size", "seq_len": "sequence length", "device": "cpu, cuda or cuda:N",
                  "threads": "torch intra-op threads"}
@@ -565,6 +636,10 @@ LAZY: dict[str, dict[str, str]] = {
     "reproduce": {"help": "re-run a paper comparison on real data (see docs/)",
                   "description": "Re-run a paper's comparison on real data; each writes Markdown tables and plots "
                                  "to its output directory."},
+    "bench": {"help": "the benchmark matrix: methods x heterogeneity regimes x seeds (docs/benchmark.md)",
+              "description": "Plan the matrix of docs/benchmark.md (methods x regimes x seeds), run what is "
+                             "missing (cached by config hash, resumable, --jobs), write OUT/matrix.md with "
+                             "figures; --record TABLE records every run for `fedfuse results render`."},
     "pretrain": {"help": "pretrain the base character LM for LoRA runs on WikiText-2 + PTB (cached)"},
 }
 
@@ -678,6 +753,7 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
                          "its clients' train/validation/test tensors only")
     ex.set_defaults(func=cmd_export_partitions)
     _lazy(sub, "reproduce", command, _add_reproduce)
+    _lazy(sub, "bench", command, _add_bench)
     _add_results(sub)
     _lazy(sub, "pretrain", command, _add_pretrain)
     from fedfuse.flower.deploy import add_flower_app_parser

@@ -73,6 +73,32 @@ def _stability_metrics(hist: Sequence[dict[str, Any]]) -> dict[str, float | None
     for metric in ("global_accuracy", *names):
         suffix = metric[len("global_accuracy"):]
         out[f"last10_mean{suffix}"], out[f"best10_mean{suffix}"] = stability(hist, metric)
+    worst = worst_clients(hist)
+    if worst is not None:
+        out["personal_accuracy_worst10"] = worst
+    return out
+
+
+def worst_clients(hist: Sequence[dict[str, Any]], fraction: float = 0.1) -> float | None:
+    """The mean test accuracy of the worst ``fraction`` of clients (at least one) at the last evaluation that
+    reports per-client accuracies (``client_test_accuracy``); None when none does."""
+    per = next((h["client_test_accuracy"] for h in reversed(hist) if h.get("client_test_accuracy")), None)
+    if not per:
+        return None
+    accs = sorted(float(a) for a in per.values() if a is not None)
+    k = max(1, math.ceil(fraction * len(accs)))
+    return sum(accs[:k]) / k if accs else None
+
+
+def costs(hist: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """[round, cumulative bytes (down + up + peer), cumulative client FLOPs, cumulative seconds] at every
+    evaluated round: what reaching an accuracy cost."""
+    out, seconds = [], 0.0
+    for h in hist:
+        seconds += float(h.get("seconds") or 0.0)
+        if "personal_accuracy" in h:
+            total = sum(float(h.get(k) or 0) for k in ("total_bytes_down", "total_bytes_up", "total_bytes_peer"))
+            out.append([int(h["round"]), total, h.get("total_client_flops"), round(seconds, 3)])
     return out
 
 
@@ -108,6 +134,7 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
         "federation": federation,
         "metrics": {**_scalars(res.summary.get("final", {})), **_stability_metrics(hist)},
         "curve": curve,
+        "costs": costs(hist),
         **({} if curve_metric == "global_accuracy" else {"curve_metric": curve_metric}),
     }
 
@@ -397,6 +424,12 @@ def render_block(root: Path, table: str) -> str:
     recs = load_records(root, table)
     if spec.get("records"):
         recs = [r for t in spec["records"] for r in load_records(root, t)]
+    if spec.get("kind") == "benchmark":  # the matrix of `fedfuse bench` (docs/benchmark.md)
+        from fedfuse.bench_report import render_benchmark
+
+        prov = f"\n\n{provenance_line(spec, recs)}" if recs else ""
+        marked = [{**r, "stale": stale_reason(r)} for r in recs]
+        return f"\n{render_benchmark(spec, marked)}{prov}\n\n"
     return f"\n{render_table(spec, recs, root)}\n\n{provenance_line(spec, recs)}\n\n"
 
 
@@ -422,7 +455,20 @@ def render(root: Path | None = None, check: bool = False) -> list[Path]:
             changed.append(p)
             if not check:
                 p.write_text(new)
+        if not check:
+            _write_figures(root, old)
     return changed
+
+
+def _write_figures(root: Path, text: str) -> None:
+    """The figures of the benchmark blocks of ``text`` (PNGs are not compared by ``--check``)."""
+    for m in MARK.finditer(text):
+        spec = load_spec(root, m.group("id"))
+        if spec.get("kind") == "benchmark" and spec.get("figures"):
+            from fedfuse.bench_report import write_figures
+
+            recs = [{**r, "stale": stale_reason(r)} for r in load_records(root, spec["id"])]
+            write_figures(spec, recs, root / spec["figures"])
 
 
 # ---- verification --------------------------------------------------------------------------------------------
@@ -512,7 +558,8 @@ def compare(recorded: dict[str, Any], now: dict[str, Any], keys: Iterable[str] |
     return rows
 
 
-TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy", "ensemble_accuracy", "personal_perplexity",
+TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy", "personal_accuracy_worst10",
+                 "ensemble_accuracy", "personal_perplexity",
                  "personal_rouge1")
 
 

@@ -83,6 +83,10 @@ class _Page:
         return "\n".join(out)
 
 
+#: A page of blocks rendered both as Markdown and as HTML (e.g. the benchmark matrix of ``fedfuse bench``).
+Page = _Page
+
+
 def _html_head(title: str) -> str:
     return (f"<!doctype html><html><head><meta charset='utf-8'>"
             "<meta name='viewport' content='width=device-width, initial-scale=1'>"

@@ -226,3 +226,50 @@ def stability(history: Sequence[dict[str, Any]], metric: str = "global_accuracy"
         if w:
             means.append(sum(w) / len(w))
     return sum(last) / len(last), max(means)
+
+
+# ---- many methods over many problems (the benchmark matrix) --------------------------------------------------
+def ranks(matrix: Sequence[Sequence[float]], higher_is_better: bool = True) -> list[list[float]]:
+    """Per row (a problem) the rank of every column (a method): 1 = best, ties share their average rank."""
+    from scipy.stats import rankdata
+
+    sign = -1.0 if higher_is_better else 1.0
+    return [[float(r) for r in rankdata([sign * float(v) for v in row], method="average")] for row in matrix]
+
+
+def mean_ranks(matrix: Sequence[Sequence[float]], higher_is_better: bool = True) -> list[float]:
+    """Every column's rank averaged over the rows (:func:`ranks`)."""
+    rk = ranks(matrix, higher_is_better)
+    return [sum(r[j] for r in rk) / len(rk) for j in range(len(rk[0]))] if rk else []
+
+
+@dataclass(frozen=True)
+class Friedman:
+    """Friedman's test that k methods rank alike over n problems: chi-square statistic and p-value."""
+
+    statistic: float
+    p_value: float
+    n: int
+    k: int
+
+
+def friedman(matrix: Sequence[Sequence[float]]) -> Friedman:
+    """Friedman's test over a problems × methods matrix (rows: problems; at least 2 rows and 3 columns; NaN
+    result when the test is undefined, e.g. all values tied)."""
+    from scipy.stats import friedmanchisquare
+
+    n, k = len(matrix), len(matrix[0]) if matrix else 0
+    if n < 2 or k < 3:
+        return Friedman(float("nan"), float("nan"), n, k)
+    res = friedmanchisquare(*[[float(row[j]) for row in matrix] for j in range(k)])
+    return Friedman(float(res.statistic), float(res.pvalue), n, k)
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point dominates, for (cost, value) pairs: lower cost and higher value are
+    better; a point is dominated by one at most as costly and at least as good, strictly better in one."""
+    front = []
+    for i, (c, v) in enumerate(points):
+        if not any((c2 <= c and v2 >= v) and (c2 < c or v2 > v) for j, (c2, v2) in enumerate(points) if j != i):
+            front.append(i)
+    return sorted(front, key=lambda i: (points[i][0], -points[i][1]))

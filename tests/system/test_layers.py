@@ -60,8 +60,10 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
      ("fedfuse.outputs", "fedfuse.runner")),
     ("tools", "sweeps and the run store's tables, reports",
      ("fedfuse.result_table", "fedfuse.cached_runs", "fedfuse.sweep", "fedfuse.report")),
-    ("reproductions", "paper presets", ("fedfuse.reproduce", "fedfuse.reproduce.*")),
-    ("results", "result records, the docs' tables rendered from them, verification by re-run", ("fedfuse.records",)),
+    ("reproductions", "paper presets, the benchmark matrix's plan",
+     ("fedfuse.reproduce", "fedfuse.reproduce.*", "fedfuse.benchmark")),
+    ("results", "result records, the docs' tables rendered from them (the benchmark matrix too), verification by "
+                "re-run", ("fedfuse.bench_report", "fedfuse.records")),
     ("entry points", "the Python API, the command line and the catalog it lists, the package root",
      ("fedfuse.catalog", "fedfuse.api", "fedfuse.cli", "fedfuse.adapters.cli", "fedfuse.__main__", "fedfuse")),
 ]

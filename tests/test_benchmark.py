@@ -1,0 +1,116 @@
+"""The benchmark planner: one config per cell, the same model and client data for every method of a regime,
+stable cache hashes, methods from the registry, the committed table specs, and ``fedfuse bench --quick`` end to
+end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from fedfuse import benchmark as b
+from fedfuse.algorithms import ALGORITHMS
+from fedfuse.cached_runs import run_dir_name
+from fedfuse.config import config_hash
+from fedfuse.records import verify
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(quick=False, scale="mnist", regimes="", methods="", threads=1, data_dir="/data", seeds="")
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_one_table_per_regime_and_track_with_every_registered_method_fedavg_first():
+    tables = b.tables(args())
+    single = [t for t in tables if not t.id.endswith("-width")]
+    width = [t for t in tables if t.id.endswith("-width")]
+    assert [t.id for t in single] == [f"mnist-{g}" for g in b.SCALES["mnist"].regimes]
+    assert [t.id for t in width] == [f"mnist-{g}-width" for g in b.SCALES["mnist"].regimes]
+    registered = [m for m in b.SINGLE if m in ALGORITHMS]
+    for t in single:
+        assert next(iter(t.rows)) == "fedavg" and sorted(t.rows) == sorted(registered)
+    assert all(next(iter(t.rows)) == "heterofl" and sorted(t.rows) == sorted(b.WIDTH) for t in width)
+    assert len(registered) >= 17  # every single-architecture algorithm of the issue
+
+
+def test_methods_within_a_regime_differ_only_in_the_algorithm():
+    """Same model class, data, split, federation, budget and local training for every method of a regime."""
+    for t in b.tables(args(regimes="dir0.1,rotated")):
+        dicts = [t.config(label).to_dict() for label in t.rows]
+        shared = [{k: v for k, v in d.items() if k not in ("algorithm", "algorithm_options")} for d in dicts]
+        assert all(s == shared[0] for s in shared)
+        assert shared[0]["model"] == "mlp" and shared[0]["dataset"] == "mnist"
+        assert [d["algorithm"] for d in dicts] == list(t.rows)
+        assert all(d["algorithm_options"] == t.config(d["algorithm"]).algorithm_options for d in dicts)
+    rotated = b.tables(args(regimes="rotated", methods="fedavg"))[0].config("fedavg")
+    assert rotated.partition == "domain" and rotated.dataset_options["rotate_domains"] == 4
+
+
+def test_cache_hashes_are_stable_and_name_the_cell():
+    """Planning twice gives the same run directories; data location and threads do not change them; regimes,
+    methods and seeds do."""
+    def names(**kw):
+        return [run_dir_name(c) for t in b.tables(args(**kw)) for c in [cfg for _, cfg in t.plan([0, 1]).configs()]]
+
+    first = names(regimes="iid,dir0.5", methods="fedavg,fedprox")
+    assert first == names(regimes="iid,dir0.5", methods="fedavg,fedprox")
+    assert first == names(regimes="iid,dir0.5", methods="fedavg,fedprox", data_dir="/elsewhere", threads=2)
+    assert len(set(first)) == len(first) == 2 * 2 * 2
+    t = b.tables(args(regimes="iid", methods="fedavg"))[0]
+    assert config_hash(t.config("fedavg")) == config_hash(b.tables(args(regimes="iid", methods="fedavg"))[0]
+                                                            .config("fedavg"))
+
+
+def test_unregistered_methods_are_left_out_with_a_note_and_unknown_ones_rejected(capsys):
+    run, missing = b.plan_methods(["fedavg", "fedbn"])
+    assert run == ["fedavg"] and missing == (["fedbn"] if "fedbn" not in ALGORITHMS else [])
+    with pytest.raises(SystemExit, match="unknown"):
+        b.plan_methods(["fedavgg"])
+    only_width = b.tables(args(methods="heterofl,fedrolex", regimes="iid"))  # no single-track table without rows
+    assert [t.id for t in only_width] == ["mnist-iid-width"]
+    with pytest.raises(SystemExit, match="regimes"):
+        b.tables(args(regimes="natural"))  # MNIST has no writers
+    b.tables(args(methods="fedavg,moon"))
+    if "moon" not in ALGORITHMS:
+        assert "left out: moon" in capsys.readouterr().out
+
+
+def test_the_committed_table_specs_are_the_planner_s():
+    for name in ("mnist", "cifar10", "femnist"):
+        for track in ("single", "width") if name != "femnist" else ("single",):
+            spec = b.spec(name, track)
+            assert json.loads((ROOT / "results" / "tables" / f"{spec['id']}.json").read_text()) == spec
+    assert "<!-- results: bench-mnist -->" in (ROOT / "docs" / "benchmark.md").read_text()
+
+
+def test_quick_runs_end_to_end_resumes_from_its_cache_and_records(tmp_path, capsys):
+    """3 methods × 2 regimes × 2 seeds on the bundled digits; a second invocation runs nothing."""
+    from fedfuse.cli import main
+
+    out, root = tmp_path / "out", tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    argv = ["bench", "--quick", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("6 runs: 0 cached, 6 to run") == 2
+    matrix = (out / "matrix.md").read_text()
+    for m in ("fedavg", "scaffold", "local"):
+        assert f"| {m} |" in matrix
+    assert "| method | iid | dir0.1 | mean rank |" in matrix and "If your clients look like" in matrix
+    assert (out / "figures" / "bench-digits-ranks.png").is_file()
+    page = (out / "matrix.html").read_text()
+    assert page.count("<table>") == 2 and "figures/bench-digits-ranks.png" in page
+    assert main([*argv, "--record", "bench-digits", "--root", str(root)]) == 0
+    assert capsys.readouterr().err.count("6 runs: 6 cached, 0 to run") == 2
+    recs = [json.loads(p.read_text()) for p in sorted((root / "results" / "records" / "bench-digits").glob("*"))]
+    assert len(recs) == 12
+    assert {tuple(sorted(r["cell"].items())) for r in recs} == {
+        (("dataset", "digits"), ("method", m), ("regime", g), ("track", "single"))
+        for m in ("fedavg", "scaffold", "local") for g in ("iid", "dir0.1")}
+    assert all(r["costs"] and "personal_accuracy_worst10" in r["metrics"] for r in recs)
+    ok, rows = verify(recs[0])  # a recorded cell re-runs to the same numbers, worst-10 % clients included
+    assert ok and "personal_accuracy_worst10" in [r[0] for r in rows]
