@@ -172,8 +172,9 @@ def rebuild(spec: dict[str, Any], cfg: RunConfig) -> tuple[RunConfig, Federation
     base whose weights differ from the recorded ones (:func:`base_state_sha256`) stops the re-run."""
     from dataclasses import replace
 
-    from fedfuse.config import resolve_device
+    from fedfuse.config import check_extras, resolve_device
 
+    check_extras(cfg)  # before pretraining a missing base
     if spec.get("task") not in ("roles", "tasks"):
         raise SystemExit(f"fedfuse results verify: cannot rebuild the LoRA federation {spec}")
     data_dir = cfg.data_dir or data_root(argparse.Namespace(data_dir=None))
@@ -286,4 +287,4 @@ def plot_scale(rt: ResultTable, path: Path, rank: int) -> None:
 
 
 FAMILY = Family("FedMerge on LoRA adapters vs Local/FedIT/FedLoRA/FedEM-LoRA; parameter-scale sweep (d vs rank)",
-                tables, add_arguments, extra, docs="lora")
+                tables, add_arguments, extra, docs="lora", extras=("lora",))

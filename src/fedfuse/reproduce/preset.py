@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.cached_runs import run_cached, run_dir_name
-from fedfuse.config import RunConfig, apply, validate
+from fedfuse.config import RunConfig, apply, check_extras, validate
+from fedfuse.extras import require_extra
 from fedfuse.result import Result
 from fedfuse.result_table import ResultTable
 from fedfuse.stats import paired_test, stability
@@ -92,6 +93,9 @@ class Family:
     docs: str = ""  # the docs page of the family (default: the name's first word)
     seeds: str = "3"  # the default --seeds of the full preset
     quick_seeds: str = "1"  # ... and of --quick
+    #: optional extras every run of the family needs (:mod:`fedfuse.extras`), checked before its tables are built
+    #: (building them may read corpora; running them may pretrain a base first)
+    extras: tuple[str, ...] = ()
 
 
 # ---- running ---------------------------------------------------------------------------------------------------
@@ -188,7 +192,10 @@ def run(family: Family, args: Any, *, reuse: bool, default_out: str) -> int:
     (default ``default_out``).  ``reuse``: keep finished runs of the same config, resume interrupted ones."""
     from fedfuse.reproduce.common import seeds as seeds_of
 
+    for extra in family.extras:
+        require_extra(extra, f"reproduce {getattr(args, 'name', '')}".strip())
     tables = family.tables(args)
+    check_extras(*(table.config(label) for table in tables for label in table.rows))  # before any run
     seeds = seeds_of(args)
     out = Path(args.out or default_out)
     out.mkdir(parents=True, exist_ok=True)
