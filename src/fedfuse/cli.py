@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedfuse import package_version
 from fedfuse.config import (
     FLAGS,
     ConfigError,
@@ -562,6 +563,8 @@ EPILOG = """examples:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedfuse", description="Federated learning beyond plain averaging.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"fedfuse {package_version()}",
+                   help="print fedfuse's version (from the installed package's metadata) and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="run one experiment (no arguments: a small FedAvg run on bundled digits)",
                        description="Run one experiment, or one configuration over several seeds / a grid of "
