@@ -357,8 +357,9 @@ def test_verify_rebuilds_a_lora_reproduction_run_on_its_recorded_base(tmp_path):
 
     from fedfuse.cli import main
     from fedfuse.reproduce.fedmerge_lora import base_state_sha256, record_federation
-    from support import SHARED_DATA, lora_tiny_base
+    from support import SHARED_DATA, lora_tiny_base, needs_extra
 
+    needs_extra("lora")
     roots = [SHARED_DATA, Path(os.environ.get("FEDFUSE_DATA", "-"))]
     data = next((r for r in roots if (r / "shakespeare-leaf").is_dir()), None)
     if data is None:
