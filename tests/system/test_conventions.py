@@ -89,7 +89,19 @@ def test_ci_runs_the_extra_tests_with_exactly_the_readme_install():
     installs = re.findall(r"pip install[^\n]*", step)
     assert [re.sub(r"\s+(--quiet|-q)\b", "", i) for i in installs] == ['pip install "torch==2.13.0"',
                                                                       'pip install -e ".[test]"']
-    assert f"{README_TEST} $(python3 .ci/extra_tests.py)" in step
+    assert f"{README_TEST} -m extra $(python3 .ci/extra_tests.py)" in step
+
+
+def test_extra_tests_select_the_parameters_that_need_an_extra():
+    """``-m extra`` keeps a test parametrized over algorithms for the LoRA ones only; a plain test that names a
+    feature needing an extra is kept, one that does not is left out."""
+    from extra_use import id_pattern, touches
+
+    assert id_pattern().search("fedit-rank") and id_pattern().search("fedmerge-lora")
+    assert not id_pattern().search("fedmerge-d") and not id_pattern().search("fedavg")
+    assert touches('main(["run", "--log", "tensorboard"])') and touches("cfg = make_config(dp='local')")
+    assert touches("import flwr") and touches("from fedfuse.flower.app import client_app")
+    assert not touches('main(["run", "--log", "csv"])') and not touches("make_config(dp='central')")
 
 
 def test_extra_tests_list_holds_the_files_that_touch_an_extra_and_only_those():
