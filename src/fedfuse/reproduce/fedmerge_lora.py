@@ -264,7 +264,7 @@ def plot_scale(rt: ResultTable, path: Path, rank: int) -> None:
     families: dict[str, dict[float, list[float]]] = {}
     for label, runs in rt.results.items():  # one line per method variant: the label without its d / m / r value
         for r in runs:
-            f = r.summary.get("final", {})
+            f = r.last  # the table's metric is the last evaluation (Table.last = 1)
             if f.get("personal_perplexity") is None:
                 continue
             unit = f["adapter_parameters"] * 8 / max(int(r.config.algorithm_options.get("rank", rank)), 1)

@@ -128,12 +128,12 @@ DERIVED: dict[str, Callable[[list[dict[str, Any]]], Any]] = {
 
 
 def last_value(r: Result, key: str) -> Any:
-    """The last recorded value of ``key`` in a run's history (its summary's final record when absent), or a
+    """The last recorded value of ``key`` in a run's history (else its summary's last evaluated round), or a
     :data:`DERIVED` column."""
     if key in DERIVED:
         return DERIVED[key](r.history)
     found = next((h[key] for h in reversed(r.history) if h.get(key) is not None), None)
-    return found if found is not None else r.summary.get("final", {}).get(key)
+    return found if found is not None else r.last.get(key)
 
 
 def _fmt(v: Any, scale: float) -> str:
@@ -187,13 +187,14 @@ def section(table: Table, rt: ResultTable) -> str:
     return text
 
 
-def run(family: Family, args: Any, *, reuse: bool, default_out: str) -> int:
+def run(family: Family, args: Any, *, reuse: bool, default_out: str, name: str = "") -> int:
     """Run the preset ``family.tables(args)`` selects; write every table and ``tables.md`` below ``--out``
-    (default ``default_out``).  ``reuse``: keep finished runs of the same config, resume interrupted ones."""
+    (default ``default_out``).  ``reuse``: keep finished runs of the same config, resume interrupted ones.
+    ``name``: the family's command name (``fedfuse reproduce NAME``), for messages."""
     from fedfuse.reproduce.common import seeds as seeds_of
 
     for extra in family.extras:
-        require_extra(extra, f"reproduce {getattr(args, 'name', '')}".strip())
+        require_extra(extra, f"reproduce {name}".strip())
     tables = family.tables(args)
     check_extras(*(table.config(label) for table in tables for label in table.rows))  # before any run
     seeds = seeds_of(args)
