@@ -404,3 +404,20 @@ def test_base_state_hash_reads_the_weights_not_the_file(tmp_path):
     state[name].view(-1)[0] += 1e-6
     torch.save({**ck, "state": state}, tmp_path / "changed.pt")
     assert base_state_sha256(tmp_path / "changed.pt") != base_state_sha256(path)
+
+
+def test_cli_results_render_says_what_it_checked(tmp_path, capsys):
+    """`results render --check` names what it compared when everything matches (it printed nothing)."""
+    from fedfuse.cli import main
+
+    root = tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    (root / "results" / "tables" / "t.json").write_text(json.dumps(SPEC))
+    for r in (_rec("a", 0, 0.9, 0.9, 0.9), _rec("b", 0, 0.5, 0.5, 0.5)):
+        records.write_record(root, r)
+    (root / "README.md").write_text("<!-- results: t -->\n<!-- /results -->\n")
+    assert main(["results", "--root", str(root), "render"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("1 table (2 rows) in 1 document, from 2 records: "
+                                                         "1 document rewritten")
+    assert main(["results", "--root", str(root), "render", "--check"]) == 0
+    assert capsys.readouterr().out.strip() == "checked 1 table (2 rows) in 1 document, from 2 records: all match"

@@ -447,7 +447,29 @@ def _results_render(args: argparse.Namespace, root: Path) -> int:
         print("fedfuse results render --check: tables differ from their records; run `fedfuse results "
               "render`", file=sys.stderr)
         return 1
+    docs, tables, rows = _results_blocks(root)
+    what = (f"{tables} table{'s' if tables != 1 else ''} ({rows} rows) in {docs} document{'s' if docs != 1 else ''},"
+            f" from {len(records.all_records(root))} records")
+    if args.check:
+        print(f"checked {what}: all match")
+    else:
+        print(f"{what}: {len(changed)} document{'s' if len(changed) != 1 else ''} rewritten")
     return 0
+
+
+def _results_blocks(root: Path) -> tuple[int, int, int]:
+    """(documents, results tables, table rows) rendered from result records below ``root``."""
+    from fedfuse import records
+
+    docs = records.documents(root)
+    tables = rows = 0
+    for p in docs:
+        for m in records.MARK.finditer(p.read_text()):
+            tables += 1
+            lines = [line for line in m.group("body").splitlines() if line.startswith("|")]
+            separators = sum(1 for line in lines if set(line) <= set("|-: "))
+            rows += len(lines) - 2 * separators  # each Markdown table: a header and a separator line, then rows
+    return len(docs), tables, rows
 
 
 def _results_record(args: argparse.Namespace, root: Path) -> int:
