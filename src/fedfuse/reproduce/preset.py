@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfuse.cached_runs import run_cached, run_dir_name
+from fedfuse.cached_runs import Progress, run_cached, run_dir_name
 from fedfuse.config import RunConfig, apply, check_extras, validate
 from fedfuse.extras import require_extra
 from fedfuse.result import Result
@@ -113,10 +113,12 @@ def execute(table: Table, seeds: Sequence[int], store: Path, *, reuse: bool, fre
         return sweep.execute(out=out, store=store, jobs=jobs, progress=progress, verbose=True)
     # Sweep.execute builds each run's federation from its config; these runs bring their own (same store)
     sweep.results = {p.label: [] for p in sweep.points}
-    for label, cfg in sweep.configs():
+    plan = sweep.configs()
+    counter = Progress(len(plan))
+    for label, cfg in plan:
         cfg.out = str(store / run_dir_name(cfg))
         sweep.results[label].append(run_cached(cfg, progress=progress, fed=table.federation(cfg)))
-        print(f"  done: {label} seed {cfg.seed}", file=sys.stderr)
+        print(counter.line(label, cfg.seed), file=sys.stderr)
     return sweep
 
 
