@@ -1,6 +1,7 @@
-"""FedMerge for foundation models (seed 001, foundation-model FL; seed 000's LLM part): merging LoRA adapters,
+"""FedMerge for foundation models (Chen et al., *FedMerge: Federated Model Merging for
+Personalization*, foundation-model FL): merging LoRA adapters,
 against Local, FedIT, FedLoRA and FedEM with a personalised router over LoRA modules, plus the
-parameter-scale study (d adapters for FedMerge vs LoRA rank for the single-adapter methods; 001 Table 1
+parameter-scale study (d adapters for FedMerge vs LoRA rank for the single-adapter methods; that paper's Table 1
 bottom and Fig. 5).
 
 Local task (no download, CPU): the base is the character LM of ``fedfuse pretrain`` (WikiText-2 + PTB); the
