@@ -625,8 +625,8 @@ def final_block(history: Sequence[dict[str, Any]], last: dict[str, Any]) -> dict
     for key, v in block.items():
         if is_evaluation_metric(key) and isinstance(v, int | float) and not isinstance(v, bool):
             block[key] = final_mean(history, key)
-    evaluated = len([h for h in history if h.get(primary_metric(history)) is not None])
-    block["window"] = final_window(evaluated)
+    metric = primary_metric(history)
+    block["window"] = final_window(sum(1 for h in history if h.get(metric) is not None))
     return block
 
 
