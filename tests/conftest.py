@@ -17,6 +17,21 @@ if str(Path(__file__).parent) not in sys.path:
 os.environ.setdefault("FEDFUSE_THREADS", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "extra: touches an optional extra (tests/extra_use.py; .ci/run runs these "
+                                       "with only the README's quick-start install)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests that touch an optional extra, when a marker expression asks for them (``-m extra``)."""
+    if "extra" not in (config.option.markexpr or ""):
+        return
+    from extra_use import select
+
+    for item in select(items):
+        item.add_marker(pytest.mark.extra)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """The test models are tiny: one intra-op thread is faster than OpenMP spinning on a small shared CPU."""

@@ -20,6 +20,7 @@ from fedfuse.data.dataset import Dataset
 from fedfuse.engine.executor import Job
 from fedfuse.engine.loop import Experiment, strip_timing
 from fedfuse.engine.program import ClientProgram
+from fedfuse.extras import has_extra
 from fedfuse.fusion.slicing import slice_state
 from fedfuse.runner import experiment
 from fedfuse.types import ClientData, Federation, FitStats, Message, Split
@@ -31,8 +32,20 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 """Shared datasets beside the repository (``../shared/data``)."""
 
 
-LORA = {name for name, cls in ALGORITHMS.items() if cls.__module__ in ("fedfuse.algorithms.fedit",
-                                                                       "fedfuse.algorithms.fedmerge_lora")}
+def skip_reason(extra: str) -> str:
+    """The one-line reason of a test skipped for a missing extra (the README quotes it)."""
+    return f"needs the {extra} extra: pip install -e '.[{extra}]'"
+
+
+def needs_extra(extra: str) -> None:
+    """Skip the calling test (or, at module level, the whole file) when ``extra`` (:mod:`fedfuse.extras`) is not
+    installed, with :func:`skip_reason`.  Every test that needs an extra calls this (or ``pytest.importorskip``
+    with that reason): ``.ci/run`` runs the files that do in an environment with only the README's install."""
+    if not has_extra(extra):
+        pytest.skip(skip_reason(extra), allow_module_level=True)
+
+
+LORA = {name for name, cls in ALGORITHMS.items() if "lora" in cls.extras}
 _BASE: dict[str, str] = {}
 
 

@@ -33,8 +33,12 @@ def test_docs_notebook_example_runs_and_returns_the_metrics(capsys):
     assert (df["total_bytes"].diff().dropna() > 0).all()  # cumulative communication grows
     res = ns["res"]
     assert res.config.algorithm == "fedprox" and res.config.algorithm_options["mu"] == 0.1
-    assert df["global_accuracy"].iloc[-1] == pytest.approx(res.summary["final"]["global_accuracy"])
-    assert res.final("global_accuracy", last=2) == pytest.approx(df["global_accuracy"].iloc[-2:].mean())
+    assert df["global_accuracy"].iloc[-1] == pytest.approx(res.summary["last"]["global_accuracy"]) \
+        == pytest.approx(res.last["global_accuracy"])
+    # 3 evaluations: final = the later half, the last 2, in the summary and the API alike
+    assert res.final("global_accuracy") == pytest.approx(df["global_accuracy"].iloc[-2:].mean()) \
+        == pytest.approx(res.summary["final"]["global_accuracy"])
+    assert res.best("global_accuracy") == df["global_accuracy"].max() == res.summary["best"]["global_accuracy"]
     stats, runs = ns["stats"], ns["runs"]
     assert list(stats.index) == ["fedavg", "fedprox"] and (stats["n"] == 2).all()
     assert len(runs) == 4 and set(runs["seed"]) == {0, 1}

@@ -27,3 +27,27 @@ def test_plots_in_percent_with_readable_log_ticks(tmp_path):
     labels = [t.get_text() for t in b.get_yticklabels() if t.get_text() and lo <= t.get_position()[1] <= hi]
     assert len(labels) >= 3, labels  # 0.4..0.8 spans less than a decade: 0.5, 0.6, 0.7, ... not just 0.5
     plt.close(fig)
+
+
+def test_equal_curves_stay_visible():
+    """Two methods with the same curve (one would hide the other): each gets its own marker shape, line style
+    and marker positions, and the legend shows the same styles."""
+    import matplotlib.pyplot as plt
+
+    from fedfuse.plots import draw_metric, plot_compare, plot_metrics
+
+    hist = [{"round": r, "global_accuracy": 0.1 * r} for r in range(1, 17)]
+    fig, ax = plt.subplots()
+    assert draw_metric(ax, {"a": [hist], "b": [hist]}, "global_accuracy")
+    a, b = ax.get_lines()
+    assert list(a.get_ydata()) == list(b.get_ydata())
+    assert a.get_marker() != b.get_marker() and a.get_linestyle() != b.get_linestyle()
+    assert a.get_markevery() == (0, 2) and b.get_markevery() == (1, 2)  # markers side by side, not on top
+    assert a.get_markerfacecolor() == "none"  # open markers: one underneath shows through
+    plt.close(fig)
+    fig = plot_metrics({"a": [hist], "b": [hist]}, ["global_accuracy"])
+    legend = fig.legends[0].get_lines()
+    assert [(h.get_marker(), h.get_linestyle()) for h in legend] == [(a.get_marker(), a.get_linestyle()),
+                                                                      (b.get_marker(), b.get_linestyle())]
+    plt.close(fig)
+    assert plot_compare({"a": hist, "b": hist}, "cmp.png").stat().st_size > 0

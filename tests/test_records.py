@@ -357,8 +357,9 @@ def test_verify_rebuilds_a_lora_reproduction_run_on_its_recorded_base(tmp_path):
 
     from fedfuse.cli import main
     from fedfuse.reproduce.fedmerge_lora import base_state_sha256, record_federation
-    from support import SHARED_DATA, lora_tiny_base
+    from support import SHARED_DATA, lora_tiny_base, needs_extra
 
+    needs_extra("lora")
     roots = [SHARED_DATA, Path(os.environ.get("FEDFUSE_DATA", "-"))]
     data = next((r for r in roots if (r / "shakespeare-leaf").is_dir()), None)
     if data is None:
@@ -460,3 +461,20 @@ def test_a_tampered_lora_base_runs_no_code_during_verify(tmp_path, capsys):
     with pytest.raises(ConfigError, match="refused"):  # the LoRA algorithms' own loader refuses it too
         load_base(f"fedfuse:{evil}")
     assert not marker.exists()
+
+
+def test_cli_results_render_says_what_it_checked(tmp_path, capsys):
+    """`results render --check` names what it compared when everything matches (it printed nothing)."""
+    from fedfuse.cli import main
+
+    root = tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    (root / "results" / "tables" / "t.json").write_text(json.dumps(SPEC))
+    for r in (_rec("a", 0, 0.9, 0.9, 0.9), _rec("b", 0, 0.5, 0.5, 0.5)):
+        records.write_record(root, r)
+    (root / "README.md").write_text("<!-- results: t -->\n<!-- /results -->\n")
+    assert main(["results", "--root", str(root), "render"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("1 table (2 rows) in 1 document, from 2 records: "
+                                                         "1 document rewritten")
+    assert main(["results", "--root", str(root), "render", "--check"]) == 0
+    assert capsys.readouterr().out.strip() == "checked 1 table (2 rows) in 1 document, from 2 records: all match"

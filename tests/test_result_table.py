@@ -58,7 +58,8 @@ def test_table_marks_non_significant_and_single_seed():
     assert t.display_rows()[0]["rounds to 90%"] == "never"
     one = ResultTable(_fake([("a", 0, 0.5), ("b", 0, 0.7)]))
     assert "(no test)" in one.display_rows()[1]["vs a"]  # n = 1: no claim
-    assert one.display_rows()[0]["final global acc (%)"] == "52.50"  # no ± for one seed (mean of all 4 rounds)
+    # no ± for one seed; 4 evaluations (51, 52, 53, 54 %): final = the later half, the last 2
+    assert one.display_rows()[0]["final global acc (%)"] == "53.50"
     with pytest.raises(ConfigError, match="baseline 'zz' is not a label"):
         ResultTable(res, baseline="zz")
     with pytest.raises(ConfigError, match="'acuracy' was not measured by any run; did you mean global_accuracy"):

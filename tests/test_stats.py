@@ -31,8 +31,9 @@ def test_mean_std_hand_case():
 
 
 def test_history_reductions():
-    assert final_mean(HIST, last=2) == pytest.approx(0.55)
-    assert final_mean(HIST, last=10) == pytest.approx((0.2 + 0.6 + 0.5) / 3)
+    assert final_mean(HIST, last=2) == pytest.approx(0.55)  # 3 evaluations: window min(2, ceil(3/2)) = 2
+    assert final_mean(HIST, last=10) == pytest.approx((0.6 + 0.5) / 2)  # the later half of 3, rounded up
+    assert final_mean(HIST, last=1) == pytest.approx(0.5)
     assert best_value(HIST) == pytest.approx(0.6)
     assert rounds_to_target(HIST, 0.55) == 3
     assert rounds_to_target(HIST, 0.9) is None
@@ -55,15 +56,45 @@ def test_paired_test():
     assert not noisy.significant() and noisy.mark() == "(n.s.)"
 
 
-def test_final_note_says_what_final_is():
-    from fedfuse.stats import final_note
+def test_final_window_is_the_last_5_and_never_more_than_the_later_half():
+    from fedfuse.stats import final_window
 
+    assert [final_window(n) for n in range(12)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 5]
+    assert final_window(100) == 5 and final_window(100, last=10) == 10 and final_window(7, last=1) == 1
+    assert final_window(3, last=0) == 1  # at least the last evaluation
+
+
+def test_final_of_a_five_round_run_leaves_its_first_rounds_out():
+    """The case of issue #43: a 5-round run's final averaged round 1's 0.2 in (51.7 % vs a best of 69.7 %)."""
+    hist = [{"round": r, "global_accuracy": a} for r, a in enumerate([0.2, 0.5, 0.6, 0.7, 0.65], start=1)]
+    assert final_mean(hist) == pytest.approx((0.6 + 0.7 + 0.65) / 3)
+
+
+def test_final_note_says_what_final_is():
+    from fedfuse.stats import final_note, final_rule
+
+    assert final_rule() == ("final = the mean of the last 5 evaluations, or of the later half (rounded up) of a "
+                            "run's evaluations when it has fewer than 10")
     assert final_note(5, [20, 20]) == "final = the mean of the last 5 evaluations"
+    assert final_note(5, [9]) == "final = the mean of the last 5 evaluations"  # ceil(9 / 2) = 5
     assert final_note(1, [3]) == "final = the last evaluation"
-    assert final_note(5, [3, 3]) == ("final = the mean of the last 5 evaluations; these runs evaluated 3 times, "
-                                     "so final = the mean of all 3 evaluations")
+    assert final_note(5, [5, 5]) == ("final = the mean of the last 5 evaluations; these runs evaluated 5 times, "
+                                     "so final = the mean of their later half, the last 3")
+    assert final_note(5, [2], "this run").endswith("this run evaluated 2 times, so final = its last evaluation")
     assert final_note(5, [1], "this run").endswith("this run evaluated 1 time, so final = its only evaluation")
-    assert "(2, 4 evaluations here)" in final_note(5, [2, 4, 9])
+    assert final_note(5, [2, 4, 9]).endswith("(the last 1 of 2, the last 2 of 4 evaluations here)")
+
+
+def test_best_round_and_primary_metric():
+    from fedfuse.stats import best_round, is_evaluation_metric, primary_metric
+
+    assert best_round(HIST)["round"] == 3 and best_round(HIST, "nope") is None
+    losses = [{"round": 1, "val_loss": 0.5}, {"round": 2, "val_loss": 0.3}, {"round": 3, "val_loss": 0.3}]
+    assert best_round(losses, "val_loss")["round"] == 2  # lowest, the earliest on a tie
+    assert primary_metric(HIST) == "global_accuracy"
+    assert primary_metric([{"personal_accuracy": 0.4, "global_accuracy": None}]) == "personal_accuracy"
+    assert all(map(is_evaluation_metric, ["loss", "val_loss", "global_accuracy", "personal_rouge1"]))
+    assert not any(map(is_evaluation_metric, ["train_loss", "total_bytes_up", "dp_epsilon", "server_parameters"]))
 
 
 def test_parse_seeds():

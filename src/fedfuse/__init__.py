@@ -22,7 +22,17 @@ from typing import TYPE_CHECKING, Any
 # against other work on a busy machine (fedfuse.runtime.threads; a value the user set is kept).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__version__ = "0.1.0"
+
+def package_version() -> str:
+    """fedfuse's version from the installed package's metadata (``pyproject.toml``'s ``version``); ``0+unknown``
+    for a source tree that is on ``sys.path`` but not installed.  Also ``fedfuse.__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedfuse")
+    except PackageNotFoundError:
+        return "0+unknown"
+
 
 _API = ("run", "compare", "sweep", "list_algorithms", "list_datasets", "list_models", "list_partitions", "show")
 _OTHER = {"Component": "fedfuse.catalog",
@@ -64,6 +74,8 @@ _ALIASES = {"datasets": "list_datasets", "partitions": "list_partitions"}
 def __getattr__(name: str) -> Any:
     import importlib
 
+    if name == "__version__":  # read from the metadata on first use: importlib.metadata is not free to import
+        return package_version()
     if name in ("algorithms", "models"):  # callable registry packages: fedfuse.algorithms() lists them
         return importlib.import_module(f"fedfuse.{name}")
     if name in _ALIASES:

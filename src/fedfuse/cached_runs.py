@@ -9,6 +9,8 @@ import dataclasses
 import json
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,32 @@ from fedfuse.config import ConfigError, RunConfig, config_hash
 from fedfuse.result import Result, load
 
 Job = tuple[int, str, RunConfig, bool]  # (index in the plan, label, config, resume)
+
+
+class Progress:
+    """``done: LABEL seed S (run k of N; T elapsed, about L left)``: the time left assumes the remaining runs
+    take as long as the finished ones did on average (with ``jobs`` at once)."""
+
+    def __init__(self, total: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.total, self.done, self._clock = total, 0, clock
+        self.t0 = clock()
+
+    def line(self, label: str, seed: int) -> str:
+        self.done += 1
+        elapsed = self._clock() - self.t0
+        left = elapsed / self.done * (self.total - self.done)
+        eta = f", about {_duration(left)} left" if self.done < self.total else ""
+        return f"  done: {label} seed {seed} (run {self.done} of {self.total}; {_duration(elapsed)} elapsed{eta})"
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3 min 5 s``, ``1 h 2 min``."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
 
 
 def split_stored(plan: list[tuple[str, RunConfig]], store_dir: Path | None,
@@ -55,13 +83,14 @@ def run_serial(todo: list[Job], progress: bool, log: list[str], callbacks: list[
 
     out: dict[int, Result] = {}
     fed_key, fed = None, None  # runs are ordered seed-major: consecutive runs share one federation
+    counter = Progress(len(todo))
     for i, label, cfg, resume in todo:
         if _federation_key(cfg) != fed_key:
             fed = None  # free the previous one first
             fed_key, fed = _federation_key(cfg), build_federation(cfg, resolve_device(cfg.device))
         out[i] = _run_job(cfg, resume, progress, log, callbacks, fed=fed)
         if verbose:
-            print(f"  done: {label} seed {cfg.seed}", file=sys.stderr)
+            print(counter.line(label, cfg.seed), file=sys.stderr)
     return out
 
 
@@ -150,9 +179,10 @@ def run_parallel(todo: list[Job], jobs: int, log: list[str],
     with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx) as pool:
         futs = {pool.submit(_worker, (cfg.to_dict(), resume, log, callbacks)): (i, label, cfg.seed)
                 for i, label, cfg, resume in todo}
+        counter = Progress(len(todo))
         for fut in as_completed(futs):
             i, label, seed = futs[fut]
             out[i] = fut.result()
             if verbose:
-                print(f"  done: {label} seed {seed}", file=sys.stderr)
+                print(counter.line(label, seed), file=sys.stderr)
     return out

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from fedfuse import package_version
 from fedfuse.config import (
     FLAGS,
     ConfigError,
@@ -23,6 +24,7 @@ from fedfuse.config import (
 )
 from fedfuse.errors import UserError, run_guarded
 from fedfuse.rundir import prepare_run_dir, resume_config
+from fedfuse.stats import FINAL_WINDOW
 
 
 def _flag_helps() -> dict[str, str]:
@@ -156,26 +158,34 @@ RESULT_ROWS = (
 )
 
 
-def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None = None, last: int = 5) -> str:
-    """The table ``fedfuse run`` prints: final (the same statistic as compare, the API and reports: the mean of
-    the last ``last`` evaluations), the last evaluation, and the evaluation with the best validation loss."""
-    from fedfuse.stats import final_note
+def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None = None,
+                  last: int = FINAL_WINDOW) -> str:
+    """The table ``fedfuse run`` prints: ``final`` (the same statistic as compare, the API and reports:
+    :func:`fedfuse.stats.final_window`), the last evaluation and the best one (the highest accuracy)."""
+    from fedfuse.result import last_evaluation
+    from fedfuse.stats import evaluations, final_note
 
     history = history or []
-    at = summary["final"].get("round")
+    final, latest, best = summary["final"], last_evaluation(summary), summary["best"]
+    at, best_at = latest.get("round"), best.get("round")
     last_head = f"round {at}" if at is not None else "last"
-    best_at = summary["best"].get("round")
-    best_head = f"best val (r{best_at})" if best_at is not None else "best (val)"
+    best_head = f"best (round {best_at})" if best_at is not None else "best"
     lines = [f"{'metric':<46} {'final':>10} {last_head:>12} {best_head:>16}", "-" * 87]
-    counts: list[int] = []  # evaluations behind each "final" mean
     for label, key, pct in RESULT_ROWS:
-        line = _results_line(summary, history, last, label, key, pct, counts)
+        line = _results_line(final, latest, best, label, key, pct)
         if line is not None:
             lines.append(line)
     n = summary["rounds_completed"]
     lines.append(f"wall time: {summary['wall_seconds']:.1f} s over {n} round{'s' if n != 1 else ''}")
-    if counts:
-        lines.append(f"{final_note(last, counts[:1], 'this run')} (as in compare, reports and Result.final())")
+    metric = best.get("metric", "global_accuracy")
+    count = len(evaluations(history, metric))
+    if count:
+        lines.append(f"{final_note(last, [count], 'this run')}; the same final as compare, reports and "
+                     "Result.final()")
+        chosen = summary.get("best_val_loss", {}).get("round")
+        lines.append(f"best = the evaluation with the highest {metric.replace('_', ' ')}"
+                     + (f"; the lowest validation loss was at round {chosen} (model_best_val_loss.pt)"
+                        if chosen is not None else ""))
     if "precision" in summary:
         threads = summary.get("threads")
         lines.append(f"precision: {summary['precision']}" + (f", torch threads: {threads}" if threads else ""))
@@ -187,22 +197,16 @@ def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None 
     return "\n".join(lines)
 
 
-def _results_line(summary: dict[str, Any], history: list[dict[str, Any]], last: int, label: str, key: str,
-                  pct: bool, counts: list[int]) -> str | None:
-    """One row of :func:`results_table` (None when the run has no such value, or a zero count); an evaluated
-    metric's number of evaluations is appended to ``counts``."""
-    from fedfuse.stats import evaluations, final_mean
-
-    f, b = summary["final"].get(key), summary["best"].get(key)
+def _results_line(final: dict[str, Any], latest: dict[str, Any], best: dict[str, Any], label: str, key: str,
+                  pct: bool) -> str | None:
+    """One row of :func:`results_table` (None when the run has no such value, or a zero count)."""
+    f, b = latest.get(key), best.get(key)
     if (f is None and b is None) or (key.startswith(("total_", "clients_without")) and not f):
         return None
-    m = final_mean(history, key, last) if key in EVALUATED else None
-    if key in EVALUATED and m is not None:
-        counts.append(len(evaluations(history, key)))
     scale = 1e6 if key.startswith("bytes") else 1e9 if key == "client_flops" else None
     if scale is not None:
         f, b = (None if x is None else x / scale for x in (f, b))
-    shown = _fmt(m, pct) if key in EVALUATED else ""
+    shown = _fmt(final.get(key), pct) if key in EVALUATED else ""
     return f"{label:<46} {shown:>10} {_fmt(f, pct):>12} {_fmt(b, pct):>16}"
 
 
@@ -223,6 +227,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = build_config(args)
         if not cfg.out:
             cfg.out = _default_out(cfg, cfg.algorithm)
+            _say_where_a_rerun_goes(args, cfg.out)
         prepare_run_dir(cfg.out, overwrite=args.overwrite)
     try:
         res = execute(cfg, progress=not args.no_progress, log=_logs(args), resume=bool(args.resume))
@@ -234,6 +239,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(results_table(res.summary, res.history))
     print(f"outputs in {res.out}")
     return 0
+
+
+def _say_where_a_rerun_goes(args: argparse.Namespace, out: str) -> None:
+    """``--config`` of an earlier run (its ``config.yaml`` or a copy): say that its ``out`` was not reused."""
+    from fedfuse.configfile import load_yaml, stale_out
+
+    earlier = stale_out(load_yaml(args.config), args.config) if args.config else None
+    if earlier:
+        print(f"fedfuse: {args.config} names out {earlier}, an earlier run's directory; this run writes to {out} "
+              "(--out chooses another)", file=sys.stderr)
 
 
 def _sweep(args: argparse.Namespace, algorithms: list[str] | None) -> int:
@@ -380,7 +395,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     family = available()[args.name]
     default_out = f"runs/reproduce-{args.name}" + ("-quick" if args.quick else "")
-    rc = run(family, args, reuse=bool(args.reuse), default_out=default_out)
+    rc = run(family, args, reuse=bool(args.reuse), default_out=default_out, name=args.name)
     if rc == 0 and args.out and not args.no_report:
         from fedfuse.report import write_report
 
@@ -483,7 +498,29 @@ def _results_render(args: argparse.Namespace, root: Path) -> int:
         print("fedfuse results render --check: tables differ from their records; run `fedfuse results "
               "render`", file=sys.stderr)
         return 1
+    docs, tables, rows = _results_blocks(root)
+    what = (f"{tables} table{'s' if tables != 1 else ''} ({rows} rows) in {docs} document{'s' if docs != 1 else ''},"
+            f" from {len(records.all_records(root))} records")
+    if args.check:
+        print(f"checked {what}: all match")
+    else:
+        print(f"{what}: {len(changed)} document{'s' if len(changed) != 1 else ''} rewritten")
     return 0
+
+
+def _results_blocks(root: Path) -> tuple[int, int, int]:
+    """(documents, results tables, table rows) rendered from result records below ``root``."""
+    from fedfuse import records
+
+    docs = records.documents(root)
+    tables = rows = 0
+    for p in docs:
+        for m in records.MARK.finditer(p.read_text()):
+            tables += 1
+            lines = [line for line in m.group("body").splitlines() if line.startswith("|")]
+            separators = sum(1 for line in lines if set(line) <= set("|-: "))
+            rows += len(lines) - 2 * separators  # each Markdown table: a header and a separator line, then rows
+    return len(docs), tables, rows
 
 
 def _results_record(args: argparse.Namespace, root: Path) -> int:
@@ -718,6 +755,8 @@ def make_parser(command: str | None = None) -> argparse.ArgumentParser:
     line only, so ``fedfuse --help``, ``fedfuse run ...``, ``list`` and ``show`` import no torch."""
     p = FedfuseParser(prog="fedfuse", description="Federated learning beyond plain averaging.",
                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"fedfuse {package_version()}",
+                   help="print fedfuse's version (from the installed package's metadata) and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="run one experiment (no arguments: a small FedAvg run on bundled digits)",
                        description="Run one experiment, or one configuration over several seeds / a grid of "

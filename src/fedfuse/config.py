@@ -31,6 +31,7 @@ from fedfuse.configfile import config_file
 from fedfuse.configfile import dump_yaml as dump_yaml
 from fedfuse.configfile import load_yaml as load_yaml
 from fedfuse.errors import ConfigError, UnknownKeyError, UserError
+from fedfuse.extras import require_extra
 from fedfuse.options import check_value, opt
 
 NAMESPACES = ("algorithm_options", "model_options", "partition_options", "dataset_options")
@@ -472,6 +473,32 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.dp == "central":
         _check_central_dp(cfg)
     return dataclasses.replace(cfg, **resolved)
+
+
+def required_extras(cfg: RunConfig) -> dict[str, str]:
+    """The optional extras a run of ``cfg`` needs (:mod:`fedfuse.extras`): extra → the setting that needs it (the
+    algorithm's declared ``extras``, ``dp=local``, ``--executor flower``, an ``hf:`` dataset, a ``flwr:`` partition)."""
+    need: dict[str, str] = {}
+    cls = registered_algorithms().get(cfg.algorithm)
+    for extra in getattr(cls, "extras", ()):
+        need.setdefault(extra, cfg.algorithm)
+    if cfg.dp == "local":
+        need.setdefault("dp", "dp=local")
+    if cfg.executor == "flower":
+        need.setdefault("flower", "executor 'flower'")
+    if _is_hf("dataset", cfg.dataset):
+        need.setdefault("flower", f"dataset {cfg.dataset}")
+    if str(cfg.partition).startswith("flwr:"):
+        need.setdefault("flower", f"partition {cfg.partition}")
+    return need
+
+
+def check_extras(*configs: RunConfig) -> None:
+    """Raise :class:`fedfuse.extras.MissingExtra` (a usage error naming ``pip install 'fedfuse[EXTRA]'``) when a
+    run of any of ``configs`` needs an extra that is not installed.  Imports nothing: call it before any work."""
+    for cfg in configs:
+        for extra, what in required_extras(cfg).items():
+            require_extra(extra, what)
 
 
 #: the fields naming a registry entry or a fixed choice: matched ignoring case, then checked

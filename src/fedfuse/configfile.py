@@ -39,15 +39,38 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+#: the files that make a directory a run's (:mod:`fedfuse.rundir` refuses to write a fresh run over them)
+RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "config.yaml")
+
+
+def holds_run(path: str | Path) -> bool:
+    """``path`` is a directory holding a run (any of :data:`RUN_FILES`)."""
+    return any((Path(path) / f).exists() for f in RUN_FILES)
+
+
 def config_file(path: str | Path) -> dict[str, Any]:
-    """The keys of a ``--config`` YAML file.  A run's own ``config.yaml`` names the run's directory as ``out``;
-    that entry is dropped, so re-running the file starts a new run in a new directory (``--out`` chooses it)
-    instead of colliding with the run it came from."""
+    """The keys of a ``--config`` YAML file.
+
+    A run's ``config.yaml`` names the run's directory as ``out``.  Re-running the file, or a copy of it anywhere
+    (``cp runs/X/config.yaml my.yaml``), starts a new run in a new directory instead of colliding with the run it
+    came from: an ``out`` that names the file's own directory or a directory already holding a run
+    (:func:`holds_run`) is dropped (:func:`stale_out` says which), so the run's default directory is used and
+    ``--out`` chooses another.  An ``out`` naming a fresh directory is kept."""
     data = load_yaml(path)
-    out = data.get("out")
-    if isinstance(out, str) and Path(out).resolve() == Path(path).resolve().parent:
+    if stale_out(data, path) is not None:
         data = {k: v for k, v in data.items() if k != "out"}
     return data
+
+
+def stale_out(data: dict[str, Any], path: str | Path) -> str | None:
+    """The ``out`` of config file ``path`` (its keys ``data``) that :func:`config_file` drops: the file's own
+    directory or one holding a run; None when it has none or keeps it."""
+    out = data.get("out")
+    if not isinstance(out, str) or not out:
+        return None
+    if Path(out).resolve() == Path(path).resolve().parent or holds_run(out):
+        return out
+    return None
 
 
 def dump_yaml(cfg: AsDict, path: str | Path) -> None:

@@ -90,6 +90,25 @@ def is_percent(key: str) -> bool:
     return "accuracy" in key
 
 
+MARKERS = "os^Dv<>PX*"
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def curve_style(i: int, points: int) -> dict[str, Any]:
+    """How the ``i``-th curve of a figure is drawn so that it stays visible where it meets or covers another:
+    its own marker shape (open, so a marker under it shows through) and line style, and markers at about 8
+    points per curve, each curve's shifted along the x axis by its index (two equal curves show both marker
+    sets side by side)."""
+    every = max(1, points // 8)
+    return {"marker": MARKERS[i % len(MARKERS)], "markevery": (i % every, every), "markersize": 5,
+            "markerfacecolor": "none", "linestyle": LINESTYLES[i % len(LINESTYLES)], "lw": 1.6}
+
+
+def _legend_style(i: int) -> dict[str, Any]:
+    """The legend entry of the ``i``-th curve: its marker and line style (:func:`curve_style`)."""
+    return {k: v for k, v in curve_style(i, 8).items() if k != "markevery"}
+
+
 def draw_metric(ax: Any, groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]], key: str,
                 x: str = "round", colors: Mapping[str, str] | None = None) -> bool:
     """Mean line and ±std band per group on ``ax`` (accuracies in %); False when no group measured ``key``."""
@@ -108,7 +127,7 @@ def draw_metric(ax: Any, groups: Mapping[str, Sequence[Sequence[Mapping[str, Any
             m, s = 100 * m, 100 * s
         lo_hi.extend([float(np.min(m - s)), float(np.max(m + s))])
         c = (colors or {}).get(label, f"C{i % 10}")
-        ax.plot(xs, m, color=c, label=label or None, marker="." if len(xs) < 30 else None, lw=1.8)
+        ax.plot(xs, m, color=c, label=label or None, **curve_style(i, len(xs)))
         if (s > 0).any():
             ax.fill_between(xs, m - s, m + s, color=c, alpha=0.2, lw=0)
         drawn = True
@@ -183,7 +202,7 @@ def plot_metrics(groups: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]],
     if len(labels) > 1:
         from matplotlib.lines import Line2D
 
-        handles = [Line2D([], [], color=f"C{i % 10}") for i, _ in enumerate(groups)]
+        handles = [Line2D([], [], color=f"C{i % 10}", **_legend_style(i)) for i, _ in enumerate(groups)]
         fig.legend(handles, list(groups), loc="lower center", ncol=min(len(labels), 6), frameon=False)
     fig.tight_layout(rect=(0, 0.06 if len(labels) > 1 else 0, 1, 1))
     if path is not None:
@@ -218,7 +237,7 @@ def plot_compare(histories: Mapping[str, Sequence[Mapping[str, Any]]], path: str
     if labels:
         from matplotlib.lines import Line2D
 
-        handles = [Line2D([], [], color=colors[n]) for n in labels]
+        handles = [Line2D([], [], color=colors[n], **_legend_style(i)) for i, n in enumerate(histories) if n]
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False)
     if title:
         fig.suptitle(title)

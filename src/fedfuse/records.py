@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedfuse.result import last_evaluation
 from fedfuse.stats import mean_std, paired_test, stability
 
 #: Behaviour versions: bumped by every commit that changes what an algorithm ("*": the engine, data, models)
@@ -132,7 +133,7 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
         "config_hash": config_hash(cfg),
         "config": d,
         "federation": federation,
-        "metrics": {**_scalars(res.summary.get("final", {})), **_stability_metrics(hist)},
+        "metrics": {**_scalars(last_evaluation(res.summary)), **_stability_metrics(hist)},
         "curve": curve,
         "costs": costs(hist),
         **({} if curve_metric == "global_accuracy" else {"curve_metric": curve_metric}),
@@ -515,7 +516,7 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
         fed = truncated(federation_for(cfg), int(spec["seqs"]), int(spec["test"]))
     exp = experiment(cfg, fed=fed, progress=False)
     summary = exp.run()
-    return {**_scalars(summary.get("final", {})), **_stability_metrics(exp.history), "curve": _curve(exp.history)[0]}
+    return {**_scalars(last_evaluation(summary)), **_stability_metrics(exp.history), "curve": _curve(exp.history)[0]}
 
 
 def check_base_digest(rec: dict[str, Any]) -> None:

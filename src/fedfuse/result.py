@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedfuse.config import RunConfig, apply, load_yaml
-from fedfuse.stats import best_value, final_mean, with_bytes
+from fedfuse.stats import FINAL_WINDOW, best_value, final_mean, with_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -22,6 +22,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # Records carry these as lists/dicts; the per-round DataFrame keeps scalar columns only.
 _NON_SCALAR = ("clients", "client_test_accuracy")
+
+
+def last_evaluation(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json``'s block of the last evaluated round: ``last`` (in summaries written by fedfuse 0.1.0, which
+    have no ``last``, ``final`` was that block)."""
+    return summary.get("last") or summary.get("final", {})
 
 
 @dataclass
@@ -68,24 +74,31 @@ class Result:
     def algorithm(self) -> str:
         return self.config.algorithm
 
-    def final(self, key: str = "global_accuracy", last: int = 5) -> float | None:
-        """Mean of ``key`` over the last ``last`` evaluations."""
+    def final(self, key: str = "global_accuracy", last: int = FINAL_WINDOW) -> float | None:
+        """The final value of ``key``: its mean over the last ``last`` evaluations, or over the later half of a
+        shorter run's (:func:`fedfuse.stats.final_window`)."""
         return final_mean(self.history, key, last)
 
     def best(self, key: str = "global_accuracy") -> float | None:
-        """Highest value of ``key`` over all evaluations."""
+        """Best value of ``key`` over all evaluations (highest; lowest for a loss or perplexity)."""
         return best_value(self.history, key)
+
+    @property
+    def last(self) -> dict[str, Any]:
+        """The summary's block of the last evaluated round (:func:`last_evaluation`)."""
+        return last_evaluation(self.summary)
 
     # -- files --
     @property
     def artefacts(self) -> dict[str, Path]:
         """Output files that exist, by name (``config``, ``metrics``, ``summary``, ``curves``, ``partition``,
-        ``checkpoint``, ``model_final``, ``model_best`` and the algorithm's own files such as heat-maps)."""
+        ``checkpoint``, ``model_final``, ``model_best_val_loss`` and the algorithm's own files such as heat-maps)."""
         if self.out is None or not self.out.is_dir():
             return {}
         known = {"config": "config.yaml", "metrics": "metrics.jsonl", "summary": "summary.json",
                  "curves": "curves.png", "partition": "partition.png", "partition_json": "partition.json",
-                 "checkpoint": "checkpoint.pt", "model_final": "model_final.pt", "model_best": "model_best.pt"}
+                 "checkpoint": "checkpoint.pt", "model_final": "model_final.pt",
+                 "model_best_val_loss": "model_best_val_loss.pt"}
         out = {name: self.out / f for name, f in known.items() if (self.out / f).exists()}
         taken = set(known.values())
         for p in sorted(self.out.iterdir()):

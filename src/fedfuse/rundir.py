@@ -9,9 +9,11 @@ from typing import Any
 
 from fedfuse.coerce import plain
 from fedfuse.config import RunConfig
+from fedfuse.configfile import RUN_FILES as RUN_FILES  # the files that make a directory a run's
 from fedfuse.errors import ConfigError
 
-RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "config.yaml")
+#: the global model of the round with the lowest validation loss (``summary.json``'s ``best_val_loss``)
+BEST_VAL_LOSS_MODEL = "model_best_val_loss.pt"
 
 
 def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
@@ -34,7 +36,8 @@ def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {path}: cannot write there ({existing} is not writable)")
     if earlier:
-        for name in (*RUN_FILES, "checkpoint.pt.tmp", "model_best.pt", "model_final.pt", "fedfuse.log"):
+        for name in (*RUN_FILES, "checkpoint.pt.tmp", BEST_VAL_LOSS_MODEL, "model_best.pt", "model_final.pt",
+                     "fedfuse.log"):  # model_best.pt: BEST_VAL_LOSS_MODEL's name in 0.1.0
             (path / name).unlink(missing_ok=True)
     return path
 

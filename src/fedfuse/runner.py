@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.algorithms import get_algorithm
-from fedfuse.config import RunConfig
+from fedfuse.config import RunConfig, check_extras
 from fedfuse.engine.callbacks import Callback, make_loggers
 from fedfuse.engine.executors import register_executor
 from fedfuse.engine.loop import Experiment
 from fedfuse.errors import BUG, DivergenceError, UserError
 from fedfuse.executors import register as register_executors
+from fedfuse.extras import require_extra
 from fedfuse.outputs import output_callbacks
 from fedfuse.result import Result
 from fedfuse.types import ClientData, Federation
@@ -36,10 +37,9 @@ from fedfuse.types import ClientData, Federation
 
 def _flower_executor(clients: Sequence[ClientData], seed: int, *, threads: int = 0, config: Any = None) -> Any:
     """``--executor flower``: the nodes rebuild the run from ``config``."""
-    try:
-        from fedfuse.flower.simulation import SimulationExecutor
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise UserError("executor 'flower' needs Flower: pip install 'fedfuse[flower]'") from e
+    require_extra("flower", "executor 'flower'")
+    from fedfuse.flower.simulation import SimulationExecutor
+
     if config is None:
         raise TypeError("executor 'flower' needs the run's config")
     return SimulationExecutor(config, seed, num_nodes=len(clients), threads=threads or 1)
@@ -65,7 +65,9 @@ def experiment(cfg: RunConfig, *, fed: Federation | None = None, executor: Any |
 def execute(cfg: RunConfig, *, progress: bool = False, callbacks: Sequence[Callback] = (),
             log: Sequence[str] = (), resume: bool = False, fed: Federation | None = None) -> Result:
     """Run ``cfg`` (a resolved config) with the given callbacks and built-in loggers; returns its :class:`Result`.
-    A bug in fedfuse leaves its traceback in the run's log (:func:`bugs_logged`)."""
+    A missing extra (:func:`fedfuse.config.check_extras`) is raised before any work; a bug in fedfuse leaves its
+    traceback in the run's log (:func:`bugs_logged`)."""
+    check_extras(cfg)
     with bugs_logged(cfg):
         exp = experiment(cfg, fed=fed, progress=progress, callbacks=[*callbacks, *make_loggers(log, cfg)])
         summary = exp.run(resume=resume)
@@ -109,6 +111,7 @@ def run(cfg: RunConfig, *, resume: bool = False, progress: bool = False,
         fed: Federation | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Build the :func:`experiment` of ``cfg`` and run it (bugs logged as by :func:`execute`); returns the
     summary and the per-round records."""
+    check_extras(cfg)
     with bugs_logged(cfg):
         exp = experiment(cfg, fed=fed, progress=progress)
         summary = exp.run(resume=resume)

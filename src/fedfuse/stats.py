@@ -56,26 +56,84 @@ def evaluations(history: Sequence[dict[str, Any]], key: str) -> list[tuple[int, 
     return [(int(h["round"]), float(h[key])) for h in history if h.get(key) is not None]
 
 
-def final_mean(history: Sequence[dict[str, Any]], key: str = "global_accuracy", last: int = 5) -> float | None:
-    """Mean of ``key`` over the last ``last`` evaluations (the "final accuracy" of a noisy FL curve)."""
-    ev = evaluations(history, key)[-max(1, last):]
+#: The evaluations "final" averages (``last`` everywhere it is a parameter): see :func:`final_window`.
+FINAL_WINDOW = 5
+
+
+def final_window(evaluated: int, last: int = FINAL_WINDOW) -> int:
+    """How many of a run's ``evaluated`` evaluations its "final" value averages: the last ``last``, but never
+    more than the later half of them (rounded up), so a short run's first rounds stay out.
+
+    This is the one definition of "final" (``fedfuse run``, ``compare``, ``summary.json``, the API, reports):
+    ``min(last, ceil(evaluated / 2))``.  With ``last`` = 5: 1 of 1 or 2 evaluations, 2 of 3 or 4, 3 of 5 or 6,
+    4 of 7 or 8, and 5 from 9 evaluations on."""
+    if evaluated <= 0:
+        return 0
+    return min(max(1, last), math.ceil(evaluated / 2))
+
+
+def final_mean(history: Sequence[dict[str, Any]], key: str = "global_accuracy",
+               last: int = FINAL_WINDOW) -> float | None:
+    """The "final" value of ``key``: its mean over the last :func:`final_window` evaluations (a noisy FL curve's
+    final accuracy); None when ``key`` was never evaluated."""
+    ev = evaluations(history, key)
+    ev = ev[len(ev) - final_window(len(ev), last):]
     return sum(v for _, v in ev) / len(ev) if ev else None
 
 
-def final_note(last: int, counts: Sequence[int], subject: str = "these runs") -> str:
-    """What "final" is, in words, for runs with ``counts`` evaluations each: the mean of the last ``last``
-    evaluations, saying so when some runs have fewer (they average all they have)."""
+def final_rule(last: int = FINAL_WINDOW) -> str:
+    """The definition of "final", in words, for ``last``."""
     last = max(1, last)
-    what = "the last evaluation" if last == 1 else f"the mean of the last {last} evaluations"
-    short = sorted({c for c in counts if c < last})
-    if not short:
-        return f"final = {what}"
+    if last == 1:
+        return "final = the last evaluation"
+    return (f"final = the mean of the last {last} evaluations, or of the later half (rounded up) of a run's "
+            f"evaluations when it has fewer than {2 * last}")
+
+
+def final_note(last: int, counts: Sequence[int], subject: str = "these runs") -> str:
+    """What "final" is, in words, for runs with ``counts`` evaluations each (:func:`final_rule`), saying how many
+    evaluations it averaged when some runs have fewer than twice ``last`` (:func:`final_window`)."""
+    last = max(1, last)
+    if last == 1:
+        return final_rule(1)
+    what = f"final = the mean of the last {last} evaluations"
+    windows = sorted({(c, final_window(c, last)) for c in counts if final_window(c, last) < last})
+    if not windows:
+        return what
     if len(set(counts)) == 1:
-        c = short[0]
-        had = "its only evaluation" if c == 1 else f"the mean of all {c} evaluations"
-        return f"final = {what}; {subject} evaluated {c} time{'s' if c != 1 else ''}, so final = {had}"
-    return (f"final = {what}, or of all evaluations for runs with fewer ({', '.join(map(str, short))} "
-            "evaluations here)")
+        c, w = windows[0]
+        its = "its" if subject.startswith("this ") else "their"
+        had = f"{its} only evaluation" if c == 1 else (f"{its} last evaluation" if w == 1 else
+                                                        f"the mean of {its} later half, the last {w}")
+        return f"{what}; {subject} evaluated {c} time{'s' if c != 1 else ''}, so final = {had}"
+    shown = ", ".join(f"the last {w} of {c}" for c, w in windows)
+    return f"{what}, or of the later half of a run that has fewer ({shown} evaluations here)"
+
+
+def is_evaluation_metric(key: str) -> bool:
+    """A metric measured by evaluation on held-out data (accuracies, losses, perplexities, ROUGE of the global
+    and personal models, validation metrics), as opposed to training statistics, costs and counters."""
+    return key in ("loss", "perplexity") or key.startswith(("global_", "personal_", "val_"))
+
+
+def primary_metric(history: Sequence[dict[str, Any]]) -> str:
+    """The accuracy "best" and "final" refer to when no metric is named: ``global_accuracy`` when the run
+    evaluated a global model, else ``personal_accuracy`` (the mean over clients of their personal models)."""
+    return "global_accuracy" if any(h.get("global_accuracy") is not None for h in history) else "personal_accuracy"
+
+
+def best_round(history: Sequence[dict[str, Any]], key: str = "global_accuracy") -> dict[str, Any] | None:
+    """The record of the evaluation with the best ``key`` (highest; lowest for a loss or perplexity; the earliest
+    on a tie); None when ``key`` was never evaluated."""
+    lower = lower_is_better(key)
+    best: dict[str, Any] | None = None
+    for h in history:
+        v = h.get(key)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        if best is None or (v < best[key] if lower else v > best[key]):
+            best = h
+    return best
 
 
 def lower_is_better(key: str) -> bool:

@@ -21,7 +21,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedfuse.cached_runs import run_parallel, run_serial, split_stored
-from fedfuse.config import ConfigError, ConfigLike, RunConfig, apply, config_hash, make_config, parse_value, validate
+from fedfuse.config import (
+    ConfigError,
+    ConfigLike,
+    RunConfig,
+    apply,
+    check_extras,
+    config_hash,
+    make_config,
+    parse_value,
+    validate,
+)
 from fedfuse.result import Result, is_run_dir, load
 from fedfuse.result_table import ResultTable
 from fedfuse.stats import parse_seeds
@@ -145,12 +155,18 @@ class Sweep:
         """Run every missing run; returns ``self`` with :attr:`results` filled (label → results in seed order).
 
         ``store``: where runs live (default ``out/runs``; in memory when both are None).  ``out``: where
-        ``sweep.json`` (the list of runs, read by ``fedfuse report``) is written.
+        ``sweep.json`` (the list of runs, read by ``fedfuse report``) is written.  A missing extra that any run
+        to do needs (:func:`fedfuse.config.check_extras`, ``log``'s loggers) is raised before the first run.
         """
+        from fedfuse.engine.callbacks import logger_names
+
         self.out = Path(out) if out else None
         store_dir = Path(store) if store else (self.out / "runs" if self.out else None)
         plan = self.configs()
         todo, done = split_stored(plan, store_dir, rerun)
+        if todo:
+            check_extras(*(cfg for _, _, cfg, _ in todo))
+            logger_names(log)
         parallel = jobs > 1 and len(todo) > 1
         if verbose:
             print(f"{len(plan)} runs: {len(done)} cached, {len(todo)} to run"

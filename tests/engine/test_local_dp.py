@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("opacus")
+pytest.importorskip("opacus", reason="needs the dp extra: pip install -e '.[dp]'")
 
 from fedfuse.config import ConfigError, RunConfig, apply
 from fedfuse.engine.client import TrainConfig

@@ -29,11 +29,12 @@ def test_run_writes_all_outputs(tmp_path):
         assert key in recs[-1]
     s = json.loads((out / "summary.json").read_text())
     assert s == json.loads(json.dumps(summary))
-    for key in ("algorithm", "dataset", "rounds_completed", "final", "best"):
+    for key in ("algorithm", "dataset", "rounds_completed", "final", "last", "best", "best_val_loss"):
         assert key in s
     for key in ("global_accuracy", "personal_accuracy", "loss", "bytes_down", "bytes_up", "client_flops",
                 "server_parameters", "wall_seconds"):
-        assert key in s["final"] and key in s["best"], key
+        assert all(key in s[block] for block in ("final", "last", "best", "best_val_loss")), key
+    assert (out / "model_best_val_loss.pt").exists() and not (out / "model_best.pt").exists()
     # accounting: FedAvg sends the full model down and up to every sampled client
     nparams = 64 * 32 + 32 + 32 * 10 + 10
     assert recs[0]["bytes_down"] == 3 * nparams * 4 == recs[0]["bytes_up"]
@@ -86,7 +87,7 @@ def test_resume_is_bit_identical(tmp_path, algorithm):
     assert ma == mb
     sa = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
     sb = json.loads((tmp_path / "b" / "run" / "summary.json").read_text())
-    for block in ("final", "best"):
+    for block in ("final", "last", "best", "best_val_loss"):
         assert strip_timing(sa[block]) == strip_timing(sb[block])
 
 
@@ -98,12 +99,22 @@ def test_same_seed_same_metrics_and_other_seed_differs(tmp_path):
     assert h1["final"]["val_loss"] != h3["final"]["val_loss"]
 
 
-def test_best_round_is_lowest_validation_loss(tmp_path):
+def test_summary_best_final_last_and_best_val_loss_blocks(tmp_path):
+    """best = the highest accuracy, best_val_loss = the lowest validation loss, last = the last evaluation, final =
+    every evaluation metric's mean over the final window (here 5 evaluations: the last 3), the rest as at the end."""
     exp = experiment(small_cfg(tmp_path, out=None, rounds=5))
     s = exp.run()
-    vals = [h["val_loss"] for h in exp.history]
-    assert s["best"]["round"] == 1 + vals.index(min(vals))
-    assert s["best"]["val_loss"] == min(vals)
+    h = exp.history
+    acc, vals = [r["global_accuracy"] for r in h], [r["val_loss"] for r in h]
+    assert s["best"]["metric"] == "global_accuracy"
+    assert s["best"]["round"] == 1 + acc.index(max(acc)) and s["best"]["global_accuracy"] == max(acc)
+    assert s["best_val_loss"]["round"] == 1 + vals.index(min(vals)) and s["best_val_loss"]["val_loss"] == min(vals)
+    assert s["last"]["round"] == 5 and s["last"]["global_accuracy"] == acc[-1]
+    assert s["final"]["window"] == 3
+    for key in ("global_accuracy", "personal_accuracy", "loss", "val_loss"):
+        assert s["final"][key] == pytest.approx(sum(r[key] for r in h[2:]) / 3), key
+    for key in ("round", "bytes_down", "server_parameters", "train_loss"):  # not evaluations: as at the end
+        assert s["final"][key] == s["last"][key], key
 
 
 def test_batchnorm_model_runs_and_averages_statistics(tmp_path):

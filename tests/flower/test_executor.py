@@ -138,7 +138,7 @@ def test_resume_on_flower_is_bit_identical(tmp_path):
 # ---- Flower's own simulation runtime --------------------------------------------------------------------------
 def test_executor_flower_runs_in_flowers_simulation_runtime():
     """``--executor flower``: Ray actors, Flower's in-memory SuperLink; metrics equal the in-process run."""
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason="needs the flower extra: pip install -e '.[flower]'")
     from fedfuse.api import run
 
     opts = dict(algorithm="fedavg", dataset="digits", clients=4, clients_per_round=2, rounds=2, threads=1,

@@ -249,7 +249,7 @@ def test_a_client_a_node_cannot_encode_is_left_out_not_a_crash() -> None:
 def test_secagg_in_flowers_simulation_runtime_equals_simulated_secagg() -> None:
     """``--executor flower --set secagg=true``: Flower's SecAgg+ between Ray-simulated nodes; the metrics equal
     fedfuse's simulated SecAgg run."""
-    pytest.importorskip("ray")
+    pytest.importorskip("ray", reason="needs the flower extra: pip install -e '.[flower]'")
     from fedfuse.api import run
 
     opts = dict(algorithm="fedavg", dataset="digits", clients=4, clients_per_round=4, rounds=2, threads=1,

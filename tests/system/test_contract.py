@@ -78,6 +78,7 @@ def test_every_executor_implements_the_protocol(cls):
 
 
 def test_flower_executor_implements_the_protocol():
+    pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[flower]'")
     flower = pytest.importorskip("fedfuse.flower.executor")
     assert not sorted(m for m in EXECUTOR_MEMBERS if not hasattr(flower.FlowerExecutor, m))
 

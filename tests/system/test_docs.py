@@ -113,3 +113,26 @@ def test_python_blocks_compile() -> None:
             compile(code, f"{doc} block {i}", "exec")
         except SyntaxError as e:
             pytest.fail(f"{doc}, python block {i}: {e}")
+
+
+def _shape(command: str) -> tuple[str, ...]:
+    """A command with the values of its ``--set``/``--grid`` options left out (their keys kept)."""
+    argv = shlex.split(command)
+    out = []
+    for i, tok in enumerate(argv):
+        if i and argv[i - 1] in ("--set", "--grid") and "=" in tok:
+            tok = tok.split("=", 1)[0] + "=…"
+        out.append(tok)
+    return tuple(out)
+
+
+def test_the_same_command_has_the_same_option_values_everywhere() -> None:
+    """A command shown in two places (README and docs/api.md's compare examples) that differs only in an option
+    value is one of them out of date (issue #43: `--set fedprox.mu=0.01` in the README, `0.1` in docs/api.md)."""
+    seen: dict[tuple[str, ...], tuple[str, str]] = {}
+    clashes = []
+    for doc, command in documented_commands():
+        first = seen.setdefault(_shape(command), (doc, command))
+        if shlex.split(first[1]) != shlex.split(command):
+            clashes.append(f"{first[0]}: `{first[1]}`\n    {doc}: `{command}`")
+    assert not clashes, "the same command with other option values:\n  " + "\n  ".join(clashes)

@@ -29,9 +29,9 @@ DESIGN = SRC.parent.parent / "docs" / "design.md"
 # module may import modules of its own layer or of a lower one, never of a higher one, and never in a cycle.
 LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("foundation", "message and federation types, structure declarations, seeded RNG, option declarations, "
-                   "error types, statistics, Markdown tables, name suggestions",
-     ("fedfuse.types", "fedfuse.structure", "fedfuse.rng", "fedfuse.options", "fedfuse.errors", "fedfuse.stats",
-      "fedfuse.tables", "fedfuse._callable", "fedfuse.names")),
+                   "error types, optional extras, statistics, Markdown tables, name suggestions",
+     ("fedfuse.types", "fedfuse.structure", "fedfuse.rng", "fedfuse.options", "fedfuse.errors", "fedfuse.extras",
+      "fedfuse.stats", "fedfuse.tables", "fedfuse._callable", "fedfuse.names")),
     ("plots", "figures of metric histories", ("fedfuse.plots",)),
     ("models", "model classes and their registry", ("fedfuse.models", "fedfuse.models.*")),
     ("fusion", "pure operators on named tensors", ("fedfuse.fusion", "fedfuse.fusion.*")),
@@ -76,8 +76,9 @@ COMPANIONS: dict[str, str] = {"fedmr_secure": "fedmr"}
 # the registry of every algorithm: importing it counts as importing another algorithm.)
 ALGORITHM_COMMONS = {"fedfuse.algorithms.base", "fedfuse.algorithms.lora_base"}
 # The package root resolves its public names lazily (``fedfuse.run`` → ``fedfuse.api.run``) with computed module
-# names; it is the top rank, so whatever it reaches is below it.
-DYNAMIC_IMPORTERS = {"fedfuse"}
+# names; it is the top rank, so whatever it reaches is below it.  ``fedfuse.extras`` imports an optional extra's
+# module by name (third-party only: it refuses a fedfuse module).
+DYNAMIC_IMPORTERS = {"fedfuse", "fedfuse.extras"}
 
 
 @dataclass(frozen=True)

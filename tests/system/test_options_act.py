@@ -166,7 +166,7 @@ def _cases() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("algorithm", "option"), _cases())
 def test_every_declared_option_acts(algorithm: str, option: str) -> None:
     if algorithm in LORA:
-        pytest.importorskip("peft")
+        pytest.importorskip("peft", reason="needs the lora extra: pip install -e '.[lora]'")
     reason = _lookup(CANNOT_ACT, algorithm, option)
     if reason is not None:
         pytest.skip(reason)

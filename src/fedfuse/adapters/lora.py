@@ -29,17 +29,16 @@ from torch import nn
 
 from fedfuse.engine.checkpoint import safe_load
 from fedfuse.errors import UserError
+from fedfuse.extras import require_extra
 from fedfuse.types import TensorDict
 
 ADAPTER_MARK = "lora_"
 
 
 def require_peft() -> None:
-    try:
-        import peft  # noqa: F401
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("LoRA algorithms need peft (and transformers for Hugging Face bases): "
-                          "pip install 'fedfuse[lora]'") from e
+    """Raise :class:`fedfuse.extras.MissingExtra` (a usage error naming ``pip install 'fedfuse[lora]'``) when the
+    lora extra is not installed."""
+    require_extra("lora", "LoRA adapters")
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,9 @@ class Algorithm:
     echo_meta: ClassVar[tuple[str, ...]] = ()
     reply_kind: ClassVar[str | None] = None  # None: the round's replies vote (keys a subset of the payload's)
     node_private: tuple[str, ...] = ()  # may be a property when it depends on the options
+    #: the optional extras a run needs (``pip install 'fedfuse[EXTRA]'``, :mod:`fedfuse.extras`), checked before
+    #: the run loads any data
+    extras: ClassVar[tuple[str, ...]] = ()
     #: What the server must see and which of central DP, local DP and SecAgg apply, with a reason each
     #: (:class:`fedfuse.types.Privacy`; the default entry first, option-dependent variants after it).  Every
     #: registered algorithm declares its own (tests/system/test_privacy_table.py); docs/privacy.md is generated

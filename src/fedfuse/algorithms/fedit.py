@@ -1,4 +1,5 @@
-"""Single-adapter LoRA baselines of FedMerge's foundation-model experiments (seed 001, Baselines):
+"""Single-adapter LoRA baselines of FedMerge's foundation-model experiments (Chen et al.,
+*FedMerge: Federated Model Merging for Personalization*, Baselines):
 
 * ``fedit`` — FedIT (Zhang et al. 2024, "Towards building the federated GPT"): FedAvg over LoRA adapters.
   Server: one adapter; each sampled client trains it locally (frozen base) and sends it back; the server

@@ -1,4 +1,5 @@
-"""FedMerge (seed papers 000 and 001; author code shutong043/FedMerge): d global models, merged per client.
+"""FedMerge (Chen et al., *FedMerge: Federated Personalization via Model Merging* and *FedMerge: Federated
+Model Merging for Personalization*; author code shutong043/FedMerge): d global models, merged per client.
 
 Server state: d global models Θ_1..Θ_d (full state, BN buffers included) and merging logits a ∈ R^{m×d}
 (w = row-softmax(a)).  Clients hold nothing.
@@ -11,7 +12,7 @@ Round:
    (``prox_mu`` > 0 adds the code's ``prox_mu·‖θ − θ_sent‖²``; the papers do not mention it, default 0);
 4. with s_i = n_i/n (n = Σ over the sampled clients, ``size_norm="all"``: over all clients):
    * logits (App. D, long paper Eq. 9, delta form): g_ij = s_i · w_ij · ⟨Δθ_i, Θ_j − θ_i⟩, the inner product over
-     ``merge_params`` (default ``head``: the classification head, as 001 and the code; ``last-K``; ``all``),
+     ``merge_params`` (default ``head``: the classification head, as the long paper and the code; ``last-K``; ``all``),
      parameters only.  ``merge_update="fixed"`` (default, paper §4.1): a ← a + step · G / max|G| — the closed
      form of the code's small-step search, which stops once a logit has moved by the step (the code overshoots
      by at most one of its increments); ``"gradient"``: a ← a + step · G; ``"none"``: frozen weights.

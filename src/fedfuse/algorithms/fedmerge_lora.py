@@ -1,5 +1,6 @@
-"""FedMerge on LoRA adapters (seed 001, "Foundation model FL"; author code shutong043/FedMerge merges the
-LoRA matrices): the server keeps d adapters and sends each client one merged rank-r adapter.
+"""FedMerge on LoRA adapters (Chen et al., *FedMerge: Federated Model Merging for
+Personalization*, "Foundation model FL"; author code shutong043/FedMerge merges the LoRA matrices): the server
+keeps d adapters and sends each client one merged rank-r adapter.
 
 Notation as :mod:`fedfuse.algorithms.fedmerge` with Θ_j the j-th global *adapter* (its ``lora_A`` and
 ``lora_B`` tensors) on a frozen base:
@@ -24,7 +25,7 @@ merged adapter has a fresh LoRA's scale for every d (docs/lora.md shows both, me
 There are no buffers or integer entries in an adapter; tensors a client did not train cannot occur
 (every client trains the whole adapter).
 
-``fedem-lora`` (FedEM with a personalised router over LoRA modules, seed 001 App. B.2) lives here too:
+``fedem-lora`` (FedEM with a personalised router over LoRA modules, that paper's App. B.2) lives here too:
 M adapters are all sent, trained with the E-step responsibilities and averaged; each client's router is
 its mixture weights π (learned by EM), and its prediction is Σ_m π_m softmax(f_m(x)).  Its client step is a
 declared program, as FedEM's: the E-step when the client prepares, then the M adapters train as one

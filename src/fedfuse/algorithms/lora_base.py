@@ -50,6 +50,7 @@ class LoraOptions:
 class LoraAlgorithm(Algorithm):
     """Base of the LoRA algorithms: the frozen base + LoRA wrapper is shared by every client in-process."""
 
+    extras = ("lora",)
 
     @dataclass
     class Options(LoraOptions):

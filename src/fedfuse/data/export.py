@@ -21,10 +21,12 @@ from fedfuse.data.datasets import load_dataset
 from fedfuse.data.flower_datasets import GROUP_COLUMN, _need
 from fedfuse.data.partition import make_partition
 from fedfuse.errors import UserError
+from fedfuse.extras import require_extra
 
 
 def export_partitions(cfg: Any, out: str | os.PathLike[str], overwrite: bool = False) -> Path:
     """Load ``cfg``'s dataset, partition it as a run would, and :func:`write_partitions` it to ``out``."""
+    require_extra("flower", "export-partitions")  # before loading any data
     ds = load_dataset(cfg.dataset, cfg.data_dir, **cfg.dataset_options)
     part = make_partition(cfg.partition, ds, cfg.clients, cfg.seed, **cfg.partition_options)
     return write_partitions(ds, part, out, overwrite=overwrite, command=_command(cfg))

@@ -21,6 +21,7 @@ import torch
 
 from fedfuse.data.dataset import Dataset, DatasetInfo, DatasetNotFoundError, cache_dir
 from fedfuse.errors import UserError
+from fedfuse.extras import import_extra
 from fedfuse.rng import numpy_rng
 
 __all__ = [
@@ -51,14 +52,9 @@ HF_OPTIONS: dict[str, object] = {
     "test_limit": None,
 }
 
-_INSTALL = "pip install 'fedfuse[flower]' (flwr-datasets and datasets)"
-
-
 def _need(module: str) -> Any:
-    try:
-        return __import__(module, fromlist=["_"])
-    except ImportError as e:
-        raise ImportError(f"{module} is not installed: {_INSTALL}") from e
+    """``module`` of the flower extra, or :class:`fedfuse.extras.MissingExtra` naming its install command."""
+    return import_extra(module, "flower", "Hugging Face datasets and Flower Datasets' partitioners")
 
 
 def is_hf_name(name: str) -> bool:

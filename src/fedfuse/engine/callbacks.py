@@ -4,8 +4,8 @@ Subclass :class:`Callback` and override any of its three methods; pass instances
 ``fedfuse.run(..., callbacks=[...])``.  Built-in loggers are chosen by name (``--log tensorboard,mlflow`` on the
 command line, ``log=["tensorboard"]`` in the API):
 
-- ``tensorboard``: scalars under ``<out>/tensorboard`` (needs the ``tensorboard`` package:
-  ``pip install fedfuse[tensorboard]``);
+- ``tensorboard``: scalars under ``<out>/tensorboard`` (needs the ``tensorboard`` extra:
+  ``pip install 'fedfuse[tensorboard]'``);
 - ``mlflow``: a run in the active MLflow tracking URI with the config as params (needs ``mlflow``);
 - ``csv``: ``<out>/metrics.csv``, one row per round (no dependency).
 
@@ -18,14 +18,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fedfuse.config import ConfigError, RunConfig
+from fedfuse.extras import require_extra
 
 
 class Callback:
     """Receives a run's lifecycle: ``on_run_start`` (resolved config), ``on_round`` (each round's metrics) and
     ``on_run_end`` (the summary, also after an error: then possibly partial)."""
+
+    #: the optional extra (or package) a built-in logger needs (:mod:`fedfuse.extras`); checked before a run starts
+    extra: ClassVar[str | None] = None
 
     def on_run_start(self, config: RunConfig) -> None:
         pass
@@ -101,11 +105,10 @@ class TensorBoardLogger(Callback):
     """Scalars per round (step = round) in ``log_dir`` (default ``<out>/tensorboard``), hyper-parameters at the
     end.  Uses ``torch.utils.tensorboard``, which needs the ``tensorboard`` package."""
 
+    extra = "tensorboard"
+
     def __init__(self, log_dir: str | Path | None = None) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-        except (ImportError, ModuleNotFoundError) as e:
-            raise ConfigError("--log tensorboard needs the tensorboard package: pip install tensorboard") from e
+        require_extra(self.extra, "--log tensorboard")
         self.log_dir = Path(log_dir) if log_dir else None
         self.writer: Any = None
         self.config: RunConfig | None = None
@@ -135,11 +138,10 @@ class MLflowLogger(Callback):
     """An MLflow run: the flattened config as params, every scalar metric per round (step = round), the
     summary's final block as ``final_*`` metrics.  Uses the active tracking URI (``MLFLOW_TRACKING_URI``)."""
 
+    extra = "mlflow"
+
     def __init__(self, experiment: str | None = None) -> None:
-        try:
-            import mlflow  # noqa: F401
-        except ImportError as e:
-            raise ConfigError("--log mlflow needs the mlflow package: pip install mlflow") from e
+        require_extra(self.extra, "--log mlflow")
         self.experiment = experiment
         self.active = False
 
@@ -179,18 +181,24 @@ class MLflowLogger(Callback):
 LOGGERS: dict[str, type[Callback]] = {"tensorboard": TensorBoardLogger, "mlflow": MLflowLogger, "csv": CSVLogger}
 
 
-def make_loggers(names: Sequence[str] | str | None, config: RunConfig | None = None) -> list[Callback]:
-    """Built-in loggers by name (a list or a comma-separated string).  Raises :class:`ConfigError` for an
-    unknown name or a logger whose package is not installed."""
+def logger_names(names: Sequence[str] | str | None) -> list[str]:
+    """The built-in logger names in ``names`` (a list or a comma-separated string), checked without building a
+    logger: raises :class:`ConfigError` for an unknown name and :class:`fedfuse.extras.MissingExtra` for a logger
+    whose extra is not installed (cheap: call it before any work)."""
     if not names:
         return []
     if isinstance(names, str):
-        names = [n for n in names.split(",")]
-    out: list[Callback] = []
-    for n in (x.strip().lower() for x in names):
-        if not n:
-            continue
+        names = names.split(",")
+    out = [x.strip().lower() for x in names if x.strip()]
+    for n in out:
         if n not in LOGGERS:
             raise ConfigError(f"--log: unknown logger {n!r}; choose from {', '.join(LOGGERS)}")
-        out.append(LOGGERS[n]())
+        extra = LOGGERS[n].extra
+        if extra:
+            require_extra(extra, f"--log {n}")
     return out
+
+
+def make_loggers(names: Sequence[str] | str | None, config: RunConfig | None = None) -> list[Callback]:
+    """Built-in loggers by name (a list or a comma-separated string), checked by :func:`logger_names`."""
+    return [LOGGERS[n]() for n in logger_names(names)]

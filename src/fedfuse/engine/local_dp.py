@@ -41,23 +41,21 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedfuse.engine.client import TrainConfig, TrainStats, task_loss
 from fedfuse.errors import UserError
+from fedfuse.extras import import_extra
 from fedfuse.types import Split, TensorDict
 
 
 def _opacus():  # -> module
-    try:
-        import opacus
-    except ImportError as e:  # pragma: no cover - the extra is installed in CI
-        raise UserError("dp=local needs Opacus: pip install 'fedfuse[dp]'") from e
-    return opacus
+    """Opacus, or :class:`fedfuse.extras.MissingExtra` naming ``pip install 'fedfuse[dp]'``."""
+    return import_extra("opacus", "dp", "dp=local")
 
 
 def check_local_dp(model: nn.Module) -> None:
     """Raise a :class:`~fedfuse.errors.UserError` with Opacus's reasons when it cannot compute per-sample
     gradients of ``model``."""
+    _opacus()
     from opacus.validators import ModuleValidator
 
-    _opacus()
     errors = ModuleValidator.validate(model, strict=False)
     if errors:
         why = "; ".join(sorted({str(e).splitlines()[0].split(". ")[0] for e in errors}))
@@ -136,9 +134,9 @@ def train_dp_sgd(model: nn.Module, split: Split, train: TrainConfig, gen: torch.
     accounted).  The noise comes from ``gen``; batch sampling from the global torch RNG (seeded per client step by
     every executor), so runs are reproducible — unless ``gen`` is a :func:`secure_generator`: then Opacus runs in
     secure mode and both the noise and the batches come from it."""
+    _opacus()
     from opacus import PrivacyEngine
 
-    _opacus()
     guard = _GUARD.get()
     if guard is not None:  # a device enforcing its own local DP: its check, its accountant, its randomness
         n = len(split)

@@ -36,9 +36,10 @@ from fedfuse.errors import DivergenceError, UserError
 from fedfuse.privacy.dp import DP_SAMPLINGS, DPSettings, central_epsilon
 from fedfuse.privacy.secure import SecAggAbort, SecAggSettings, secure_round
 from fedfuse.rng import numpy_rng
-from fedfuse.rundir import check_resume
+from fedfuse.rundir import BEST_VAL_LOSS_MODEL, check_resume
 from fedfuse.runtime.precision import resolve_precision, use_precision
 from fedfuse.runtime.threads import apply_threads, worker_threads
+from fedfuse.stats import best_round, final_mean, final_window, is_evaluation_metric, primary_metric
 from fedfuse.types import Federation, Message
 
 TIMING_KEYS = ("seconds", "wall_seconds")
@@ -568,6 +569,8 @@ class Experiment:
         return out
 
     def _track_best(self, rec: dict[str, Any]) -> None:
+        """Keep the record (and, with ``out``, the global model: ``model_best_val_loss.pt``) of the round with the
+        lowest validation loss: the model a run selects without looking at the test sets."""
         v = rec.get("val_loss")
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return
@@ -576,12 +579,16 @@ class Experiment:
             if self.out:
                 g = self.algo.global_model(self.state)
                 if g is not None:
-                    torch.save({"state": g[0], "meta": g[1], "round": rec["round"]}, self.out / "model_best.pt")
+                    torch.save({"state": g[0], "meta": g[1], "round": rec["round"]}, self.out / BEST_VAL_LOSS_MODEL)
 
     # ---- outputs -------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
+        """``summary.json``: the run's ``final`` (:func:`final_block`), ``last`` (the last evaluated round), ``best``
+        (the evaluated round with the highest accuracy, :func:`fedfuse.stats.primary_metric`) and ``best_val_loss``
+        (the round with the lowest validation loss, whose model is ``model_best_val_loss.pt``) blocks."""
         evaluated = [h for h in self.history if "personal_accuracy" in h]
-        final = evaluated[-1] if evaluated else (self.history[-1] if self.history else {})
+        last = evaluated[-1] if evaluated else (self.history[-1] if self.history else {})
+        metric = primary_metric(evaluated)
         return {
             "algorithm": self.cfg.algorithm,
             "dataset": self.cfg.dataset,
@@ -590,8 +597,10 @@ class Experiment:
             "task": self.fed.task,
             "clients": self.fed.num_clients,
             "rounds_completed": len(self.history),
-            "final": _block(final),
-            "best": _block(self.best or final),
+            "final": final_block(self.history, last),
+            "last": _block(last),
+            "best": {"metric": metric, **_block(best_round(evaluated, metric) or last)},
+            "best_val_loss": _block(self.best or last),
             "totals": dataclasses.asdict(self.totals),
             "wall_seconds": self.totals.wall_seconds,
             # what was asked for, what trained the clients and why a request was re-routed (engine/routing.py)
@@ -612,6 +621,20 @@ class Experiment:
 def outs_results(outs: dict[int, Any]) -> dict[int, Message]:
     """The reply part of an executor's ``{cid: (reply, client_state)}`` output."""
     return {c: o[0] for c, o in outs.items()}
+
+
+def final_block(history: Sequence[dict[str, Any]], last: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json``'s ``final``: every evaluation metric (:func:`fedfuse.stats.is_evaluation_metric`) as its
+    final value (:func:`fedfuse.stats.final_mean`: the mean of the last 5 evaluations, or of the later half of a
+    shorter run's), everything else (totals, parameter counts, diagnostics, wall time) as at the ``last``
+    evaluated round; ``window`` = how many evaluations the accuracies average (of the primary metric)."""
+    block = _block(last)
+    for key, v in block.items():
+        if is_evaluation_metric(key) and isinstance(v, int | float) and not isinstance(v, bool):
+            block[key] = final_mean(history, key)
+    metric = primary_metric(history)
+    block["window"] = final_window(sum(1 for h in history if h.get(metric) is not None))
+    return block
 
 
 def _block(rec: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""FedMerge (seed papers 000/001) against FedAvg, IFCA and FedEM, over several seeds.
+"""FedMerge (Chen et al., FedMerge: Federated Personalization via Model Merging; and
+FedMerge: Federated Model Merging for Personalization) against FedAvg, IFCA and FedEM, over several seeds.
 
 Parts (``--parts``, default ``mnist,cifar``):
 

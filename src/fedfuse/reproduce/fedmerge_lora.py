@@ -1,6 +1,7 @@
-"""FedMerge for foundation models (seed 001, foundation-model FL; seed 000's LLM part): merging LoRA adapters,
+"""FedMerge for foundation models (Chen et al., *FedMerge: Federated Model Merging for
+Personalization*, foundation-model FL): merging LoRA adapters,
 against Local, FedIT, FedLoRA and FedEM with a personalised router over LoRA modules, plus the
-parameter-scale study (d adapters for FedMerge vs LoRA rank for the single-adapter methods; 001 Table 1
+parameter-scale study (d adapters for FedMerge vs LoRA rank for the single-adapter methods; that paper's Table 1
 bottom and Fig. 5).
 
 Local task (no download, CPU): the base is the character LM of ``fedfuse pretrain`` (WikiText-2 + PTB); the
@@ -174,8 +175,9 @@ def rebuild(spec: dict[str, Any], cfg: RunConfig) -> tuple[RunConfig, Federation
     base whose weights differ from the recorded ones (:func:`base_state_sha256`) stops the re-run."""
     from dataclasses import replace
 
-    from fedfuse.config import resolve_device
+    from fedfuse.config import check_extras, resolve_device
 
+    check_extras(cfg)  # before pretraining a missing base
     if spec.get("task") not in ("roles", "tasks"):
         raise SystemExit(f"fedfuse results verify: cannot rebuild the LoRA federation {spec}")
     data_dir = cfg.data_dir or data_root(argparse.Namespace(data_dir=None))
@@ -265,7 +267,7 @@ def plot_scale(rt: ResultTable, path: Path, rank: int) -> None:
     families: dict[str, dict[float, list[float]]] = {}
     for label, runs in rt.results.items():  # one line per method variant: the label without its d / m / r value
         for r in runs:
-            f = r.summary.get("final", {})
+            f = r.last  # the table's metric is the last evaluation (Table.last = 1)
             if f.get("personal_perplexity") is None:
                 continue
             unit = f["adapter_parameters"] * 8 / max(int(r.config.algorithm_options.get("rank", rank)), 1)
@@ -288,4 +290,4 @@ def plot_scale(rt: ResultTable, path: Path, rank: int) -> None:
 
 
 FAMILY = Family("FedMerge on LoRA adapters vs Local/FedIT/FedLoRA/FedEM-LoRA; parameter-scale sweep (d vs rank)",
-                tables, add_arguments, extra, docs="lora")
+                tables, add_arguments, extra, docs="lora", extras=("lora",))

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfuse.cached_runs import run_cached, run_dir_name
-from fedfuse.config import RunConfig, apply, validate
+from fedfuse.cached_runs import Progress, run_cached, run_dir_name
+from fedfuse.config import RunConfig, apply, check_extras, validate
+from fedfuse.extras import require_extra
 from fedfuse.result import Result
 from fedfuse.result_table import ResultTable
 from fedfuse.stats import paired_test, stability
@@ -92,6 +93,9 @@ class Family:
     docs: str = ""  # the docs page of the family (default: the name's first word)
     seeds: str = "3"  # the default --seeds of the full preset
     quick_seeds: str = "1"  # ... and of --quick
+    #: optional extras every run of the family needs (:mod:`fedfuse.extras`), checked before its tables are built
+    #: (building them may read corpora; running them may pretrain a base first)
+    extras: tuple[str, ...] = ()
 
 
 # ---- running ---------------------------------------------------------------------------------------------------
@@ -109,10 +113,12 @@ def execute(table: Table, seeds: Sequence[int], store: Path, *, reuse: bool, fre
         return sweep.execute(out=out, store=store, jobs=jobs, progress=progress, verbose=True)
     # Sweep.execute builds each run's federation from its config; these runs bring their own (same store)
     sweep.results = {p.label: [] for p in sweep.points}
-    for label, cfg in sweep.configs():
+    plan = sweep.configs()
+    counter = Progress(len(plan))
+    for label, cfg in plan:
         cfg.out = str(store / run_dir_name(cfg))
         sweep.results[label].append(run_cached(cfg, progress=progress, fed=table.federation(cfg)))
-        print(f"  done: {label} seed {cfg.seed}", file=sys.stderr)
+        print(counter.line(label, cfg.seed), file=sys.stderr)
     return sweep
 
 
@@ -124,12 +130,12 @@ DERIVED: dict[str, Callable[[list[dict[str, Any]]], Any]] = {
 
 
 def last_value(r: Result, key: str) -> Any:
-    """The last recorded value of ``key`` in a run's history (its summary's final record when absent), or a
+    """The last recorded value of ``key`` in a run's history (else its summary's last evaluated round), or a
     :data:`DERIVED` column."""
     if key in DERIVED:
         return DERIVED[key](r.history)
     found = next((h[key] for h in reversed(r.history) if h.get(key) is not None), None)
-    return found if found is not None else r.summary.get("final", {}).get(key)
+    return found if found is not None else r.last.get(key)
 
 
 def _fmt(v: Any, scale: float) -> str:
@@ -183,12 +189,16 @@ def section(table: Table, rt: ResultTable) -> str:
     return text
 
 
-def run(family: Family, args: Any, *, reuse: bool, default_out: str) -> int:
+def run(family: Family, args: Any, *, reuse: bool, default_out: str, name: str = "") -> int:
     """Run the preset ``family.tables(args)`` selects; write every table and ``tables.md`` below ``--out``
-    (default ``default_out``).  ``reuse``: keep finished runs of the same config, resume interrupted ones."""
+    (default ``default_out``).  ``reuse``: keep finished runs of the same config, resume interrupted ones.
+    ``name``: the family's command name (``fedfuse reproduce NAME``), for messages."""
     from fedfuse.reproduce.common import seeds as seeds_of
 
+    for extra in family.extras:
+        require_extra(extra, f"reproduce {name}".strip())
     tables = family.tables(args)
+    check_extras(*(table.config(label) for table in tables for label in table.rows))  # before any run
     seeds = seeds_of(args)
     out = Path(args.out or default_out)
     out.mkdir(parents=True, exist_ok=True)
