@@ -60,7 +60,7 @@ def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source
     for key in RESUME_FIXED + (DP_RESUME_FIXED if dp else ()):
         if key in saved and key in new and plain(saved[key]) != plain(new[key]):
             why = " (the privacy accounting of the rounds already run depends on it)" if (
-                dp and (key.startswith("dp") or key in DP_RESUME_FIXED + ("clients", "clients_per_round"))) else ""
+                dp and (key.startswith("dp") or key in (*DP_RESUME_FIXED, "clients", "clients_per_round"))) else ""
             raise ConfigError(f"--resume: {source} was written with {key}={saved[key]!r} but this run has "
                               f"{key}={new[key]!r}{why}; a checkpoint resumes only the run that wrote it")
     if cfg.rounds < done_rounds:

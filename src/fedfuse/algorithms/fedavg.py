@@ -21,14 +21,14 @@ Central differential privacy (``dp=central``, docs/privacy.md): the mean becomes
 std ``dp_noise``·C added, divided by the configured clients per round (weight 1/m each: ``weighting`` does not
 apply, sample weights would make one client's influence unbounded); see :mod:`fedfuse.fusion.privacy`.  The
 noise is drawn on the server from a :class:`~fedfuse.fusion.privacy.SecureGaussian` (OS randomness nobody can
-regenerate), or, in the research mode ``dp_reproducible`` (no guarantee), from ``(seed, "dp-noise", round, stage)``;
-every round releases a noised aggregate, an empty one included; the server optimiser (``server_lr``; FedAvgM's, FedAdam's, ...) then steps on the noised update's parameters.
-The clip and what the mechanism did live in the server state (``state["dp"]``, checkpointed) and reach
-``metrics.jsonl`` as ``dp_*``.
+regenerate), or, in the research mode ``dp_reproducible`` (no guarantee), from ``(seed, "dp-noise", round,
+stage)``; every round releases a noised aggregate, an empty one included.  The server optimiser (``server_lr``;
+FedAvgM's, FedAdam's, ...) then steps on the noised update's parameters.  The clip and what the mechanism did
+live in the server state (``state["dp"]``, checkpointed) and reach ``metrics.jsonl`` as ``dp_*``.
 
 Secure aggregation (``secagg=true``, :mod:`fedfuse.privacy.secure`): each client contributes n_i·(θ_i − θ) and n_i
-(under central DP: its clipped update and its centred bit b_i − ½, +½ if it was left unclipped) to a masked sum; the server's
-:meth:`FedAvg.aggregate_sum` sees only the decoded sums, then applies the same server optimiser.
+(under central DP: its clipped update and its centred bit b_i − ½, +½ if it was left unclipped) to a masked sum;
+the server's :meth:`FedAvg.aggregate_sum` sees only the decoded sums, then applies the same server optimiser.
 
 Local differential privacy (``dp=local``): every client trains with DP-SGD through Opacus (per-sample clipping at
 ``dp_clip``, noise ``dp_noise``, Poisson-sampled batches; :mod:`fedfuse.engine.local_dp`) instead of the standard
