@@ -21,7 +21,7 @@ import torch
 
 import fedfuse.algorithms.fedavg as fedavg_module
 from fedfuse.config import ConfigError, RunConfig, apply, validate
-from fedfuse.engine.loop import DP_WITHHELD
+from fedfuse.engine.loop import DP_WITHHELD, DP_WITHHELD_PREFIXES
 from fedfuse.fusion.privacy import noised_keys
 from fedfuse.privacy.dp import events_epsilon, round_event
 from fedfuse.rng import derive_seed
@@ -102,11 +102,12 @@ def test_the_research_mode_repeats_and_says_it_has_no_guarantee(tmp_path) -> Non
 
 
 def test_the_records_withhold_what_touches_individual_clients(tmp_path) -> None:
-    exp = experiment(_cfg(tmp_path, "guarded", rounds=2, dp_quantile=0.5, dp_count_noise=1.0))
+    exp = experiment(_cfg(tmp_path, "guarded", rounds=2, dp_quantile=0.5, dp_count_noise=1.0, secagg=True))
     exp.run()
     for line in (tmp_path / "guarded" / "metrics.jsonl").open():
         rec = json.loads(line)
         assert not set(rec) & set(DP_WITHHELD), set(rec) & set(DP_WITHHELD)
+        assert not any(k.startswith(DP_WITHHELD_PREFIXES) for k in rec)
         assert {"dp_epsilon", "dp_clip", "dp_unclipped_fraction", "dp_noise_std"} <= set(rec)
     exp = experiment(_cfg(tmp_path, "debug", rounds=2, dp_quantile=0.5, dp_count_noise=1.0, dp_debug_metrics=True))
     exp.run()

@@ -46,8 +46,9 @@ TIMING_KEYS = ("seconds", "wall_seconds")
 DP_WITHHELD = ("clients", "replied", "dropped", "late", "delivered_late", "quarantined", "train_loss", "bytes_down",
                "bytes_up", "bytes_peer", "client_flops", "total_bytes_down", "total_bytes_up", "total_bytes_peer",
                "total_client_flops", "total_dropped", "total_late", "total_quarantined", "dp_clipped",
-               "client_test_accuracy", "secagg_survivors", "secagg_recovered", "secagg_dropped",
-               "communicated_parameters_per_client", "optimised_parameters_per_client", "clients_without_test")
+               "client_test_accuracy", "communicated_parameters_per_client", "optimised_parameters_per_client",
+               "clients_without_test")
+DP_WITHHELD_PREFIXES = ("secagg_",)  # SecAgg's counts of clients, nodes and survivors, and its abort message
 NO_GUARANTEE = "no privacy guarantee"
 MAX_ROLLBACKS = 8  # on_divergence=rollback halves the lr at most this many times in one round
 log = logging.getLogger("fedfuse")
@@ -410,7 +411,7 @@ class Experiment:
         if not dp.central:
             return rec
         if not dp.debug_metrics:
-            rec = {k: v for k, v in rec.items() if k not in DP_WITHHELD}
+            rec = {k: v for k, v in rec.items() if k not in DP_WITHHELD and not k.startswith(DP_WITHHELD_PREFIXES)}
         rec["dp_guarantee"] = dp.guarantee
         return rec
 
