@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-import fedfuse.algorithms.fedavg as fedavg_module
+import fedfuse.privacy.central as central_module
 from fedfuse.config import ConfigError, RunConfig, apply, validate
 from fedfuse.engine.loop import DP_WITHHELD, DP_WITHHELD_PREFIXES
 from fedfuse.fusion.privacy import noised_keys
@@ -42,14 +42,14 @@ def _attack(tmp_path, monkeypatch, name: str, **kw) -> tuple[float, float]:
     stage)`` and subtracts it.  Returns (RMS error of the attack against the noiseless model the server computed,
     the noise std on the mean)."""
     seen: dict = {}
-    inner = fedavg_module.noised_mean
+    inner = central_module.noised_mean
 
     def spy(base, clipped_sum, centred, **k):  # what the server held before noising: the noiseless mean
         seen["noiseless"] = {key: base[key].double() + clipped_sum[key].double() / k["denominator"]
                              for key in clipped_sum}
         return inner(base, clipped_sum, centred, **k)
 
-    monkeypatch.setattr(fedavg_module, "noised_mean", spy)
+    monkeypatch.setattr(central_module, "noised_mean", spy)
     exp = experiment(_cfg(tmp_path, name, **kw))
     exp.run()
     out = tmp_path / name

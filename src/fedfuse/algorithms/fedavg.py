@@ -45,10 +45,10 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.engine.local_dp import check_local_dp, train_dp_sgd
 from fedfuse.engine.program import ClientProgram
 from fedfuse.errors import UserError
-from fedfuse.fusion.privacy import Noise, SecureGaussian, dp_contribution, noised_keys, noised_mean
+from fedfuse.fusion.privacy import noised_keys
 from fedfuse.fusion.server import ServerOptimizer, ServerRule, ServerSGD
 from fedfuse.options import opt
-from fedfuse.rng import derive_seed
+from fedfuse.privacy.central import CentralDP
 from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, yes
 
 SECAGG_COUNT = "secagg/count"  # the summed weight (n_i) or, under central DP, the centred count Σ (b_i − ½)
@@ -144,56 +144,34 @@ class FedAvg(Algorithm):
                                     clip=self.ctx.dp.clip)
         return Message(state, stats=self.fit_stats(model, data, stats)), client_state
 
-    # ---- central DP (dp=central) ---------------------------------------------------------------------------
+    # ---- central DP (dp=central): the shared mechanism of fedfuse.privacy.central -----------------------------
+    @property
+    def central_dp(self) -> CentralDP:
+        """The run's central-DP step (clip → noised sum → fixed denominator m), one per algorithm instance."""
+        mech = self.__dict__.get("_central_dp")
+        if mech is None:
+            mech = self.__dict__["_central_dp"] = CentralDP(self.ctx.dp, self.ctx.clients_per_round, self.ctx.seed)
+        return mech
+
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
         if not self.ctx.dp.central:
             return super().configure_fit(state, info, clients)
-        msg = Message(state["global"], {"dp_clip": self._dp_clip(state)})  # clients clip themselves under SecAgg
+        msg = Message(state["global"], self.central_dp.meta(state))  # clients clip themselves under SecAgg
         return {c: msg for c in clients}
 
-    def _dp_clip(self, state: ServerState) -> float:
-        return float((state.get("dp") or {}).get("clip", self.ctx.dp.clip))
-
     def dp_aggregate(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
-        """DP-FedAvg's round: clipped updates, Gaussian noise on their sum, a fixed denominator m, then the server
-        optimiser on the noised update; the (adaptive) clip and the round's record go to ``state["dp"]``.  With no
-        results the sum is zero and the round releases noise around the current model."""
-        total = {k: torch.zeros_like(state["global"][k], dtype=torch.float64) for k in noised_keys(state["global"])}
-        clip, centred = self._dp_clip(state), 0.0
-        for r in results.values():
-            upd, bit, _ = dp_contribution(r.tensors, state["global"], clip)
-            centred += bit
-            for k, v in upd.items():
-                total[k].add_(v)
-        return self._dp_finish(state, info, total, centred, len(results))
+        """DP-FedAvg's round: the mechanism's noised mean of the replies (noise around the model when there is
+        none), then the server optimiser on it."""
+        avg, record = self.central_dp.mean(state, state["global"], [r.tensors for r in results.values()],
+                                           info.index, info.stage)
+        return self.dp_step(state, info, avg, record, len(results))
 
-    def _dp_noise(self, info: RoundInfo) -> Noise:
-        """The round's noise: one secure source for the run (never seeded, never stored), or in the research mode
-        ``dp_reproducible`` a generator seeded from ``(seed, "dp-noise", round, stage)``."""
-        if self.ctx.dp.reproducible:
-            return torch.Generator().manual_seed(derive_seed(self.ctx.seed, "dp-noise", info.index, info.stage))
-        source = self.__dict__.get("_secure_noise")
-        if source is None:
-            source = self.__dict__["_secure_noise"] = SecureGaussian()
-        return source
-
-    def _dp_finish(self, state: ServerState, info: RoundInfo, total: TensorDict, centred: float,
-                   replies: int | None) -> ServerState:
-        """The server's half of DP-FedAvg from the clipped sum and the centred count Σ (b_i − ½) (the same with or
-        without secure aggregation)."""
-        dp, m, clip = self.ctx.dp, self.ctx.clients_per_round, self._dp_clip(state)
-        avg, std, frac, nxt = noised_mean(state["global"], total, centred, clip=clip, noise_multiplier=dp.noise,
-                                          denominator=m, gen=self._dp_noise(info), quantile=dp.quantile,
-                                          clip_lr=dp.clip_lr,
-                                          count_std=dp.count_std(m))
+    def dp_step(self, state: ServerState, info: RoundInfo, avg: TensorDict, record: dict[str, float],
+                replies: int | None) -> ServerState:
+        """The server optimiser on the noised mean (post-processing); the mechanism's record to ``state["dp"]``."""
         avg, opt_state = ServerRule(optimizer=self.server_optimizer()).step(
             state["global"], avg, state.get("server_opt"), param_keys=self.ctx.param_keys(), round=info.index,
             num_clients=replies or 0)
-        record: dict[str, float] = {"clip": nxt if nxt is not None else clip, "clip_used": clip, "noise_std": std}
-        if replies is not None:  # a diagnostic of the simulation (withheld unless dp_debug_metrics)
-            record["clipped"] = round(replies / 2 - centred)
-        if frac is not None:
-            record["unclipped_fraction"] = frac
         return self._with_optimizer_state({**state, "global": avg, "dp": record}, opt_state)
 
     # ---- secure aggregation (secagg=true; fedfuse.privacy.secure) ----------------------------------------------
@@ -202,7 +180,7 @@ class FedAvg(Algorithm):
         clipped update (at the clip the server sent) and its centred bit b_i − ½ (+½ unclipped, −½ clipped)."""
         base = sent.tensors
         if self.ctx.dp.central:
-            upd, bit, _ = dp_contribution(reply.tensors, base, float(sent.meta["dp_clip"]))
+            upd, bit = self.central_dp.contribution(base, reply.tensors, sent.meta)
             return {**upd, SECAGG_COUNT: torch.tensor([bit], dtype=torch.float64)}
         w = 1.0 if self.opt.weighting == "uniform" else float(reply.num_examples)
         out = {k: (reply.tensors[k].double() - base[k].double()) * w if k in reply.tensors
@@ -215,7 +193,8 @@ class FedAvg(Algorithm):
         count = float(total[SECAGG_COUNT].sum())
         sums = {k: v for k, v in total.items() if k != SECAGG_COUNT}
         if self.ctx.dp.central:
-            return self._dp_finish(state, info, sums, count, None)
+            avg, record = self.central_dp.mean_of_sums(state, state["global"], sums, count, info.index, info.stage)
+            return self.dp_step(state, info, avg, record, None)
         if count <= 0:
             return state
         base = state["global"]
