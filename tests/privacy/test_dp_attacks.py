@@ -23,7 +23,7 @@ import fedfuse.privacy.central as central_module
 from fedfuse.config import ConfigError, RunConfig, apply, validate
 from fedfuse.engine.loop import DP_WITHHELD, DP_WITHHELD_PREFIXES
 from fedfuse.fusion.privacy import noised_keys
-from fedfuse.privacy.dp import events_epsilon, round_event
+from fedfuse.privacy.dp import DPSettings, events_epsilon, round_event
 from fedfuse.rng import derive_seed
 from fedfuse.runner import experiment
 
@@ -180,3 +180,10 @@ def test_dp_settings_that_would_break_the_analysis_are_refused() -> None:
         validate(apply(RunConfig(), {**ok, "quorum": 2}))
     with pytest.raises(ConfigError, match=r"^late_replies: under dp=central"):
         validate(apply(RunConfig(), {**ok, "late_replies": "next-round", "stragglers": 0.1, "deadline": 1.0}))
+
+
+def test_only_a_noised_unseeded_unpublished_run_claims_a_guarantee() -> None:
+    assert DPSettings(mode="central", noise=1.0).guarantee
+    for weaker in (dict(noise=0.0), dict(reproducible=True), dict(debug_metrics=True)):
+        assert not DPSettings(**{"mode": "central", "noise": 1.0, **weaker}).guarantee, weaker
+    assert not DPSettings(mode="none").guarantee

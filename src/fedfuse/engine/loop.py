@@ -191,8 +191,9 @@ class Experiment:
         # central DP's client sampling: from the OS unless the research mode (the run seed) is asked for
         self.dp_select_rng = secure_numpy_rng() if self.ctx.dp.central and not self.ctx.dp.reproducible else None
         if self.ctx.dp.central and not self.ctx.dp.guarantee:
-            log.warning("dp=central with %s: %s (the outputs say so)", "dp_reproducible=true (noise and sampling "
-                        "from the run seed)" if self.ctx.dp.reproducible else "dp_debug_metrics=true", NO_GUARANTEE)
+            why = ("dp_reproducible=true (noise and sampling from the run seed)" if self.ctx.dp.reproducible else
+                   "dp_debug_metrics=true" if self.ctx.dp.debug_metrics else "dp_noise=0")
+            log.warning("dp=central with %s: %s (the outputs say so)", why, NO_GUARANTEE)
         self.secagg = SecAggSettings(self.cfg.secagg_threshold, self.cfg.secagg_neighbors, self.cfg.secagg_frac_bits)
         if self.ctx.dp.central and self.sampler.name not in DP_SAMPLINGS:
             raise ConfigError(f"sampling: central DP is accounted for sampling {' or '.join(DP_SAMPLINGS)}; "
@@ -668,7 +669,9 @@ class Experiment:
                                  "seed, which anyone holding config.yaml or a record can regenerate")
         elif dp.debug_metrics:
             out["dp_warning"] = f"{NO_GUARANTEE}: dp_debug_metrics=true publishes un-noised per-client metrics"
-        else:
+        elif dp.noise <= 0:
+            out["dp_warning"] = f"{NO_GUARANTEE}: dp_noise=0 clips the updates but adds no noise (ε = ∞)"
+        if not dp.debug_metrics:
             out["totals"] = {"wall_seconds": self.totals.wall_seconds}
         return out
 

@@ -63,9 +63,9 @@ class DPSettings:
 
     @property
     def guarantee(self) -> bool:
-        """Whether the run may claim its (ε, δ): DP is on, its randomness cannot be regenerated from the run seed
-        and nothing un-noised about individual clients is published."""
-        return self.mode != "none" and not self.reproducible and not self.debug_metrics
+        """Whether the run may claim its (ε, δ): DP is on with noise, its randomness cannot be regenerated from the
+        run seed and nothing un-noised about individual clients is published."""
+        return self.mode != "none" and self.noise > 0 and not self.reproducible and not self.debug_metrics
 
     def count_std(self, per_round: int) -> float:
         """σ_b: the configured ``count_noise``, or m/20 (Andrew et al. 2021's recommendation)."""
