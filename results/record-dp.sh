@@ -17,8 +17,8 @@ for c in 0.1 0.5; do
     fedfuse results record --table dp-fedavg-mnist1000 --cell "epsilon=$e,clip=$c" --commit "$COMMIT" \
       "$DIR"/eps$e-clip$c-seed{0,1,2}
   done
-  fedfuse results record --table dp-fedavg-mnist1000 --cell "epsilon=∞: clipping only (z = 0),clip=$c" \
+  fedfuse results record --table dp-fedavg-mnist1000 --cell "epsilon=clipping-only,clip=$c" \
     --commit "$COMMIT" "$DIR"/epsinf-clip$c-seed{0,1,2}
 done
-fedfuse results record --table dp-fedavg-mnist1000 --cell "epsilon=∞: no DP (plain FedAvg),clip=—" \
+fedfuse results record --table dp-fedavg-mnist1000 --cell "epsilon=no-DP,clip=none" \
   --commit "$COMMIT" "$DIR"/nodp-seed{0,1,2}
