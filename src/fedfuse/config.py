@@ -155,6 +155,11 @@ class RunConfig:
     dp_delta: float = opt(1e-5, "δ at which ε is reported", gt=0.0, lt=1.0)
     dp_accountant: str = opt("rdp", "privacy accountant of dp-accounting: rdp or pld (pld: sampling=poisson)",
                              choices=("rdp", "pld"))
+    dp_reproducible: bool = opt(False, "research mode: central DP noise and client sampling drawn from the run seed, "
+                                       "so a DP run repeats bit for bit; anyone holding the seed (config.yaml, "
+                                       "records) can remove the noise: NO privacy guarantee (the outputs say so)")
+    dp_debug_metrics: bool = opt(False, "central DP: publish the per-client metrics it withholds (participant ids "
+                                        "and counts, clipped count, training loss): NO privacy guarantee")
     secagg: bool = opt(False, "secure aggregation (SecAgg/SecAgg+ simulated in-process; Flower's SecAgg+ on "
                               "Flower): the server receives "
                               "only masked vectors and learns only their sum")
@@ -606,6 +611,13 @@ def _check_central_dp(cfg: RunConfig) -> None:
                           f"{cfg.sampling!r}")
     if cfg.dp_accountant == "pld" and cfg.sampling != "poisson":
         raise ConfigError("dp_accountant: pld covers Poisson sampling only; add --set sampling=poisson or use rdp")
+    if cfg.late_replies == "next-round":
+        raise ConfigError("late_replies: under dp=central a straggler's reply would join a round it was not sampled "
+                          "for, which the accountant's sampling probability does not cover; use late_replies=drop")
+    if cfg.quorum > 1:
+        raise ConfigError(f"quorum: under dp=central every round releases the noised sum of whoever replied; skipping "
+                          f"a round with fewer than quorum={cfg.quorum} replies would let one client's presence "
+                          f"change the release by quorum·C, beyond the accounted sensitivity C; drop quorum")
     if cfg.dp_quantile > 0 and cfg.dp_noise > 0:
         sigma_b = cfg.dp_count_noise or cfg.clients_per_round / 20
         if 2 * sigma_b <= cfg.dp_noise:
@@ -709,6 +721,7 @@ _HASH_NEUTRAL_DEFAULTS: dict[str, object] = {
     "precision": "fp32", "memory_format": "auto", "fp32_matmul": "ieee",
     "secagg_frac_bits": 24, "secagg_neighbors": 0, "secagg_threshold": 0.5,
     "secagg_min_clients": 3, "secagg_max_weight": 0, "norm_max": 100.0,
+    "dp_reproducible": False, "dp_debug_metrics": False,
 }
 """Run keys added after configs were first hashed: left out of :func:`config_hash` while at these defaults (a
 run that leaves them alone computes what it did before they existed), so earlier caches and result records keep

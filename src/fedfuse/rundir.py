@@ -50,17 +50,22 @@ RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "client
                 "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients", "dp", "secagg",
                 "dp_noise", "dp_clip", "dp_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_accountant",
                 "precision", "memory_format", "fp32_matmul", "secagg_threshold", "secagg_neighbors",
-                "secagg_frac_bits")
+                "secagg_frac_bits", "dp_reproducible", "dp_debug_metrics")
+#: what else ε depends on, fixed when the checkpoint's run used DP (a change would rewrite the accounting)
+DP_RESUME_FIXED = ("sampling",)
 
 
 def check_resume(saved: dict[str, Any], cfg: RunConfig, done_rounds: int, source: str) -> None:
     """Raise :class:`ConfigError` unless a checkpoint's config ``saved`` belongs to run ``cfg`` (same algorithm,
     model, data, ...) and ``cfg.rounds`` is at least the ``done_rounds`` already completed."""
     new = cfg.to_dict()
-    for key in RESUME_FIXED:
+    dp = saved.get("dp", "none") not in (None, "none") or new.get("dp") != "none"
+    for key in RESUME_FIXED + (DP_RESUME_FIXED if dp else ()):
         if key in saved and key in new and plain(saved[key]) != plain(new[key]):
+            why = " (the privacy accounting of the rounds already run depends on it)" if (
+                dp and (key.startswith("dp") or key in (*DP_RESUME_FIXED, "clients", "clients_per_round"))) else ""
             raise ConfigError(f"--resume: {source} was written with {key}={saved[key]!r} but this run has "
-                              f"{key}={new[key]!r}; a checkpoint resumes only the run that wrote it")
+                              f"{key}={new[key]!r}{why}; a checkpoint resumes only the run that wrote it")
     if cfg.rounds < done_rounds:
         raise ConfigError(f"rounds: {cfg.rounds} is fewer than the {done_rounds} rounds the checkpoint already "
                           f"completed; give --rounds >= {done_rounds}")

@@ -73,7 +73,8 @@ def test_limbs_pass_flowers_quantiser_and_ring_exactly(nodes: int) -> None:
     assert torch.equal(secure.from_limbs(means, nodes), summed)
 
 
-@pytest.mark.parametrize("extra", [{}, {"dp": "central", "dp_noise": 0.7, "dp_clip": 0.3, "sampling": "poisson"},
+@pytest.mark.parametrize("extra", [{}, {"dp": "central", "dp_noise": 0.7, "dp_clip": 0.3, "sampling": "poisson",
+                                        "dp_reproducible": True, "dp_debug_metrics": True},  # seeded noise, counts
                                    {"secagg_neighbors": 2, "algorithm": "fedadam",
                                     "algorithm_options": {"tau": 1e-3}}])
 def test_secagg_plus_on_flower_equals_simulated_secagg_and_the_plain_run(extra) -> None:

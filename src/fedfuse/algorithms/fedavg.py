@@ -20,14 +20,15 @@ Central differential privacy (``dp=central``, docs/privacy.md): the mean becomes
 2018) — every update clipped to ``dp_clip`` (or an adaptive clip, Andrew et al. 2021), summed, Gaussian noise of
 std ``dp_noise``·C added, divided by the configured clients per round (weight 1/m each: ``weighting`` does not
 apply, sample weights would make one client's influence unbounded); see :mod:`fedfuse.fusion.privacy`.  The
-noise is drawn on the server from ``(seed, "dp-noise", round, stage)``, so every executor gives the same run;
-the server optimiser (``server_lr``; FedAvgM's, FedAdam's, ...) then steps on the noised update's parameters.
-The clip and what the mechanism did live in the server state (``state["dp"]``, checkpointed) and reach
-``metrics.jsonl`` as ``dp_*``.
+noise is drawn on the server from a :class:`~fedfuse.fusion.privacy.SecureGaussian` (OS randomness nobody can
+regenerate), or, in the research mode ``dp_reproducible`` (no guarantee), from ``(seed, "dp-noise", round,
+stage)``; every round releases a noised aggregate, an empty one included.  The server optimiser (``server_lr``;
+FedAvgM's, FedAdam's, ...) then steps on the noised update's parameters.  The clip and what the mechanism did
+live in the server state (``state["dp"]``, checkpointed) and reach ``metrics.jsonl`` as ``dp_*``.
 
 Secure aggregation (``secagg=true``, :mod:`fedfuse.privacy.secure`): each client contributes n_i·(θ_i − θ) and n_i
-(under central DP: its clipped update and whether it was left unclipped) to a masked sum; the server's
-:meth:`FedAvg.aggregate_sum` sees only the decoded sums, then applies the same server optimiser.
+(under central DP: its clipped update and its centred bit b_i − ½, +½ if it was left unclipped) to a masked sum;
+the server's :meth:`FedAvg.aggregate_sum` sees only the decoded sums, then applies the same server optimiser.
 
 Local differential privacy (``dp=local``): every client trains with DP-SGD through Opacus (per-sample clipping at
 ``dp_clip``, noise ``dp_noise``, Poisson-sampled batches; :mod:`fedfuse.engine.local_dp`) instead of the standard
@@ -44,13 +45,13 @@ from fedfuse.algorithms.base import Algorithm, ClientState, RoundInfo, ServerSta
 from fedfuse.engine.local_dp import check_local_dp, train_dp_sgd
 from fedfuse.engine.program import ClientProgram
 from fedfuse.errors import UserError
-from fedfuse.fusion.privacy import clipped_update, noised_keys, noised_mean
+from fedfuse.fusion.privacy import noised_keys
 from fedfuse.fusion.server import ServerOptimizer, ServerRule, ServerSGD
 from fedfuse.options import opt
-from fedfuse.rng import derive_seed
+from fedfuse.privacy.central import CentralDP
 from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, yes
 
-SECAGG_COUNT = "secagg/count"  # the summed weight (n_i) or, under central DP, the count of unclipped updates
+SECAGG_COUNT = "secagg/count"  # the summed weight (n_i) or, under central DP, the centred count Σ (b_i − ½)
 
 
 class FedAvg(Algorithm):
@@ -117,10 +118,10 @@ class FedAvg(Algorithm):
                           int_policy=self.opt.int_policy, optimizer=self.server_optimizer())
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        if self.ctx.dp.central:  # even with no reply: every round releases a noised aggregate
+            return self.dp_aggregate(state, info, results)
         if not results:
             return state
-        if self.ctx.dp.central:
-            return self.dp_aggregate(state, info, results)
         new, opt_state = self.server_rule().apply(
             state["global"], [r.tensors for r in results.values()], self.client_weights(results),
             state.get("server_opt"), param_keys=self.ctx.param_keys(), round=info.index)
@@ -143,55 +144,44 @@ class FedAvg(Algorithm):
                                     clip=self.ctx.dp.clip)
         return Message(state, stats=self.fit_stats(model, data, stats)), client_state
 
-    # ---- central DP (dp=central) ---------------------------------------------------------------------------
+    # ---- central DP (dp=central): the shared mechanism of fedfuse.privacy.central -----------------------------
+    @property
+    def central_dp(self) -> CentralDP:
+        """The run's central-DP step (clip → noised sum → fixed denominator m), one per algorithm instance."""
+        mech = self.__dict__.get("_central_dp")
+        if mech is None:
+            mech = self.__dict__["_central_dp"] = CentralDP(self.ctx.dp, self.ctx.clients_per_round, self.ctx.seed)
+        return mech
+
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
         if not self.ctx.dp.central:
             return super().configure_fit(state, info, clients)
-        msg = Message(state["global"], {"dp_clip": self._dp_clip(state)})  # clients clip themselves under SecAgg
+        msg = Message(state["global"], self.central_dp.meta(state))  # clients clip themselves under SecAgg
         return {c: msg for c in clients}
 
-    def _dp_clip(self, state: ServerState) -> float:
-        return float((state.get("dp") or {}).get("clip", self.ctx.dp.clip))
-
     def dp_aggregate(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
-        """DP-FedAvg's round: clipped updates, Gaussian noise on their sum, a fixed denominator m, then the server
-        optimiser on the noised update; the (adaptive) clip and the round's record go to ``state["dp"]``."""
-        total = {k: torch.zeros_like(state["global"][k], dtype=torch.float64) for k in noised_keys(state["global"])}
-        clip, unclipped = self._dp_clip(state), 0
-        for r in results.values():
-            upd, norm = clipped_update(r.tensors, state["global"], clip)
-            unclipped += int(norm <= clip)
-            for k, v in upd.items():
-                total[k].add_(v)
-        return self._dp_finish(state, info, total, unclipped, len(results))
+        """DP-FedAvg's round: the mechanism's noised mean of the replies (noise around the model when there is
+        none), then the server optimiser on it."""
+        avg, record = self.central_dp.mean(state, state["global"], [r.tensors for r in results.values()],
+                                           info.index, info.stage)
+        return self.dp_step(state, info, avg, record, len(results))
 
-    def _dp_finish(self, state: ServerState, info: RoundInfo, total: TensorDict, unclipped: float,
-                   replies: int | None) -> ServerState:
-        """The server's half of DP-FedAvg from the clipped sum (the same with or without secure aggregation)."""
-        dp, m, clip = self.ctx.dp, self.ctx.clients_per_round, self._dp_clip(state)
-        gen = torch.Generator().manual_seed(derive_seed(self.ctx.seed, "dp-noise", info.index, info.stage))
-        avg, std, frac, nxt = noised_mean(state["global"], total, unclipped, clip=clip, noise_multiplier=dp.noise,
-                                          denominator=m, gen=gen, quantile=dp.quantile, clip_lr=dp.clip_lr,
-                                          count_std=dp.count_std(m))
+    def dp_step(self, state: ServerState, info: RoundInfo, avg: TensorDict, record: dict[str, float],
+                replies: int | None) -> ServerState:
+        """The server optimiser on the noised mean (post-processing); the mechanism's record to ``state["dp"]``."""
         avg, opt_state = ServerRule(optimizer=self.server_optimizer()).step(
             state["global"], avg, state.get("server_opt"), param_keys=self.ctx.param_keys(), round=info.index,
             num_clients=replies or 0)
-        record: dict[str, float] = {"clip": nxt if nxt is not None else clip, "clip_used": clip, "noise_std": std}
-        if replies is not None:  # a diagnostic of the simulation; under SecAgg the server only learns the count
-            record["clipped"] = replies - round(unclipped)
-        if frac is not None:
-            record["unclipped_fraction"] = frac
         return self._with_optimizer_state({**state, "global": avg, "dp": record}, opt_state)
 
     # ---- secure aggregation (secagg=true; fedfuse.privacy.secure) ----------------------------------------------
     def secure_contribution(self, sent: Message, reply: Message) -> TensorDict:
         """Client side: n_i·(θ_i − θ) and n_i (``weighting=uniform``: weight 1); under central DP the client's
-        clipped update (at the clip the server sent) and whether it was left unclipped."""
+        clipped update (at the clip the server sent) and its centred bit b_i − ½ (+½ unclipped, −½ clipped)."""
         base = sent.tensors
         if self.ctx.dp.central:
-            clip = float(sent.meta["dp_clip"])
-            upd, norm = clipped_update(reply.tensors, base, clip)
-            return {**upd, SECAGG_COUNT: torch.tensor([float(norm <= clip)], dtype=torch.float64)}
+            upd, bit = self.central_dp.contribution(base, reply.tensors, sent.meta)
+            return {**upd, SECAGG_COUNT: torch.tensor([bit], dtype=torch.float64)}
         w = 1.0 if self.opt.weighting == "uniform" else float(reply.num_examples)
         out = {k: (reply.tensors[k].double() - base[k].double()) * w if k in reply.tensors
                else torch.zeros_like(base[k], dtype=torch.float64) for k in noised_keys(base)}
@@ -203,7 +193,8 @@ class FedAvg(Algorithm):
         count = float(total[SECAGG_COUNT].sum())
         sums = {k: v for k, v in total.items() if k != SECAGG_COUNT}
         if self.ctx.dp.central:
-            return self._dp_finish(state, info, sums, count, None)
+            avg, record = self.central_dp.mean_of_sums(state, state["global"], sums, count, info.index, info.stage)
+            return self.dp_step(state, info, avg, record, None)
         if count <= 0:
             return state
         base = state["global"]

@@ -14,6 +14,10 @@ The server (η_g = ``server_lr``) sets x ← x + η_g · mean_i (y_i − x) thro
 weights by default as in the paper, and c ← c + (1/N) Σ_i Δc_i over the N clients.  Control variates cover the
 trainable parameters only; BatchNorm statistics are averaged like FedAvg's.  K is the client's step count and
 η_l the run's ``lr``; option II assumes plain SGD (with momentum or Adam it is the usual approximation).
+
+Central DP (``dp=central``) goes through the shared mechanism (:mod:`fedfuse.privacy.central`): a client's release
+is the pair (y_i − x, Δc_i), so the mechanism clips that pair as one vector and noises both sums; x steps on the
+noised model mean and c ← c + (Σ Δc_i + noise)/N, post-processing of the same noised sum.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from fedfuse.algorithms.fedavg import FedAvg
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, not_built
+from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, not_built, yes
 
 CV, DC = "c/", "dc/"  # server control variate in the payload; control-variate update in the reply
 
@@ -49,7 +53,7 @@ class Scaffold(FedAvg):
     description = "SCAFFOLD: control variates c, c_i correct client drift (option II), uniform server average"
     privacy = (
         Privacy(ServerView.NOTHING_INDIVIDUAL, "the model's and c's updates are means: sums of y_i and Δc_i suffice",
-                central_dp=not_built("Δc_i is a second per-client release: it would need its own clipping and noise"),
+                central_dp=yes("the shared mechanism clips (y_i − x, Δc_i) as one vector; both means are noised"),
                 local_dp=not_built("the corrected step is SGD plus a linear term: DP-SGD would clip the task "
                                    "gradients only"),
                 secagg=not_built("the server reads only the sums of y_i and Δc_i: pairwise masks fit; not wired")),
@@ -87,6 +91,8 @@ class Scaffold(FedAvg):
                              refs={CV + k: c[k] - ci[k] for k in c})
 
     def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        if self.ctx.dp.central:
+            return self._dp_aggregate(state, info, results)
         if not results:
             return state
         models = {cid: Message({k: v for k, v in r.tensors.items() if not k.startswith(DC)}, r.meta, r.stats)
@@ -95,3 +101,14 @@ class Scaffold(FedAvg):
         n = self.ctx.num_clients
         c = {k: v + sum(r.tensors[DC + k] for r in results.values()) / n for k, v in state["c"].items()}
         return {**out, "c": c}
+
+    def _dp_aggregate(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        """Central DP: the mechanism's noised mean of (y_i, Δc_i) around (x, 0) with its fixed denominator m; the
+        server step on the model part, and c ← c + m/N · (noised mean of Δc) = c + (Σ Δc_i + noise)/N."""
+        base = {**state["global"], **{DC + k: torch.zeros_like(v) for k, v in state["c"].items()}}
+        avg, record = self.central_dp.mean(state, base, [r.tensors for r in results.values()], info.index,
+                                           info.stage)
+        out = self.dp_step(state, info, {k: v for k, v in avg.items() if not k.startswith(DC)}, record,
+                           len(results))
+        scale = self.ctx.clients_per_round / self.ctx.num_clients
+        return {**out, "c": {k: v + avg[DC + k] * scale for k, v in state["c"].items()}}

@@ -33,9 +33,9 @@ from fedfuse.engine.routing import executor_summary
 from fedfuse.engine.sampling import make_sampler
 from fedfuse.engine.validate import check_replies, is_state_like
 from fedfuse.errors import DivergenceError, UserError
-from fedfuse.privacy.dp import DP_SAMPLINGS, DPSettings, central_epsilon
+from fedfuse.privacy.dp import DP_SAMPLINGS, DPSettings, events_epsilon, round_event
 from fedfuse.privacy.secure import SecAggAbort, SecAggSettings, secure_round
-from fedfuse.rng import numpy_rng
+from fedfuse.rng import numpy_rng, secure_numpy_rng
 from fedfuse.rundir import BEST_VAL_LOSS_MODEL, check_resume
 from fedfuse.runtime.precision import resolve_precision, use_precision
 from fedfuse.runtime.threads import apply_threads, worker_threads
@@ -43,6 +43,16 @@ from fedfuse.stats import best_round, final_mean, final_window, is_evaluation_me
 from fedfuse.types import Federation, Message
 
 TIMING_KEYS = ("seconds", "wall_seconds")
+#: what a central-DP round record withholds unless ``dp_debug_metrics``: who took part and how many (the count of a
+#: Poisson sample, dropouts, late and quarantined replies, SecAgg's survivors, the traffic and work that scale with
+#: it), the training loss over the participants, the exact clipped count and per-client test metrics
+DP_WITHHELD = ("clients", "replied", "dropped", "late", "delivered_late", "quarantined", "train_loss", "bytes_down",
+               "bytes_up", "bytes_peer", "client_flops", "total_bytes_down", "total_bytes_up", "total_bytes_peer",
+               "total_client_flops", "total_dropped", "total_late", "total_quarantined", "dp_clipped",
+               "client_test_accuracy", "communicated_parameters_per_client", "optimised_parameters_per_client",
+               "clients_without_test")
+DP_WITHHELD_PREFIXES = ("secagg_",)  # SecAgg's counts of clients, nodes and survivors, and its abort message
+NO_GUARANTEE = "no privacy guarantee"
 MAX_ROLLBACKS = 8  # on_divergence=rollback halves the lr at most this many times in one round
 log = logging.getLogger("fedfuse")
 
@@ -84,7 +94,8 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
         eval_every=cfg.eval_every,
         dp=DPSettings(mode=cfg.dp, noise=cfg.dp_noise, clip=cfg.dp_clip, quantile=cfg.dp_quantile,
                       clip_lr=cfg.dp_clip_lr, count_noise=cfg.dp_count_noise, delta=cfg.dp_delta,
-                      accountant=cfg.dp_accountant),
+                      accountant=cfg.dp_accountant, reproducible=cfg.dp_reproducible,
+                      debug_metrics=cfg.dp_debug_metrics),
     )
 
 
@@ -180,6 +191,13 @@ class Experiment:
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
         self.local_dp_steps: dict[int, int] = {}  # dp=local: DP-SGD steps each client has taken so far
+        self.dp_events: list[dict[str, Any]] = []  # dp=central: the accountant's event of every round run
+        # central DP's client sampling: from the OS unless the research mode (the run seed) is asked for
+        self.dp_select_rng = secure_numpy_rng() if self.ctx.dp.central and not self.ctx.dp.reproducible else None
+        if self.ctx.dp.central and not self.ctx.dp.guarantee:
+            why = ("dp_reproducible=true (noise and sampling from the run seed)" if self.ctx.dp.reproducible else
+                   "dp_debug_metrics=true" if self.ctx.dp.debug_metrics else "dp_noise=0")
+            log.warning("dp=central with %s: %s (the outputs say so)", why, NO_GUARANTEE)
         self.secagg = SecAggSettings.from_config(self.cfg)
         if self.ctx.dp.central and self.sampler.name not in DP_SAMPLINGS:
             raise ConfigError(f"sampling: central DP is accounted for sampling {' or '.join(DP_SAMPLINGS)}; "
@@ -233,10 +251,23 @@ class Experiment:
         self.executor.routing().load_state_dict(ck.get("routes"))  # the summary counts the earlier rounds too
         self.sampler.load_state_dict(ck.get("sampler", {}))
         self.local_dp_steps = dict(ck.get("local_dp_steps", {}))
+        self.dp_events = self._stored_dp_events(ck)
         self.late_box = ck.get("late_box", {})
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
         lines = [json.dumps(rec) for rec in self.history]
         (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+
+    def _stored_dp_events(self, ck: dict[str, Any]) -> list[dict[str, Any]]:
+        """The central-DP rounds the checkpoint has spent: its stored events (a checkpoint written before they
+        were stored: one event per completed round from its own config, which resume keeps fixed)."""
+        if "dp_events" in ck:
+            return [dict(e) for e in ck["dp_events"]]
+        saved = ck.get("config") or {}
+        if saved.get("dp") != "central":
+            return []
+        one = round_event(float(saved["dp_noise"]), self.ctx.num_clients, int(saved["clients_per_round"]),
+                          self.sampler.name, str(saved.get("dp_accountant", "rdp")))
+        return [dict(one) for _ in range(int(ck["round"]))]
 
     def _checkpoint(self, next_round: int) -> None:
         assert self.out is not None
@@ -249,6 +280,7 @@ class Experiment:
             "history": self.history,
             "sampler": self.sampler.state_dict(),
             "local_dp_steps": dict(self.local_dp_steps),
+            "dp_events": [dict(e) for e in self.dp_events],
             "late_box": self.late_box,
             "config": self.cfg.to_dict(),
             "lr": self.ctx.train.lr,
@@ -367,21 +399,40 @@ class Experiment:
         ledger.add_to(self.totals)
         rec = ledger.record(r, self.totals, self.algo.server_parameters(self.state))
         rec.update(self.secure_record)
+        if self.ctx.dp.central:  # the round released a noised aggregate (even an empty one): account it
+            self.dp_events.append(round_event(self.ctx.dp.noise, self.ctx.num_clients, self.ctx.clients_per_round,
+                                              self.sampler.name, self.ctx.dp.accountant))
         rec.update(self._privacy_record(r))
         why = self._diverged(ledger.honest_bad, ledger.honest_replies, ledger.train_loss)
         if why:
             rec["_diverged"] = why
-            return rec
+            return self._withhold(rec)
         if (r + 1) % self.cfg.eval_every == 0 or r + 1 == self.cfg.rounds:
             rec.update(self.evaluate(r))
+        return self._withhold(rec)
+
+    def _withhold(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Central DP: the record without what touches individual clients (:data:`DP_WITHHELD`) — unless
+        ``dp_debug_metrics``, and then the record says the run has no guarantee."""
+        dp = self.ctx.dp
+        if not dp.central:
+            return rec
+        if not dp.debug_metrics:
+            rec = {k: v for k, v in rec.items() if k not in DP_WITHHELD and not k.startswith(DP_WITHHELD_PREFIXES)}
+        rec["dp_guarantee"] = dp.guarantee
         return rec
 
     def _select(self, info: RoundInfo) -> list[int]:
         """The round's participants: the sampler's choice, among the clients that are present (Flower)."""
         r, seed = info.index, self.cfg.seed
-        clients = self.sampler.select(self.algo, info, numpy_rng(seed, "select", r))
+        rng = self.dp_select_rng if self.dp_select_rng is not None else numpy_rng(seed, "select", r)
+        clients = self.sampler.select(self.algo, info, rng)
         present = self.executor.present()  # Flower: only clients whose node is connected can take part
-        if present is not None:
+        if present is not None and self.ctx.dp.central:  # DP: an absent client is absent (no substitute), or the
+            chosen = [c for c in clients if c in present]  # inclusion probability the accountant assumes is wrong
+            self.sampler.counts = {c: self.sampler.counts.get(c, 1) for c in chosen}
+            clients = chosen
+        elif present is not None:
             chosen = among_present(clients, present, self.ctx.num_clients, numpy_rng(seed, "select-present", r))
             if chosen != clients:
                 self.sampler.counts = {c: self.sampler.counts.get(c, 1) for c in chosen}
@@ -482,8 +533,11 @@ class Experiment:
         """The algorithm's exchange and server update; with fewer replies than the quorum the round leaves the
         server as it was before its first stage (returns False: no further stage).  Under ``secagg`` the server
         update is :func:`~fedfuse.privacy.secure.secure_round` (the algorithm's ``aggregate_sum`` of a masked sum);
-        a protocol abort leaves the server as it was, like a missed quorum."""
-        if len(results) < max(self.cfg.quorum, 1):
+        a protocol abort leaves the server as it was, like a missed quorum.  Under central DP no round is skipped:
+        whoever replied (possibly no one) makes the noised aggregate, and an aborted SecAgg round releases noise
+        around the current model (:meth:`_dp_empty_release`)."""
+        central = self.ctx.dp.central
+        if not central and len(results) < max(self.cfg.quorum, 1):
             self.state = start_state
             ledger.skipped = True
             return False
@@ -492,6 +546,8 @@ class Experiment:
         if not self.cfg.secagg:
             self.state = self.algo.aggregate_fit(self.state, info, results)
             return True
+        if central and not results:
+            return self._dp_empty_release(info)
         if sent is None:
             raise TypeError("secure aggregation needs the payloads the clients answered (sent)")
         try:
@@ -500,22 +556,29 @@ class Experiment:
         except SecAggAbort as e:
             log.warning("round %d: secure aggregation aborted: %s", info.index + 1, e)
             self.secure_record["secagg_abort"] = str(e)
+            if central:
+                return self._dp_empty_release(info)
             self.state = start_state
             ledger.skipped = True
             return False
         self.secure_record.update(record)
         return True
 
+    def _dp_empty_release(self, info: RoundInfo) -> bool:
+        """Central DP with nothing to sum (no reply, or SecAgg aborted): the round still releases the noised
+        aggregate of no client — noise around the current model — and is accounted like any other."""
+        self.state = self.algo.aggregate_fit(self.state, info, {})
+        return True
+
     def _privacy_record(self, r: int) -> dict[str, Any]:
-        """Central DP: ε at δ after rounds 1..r+1 from the accountant (every round counts, skipped or not) and the
+        """Central DP: ε at δ of every round run so far (the stored events, composed; every round counts) and the
         mechanism's own record (the clip, the clipped clients) from the server state's ``dp`` entry."""
         dp = self.ctx.dp
         if dp.local:
             return self._local_dp_record()
         if not dp.central:
             return {}
-        eps = central_epsilon(dp.noise, self.ctx.num_clients, self.ctx.clients_per_round, self.sampler.name, r + 1,
-                              dp.delta, dp.accountant)
+        eps = events_epsilon(self.dp_events, dp.delta)
         out: dict[str, Any] = {"dp_epsilon": eps if math.isfinite(eps) else None, "dp_delta": dp.delta}
         out.update({f"dp_{k}": v for k, v in (self.state.get("dp") or {}).items()})
         return out
@@ -607,7 +670,26 @@ class Experiment:
             "executor": executor_summary(self.cfg.executor, self.executor.routing(), self.executor.describe()),
             "precision": self.precision,
             "threads": self.threads,
+            **self._dp_summary(),
         }
+
+    def _dp_summary(self) -> dict[str, Any]:
+        """Central DP: whether the run may claim its (ε, δ) and, when it may not, why; the run totals that count
+        clients are withheld like the round records' (:data:`DP_WITHHELD`)."""
+        dp = self.ctx.dp
+        if not dp.central:
+            return {}
+        out: dict[str, Any] = {"dp_guarantee": dp.guarantee}
+        if dp.reproducible:
+            out["dp_warning"] = (f"{NO_GUARANTEE}: dp_reproducible=true draws the DP noise and sampling from the run "
+                                 "seed, which anyone holding config.yaml or a record can regenerate")
+        elif dp.debug_metrics:
+            out["dp_warning"] = f"{NO_GUARANTEE}: dp_debug_metrics=true publishes un-noised per-client metrics"
+        elif dp.noise <= 0:
+            out["dp_warning"] = f"{NO_GUARANTEE}: dp_noise=0 clips the updates but adds no noise (ε = ∞)"
+        if not dp.debug_metrics:
+            out["totals"] = {"wall_seconds": self.totals.wall_seconds}
+        return out
 
     def _finish(self, summary: dict[str, Any]) -> None:
         assert self.out is not None

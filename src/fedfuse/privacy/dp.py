@@ -11,15 +11,24 @@ noise multiplier z on the sum of clipped client updates, and the rounds compose.
   ``SampledWithoutReplacementDpEvent(N, m, GaussianDpEvent(z/2))`` with the RDP accountant (Wang, Balle,
   Kasiviswanathan 2019).  It costs more ε than Poisson sampling at the same z.
 
-ε is reported at ``dp_delta`` after every round (``dp_epsilon`` in ``metrics.jsonl`` and the summary).  The
-values come from the library; nothing here computes a bound by hand.
+Adaptive clipping adds the centred clipped-count query; its noise is split off z so that the round's two releases
+are jointly one Gaussian mechanism of multiplier z (:mod:`fedfuse.fusion.privacy`), so the event is the same.
+
+ε is reported at ``dp_delta`` after every round (``dp_epsilon`` in ``metrics.jsonl`` and the summary).  The run
+keeps one event per round (:func:`round_event`, plain Python values stored in the checkpoint) and composes them
+(:func:`events_epsilon`): a resumed run adds to the rounds it has already spent, it never recomputes them from
+today's settings.  The values come from the library; nothing here computes a bound by hand.
+
+A guarantee holds only if nobody can regenerate the noise or the sampling: both come from the OS's secure source
+unless the run opts into the research mode ``dp_reproducible`` (seeded: no guarantee, and the outputs say so).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -41,6 +50,8 @@ class DPSettings:
     count_noise: float = 0.0  # σ_b of the clipped-count query; 0 = m/20 (Andrew et al.)
     delta: float = 1e-5
     accountant: str = "rdp"
+    reproducible: bool = False  # research mode: noise and sampling from the run seed (no guarantee)
+    debug_metrics: bool = False  # publish per-client metrics DP withholds (no guarantee)
 
     @property
     def central(self) -> bool:
@@ -49,6 +60,12 @@ class DPSettings:
     @property
     def local(self) -> bool:
         return self.mode == "local"
+
+    @property
+    def guarantee(self) -> bool:
+        """Whether the run may claim its (ε, δ): DP is on with noise, its randomness cannot be regenerated from the
+        run seed and nothing un-noised about individual clients is published."""
+        return self.mode != "none" and self.noise > 0 and not self.reproducible and not self.debug_metrics
 
     def count_std(self, per_round: int) -> float:
         """σ_b: the configured ``count_noise``, or m/20 (Andrew et al. 2021's recommendation)."""
@@ -127,6 +144,45 @@ def central_epsilon(noise: float, num_clients: int, per_round: int, sampling: st
         return float(rdp_privacy_accountant.compute_epsilon(orders, rounds * rdp, delta)[0])
     acc = _accountant(sampling, accountant)
     acc.compose(central_event(noise, num_clients, per_round, sampling, rounds))
+    return float(acc.get_epsilon(delta))
+
+
+def round_event(noise: float, num_clients: int, per_round: int, sampling: str, accountant: str) -> dict[str, Any]:
+    """One round of central DP as the checkpoint stores it: plain Python values only (it loads with
+    ``torch.load(weights_only=True)``).  ``q`` is the Poisson inclusion probability (m/N) or, for ``uniform``, the
+    fraction m/N of a fixed-size sample."""
+    return {"q": min(per_round / num_clients, 1.0), "noise": float(noise), "num_clients": int(num_clients),
+            "per_round": int(per_round), "sampling": str(sampling), "accountant": str(accountant)}
+
+
+def events_epsilon(events: Sequence[Mapping[str, Any]], delta: float) -> float:
+    """ε at ``delta`` of the composition of the stored rounds (:func:`round_event`), from dp-accounting: identical
+    rounds are self-composed; different ones add their RDP (or compose in one PLD accountant).  Rounds of different
+    neighbouring relations (Poisson and fixed-size sampling) or accountants do not compose: ValueError."""
+    if not events:
+        return 0.0
+    groups = Counter((float(e["noise"]), int(e["num_clients"]), int(e["per_round"]), str(e["sampling"]),
+                      str(e["accountant"])) for e in events)
+    kinds = {(g[3] == "poisson", g[4]) for g in groups}
+    if len(kinds) > 1:
+        raise ValueError(f"the run's DP rounds mix samplings or accountants ({sorted(kinds)}); they do not compose")
+    if any(g[0] <= 0 for g in groups):
+        return math.inf
+    if len(groups) == 1:
+        (noise, n, m, sampling, accountant), rounds = next(iter(groups.items()))
+        return central_epsilon(noise, n, m, sampling, rounds, delta, accountant)
+    sampling, accountant = next(iter(groups))[3], next(iter(groups))[4]
+    if accountant == "rdp":
+        from dp_accounting.rdp import rdp_privacy_accountant
+
+        total, orders = None, None
+        for (noise, n, m, s, _), rounds in groups.items():
+            orders, rdp = _one_round_rdp(noise, n, m, s)
+            total = rounds * rdp if total is None else total + rounds * rdp
+        return float(rdp_privacy_accountant.compute_epsilon(orders, total, delta)[0])
+    acc = _accountant(sampling, accountant)
+    for (noise, n, m, s, _), rounds in groups.items():
+        acc.compose(central_event(noise, n, m, s, rounds))
     return float(acc.get_epsilon(delta))
 
 

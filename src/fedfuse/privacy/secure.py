@@ -226,20 +226,23 @@ def weight_bound(clients: Sequence[int] | frozenset[int], sizes: Sequence[int] |
 
 
 def _check_total(total: TensorDict, clients: Sequence[int] | frozenset[int], sizes: Sequence[int] | np.ndarray | None,
-                 settings: SecAggSettings) -> None:
-    """Server side: the decoded weight sum must be one honest clients can produce (see the module docstring)."""
+                 settings: SecAggSettings, centred: bool = False) -> None:
+    """Server side: the decoded weight sum must be one honest clients can produce (see the module docstring).
+    ``centred``: the slot holds central DP's centred bits b_i − ½, so the sum lies in [−n/2, n/2]."""
     least = max(settings.min_clients, MIN_COHORT)
     if len(clients) < least:
         raise SecAggAbort(f"the secure sum holds {len(clients)} clients; it needs at least {least} "
                           "(secagg_min_clients): over fewer it would reveal their inputs")
     if WEIGHT_KEY not in total:
         return
-    bound = weight_bound(clients, sizes, settings.max_weight)
+    lower, bound = (-len(clients) / 2, len(clients) / 2) if centred else \
+        (0.0, weight_bound(clients, sizes, settings.max_weight))
     got = float(total[WEIGHT_KEY].sum())
     slack = len(clients) * 2.0 ** -settings.frac_bits
-    if not math.isfinite(got) or got < -slack or (bound is not None and got > bound + slack):
-        raise SecAggAbort(f"the decoded weight sum {got:.6g} lies outside [0, {bound:g}], the public bound of the "
-                          f"{len(clients)} clients in the sum: a masked input carries a forged weight; round discarded")
+    if not math.isfinite(got) or got < lower - slack or (bound is not None and got > bound + slack):
+        raise SecAggAbort(f"the decoded weight sum {got:.6g} lies outside [{lower:g}, {bound:g}], the public bound "
+                          f"of the {len(clients)} clients in the sum: a masked input carries a forged weight; round "
+                          "discarded")
 
 
 def _decode(total: SecureTotal, frac_bits: int) -> TensorDict:
@@ -285,7 +288,7 @@ def secure_round(
     done = _presummed(results)
     if done is not None:
         decoded = _decode(done, settings.frac_bits)
-        _check_total(decoded, done.clients, sizes, settings)
+        _check_total(decoded, done.clients, sizes, settings, algo.ctx.dp.central)
         return algo.aggregate_sum(state, info, decoded), dict(done.record), ServerTranscript()
     cohort = len(set(sent) | set(results))
     vectors: dict[int, torch.Tensor] = {}
@@ -314,7 +317,7 @@ def secure_round(
                                       graph_seed=derive_seed(seed, "secagg-graph", info.index, info.stage),
                                       drop_before_masking=set(absent), min_clients=settings.min_clients)
     total: TensorDict = unflatten(dequantize(ring_sum, settings.frac_bits), like, keys)
-    _check_total(total, survivors, sizes, settings)
+    _check_total(total, survivors, sizes, settings, algo.ctx.dp.central)
     record: dict[str, Any] = {"secagg_clients": len(vectors), "secagg_survivors": len(survivors),
                               "secagg_recovered": sum(1 for k in transcript.reconstructed.values() if k == "s")}
     if refused:
