@@ -406,3 +406,22 @@ def test_a_faulty_client_under_secagg_is_a_dropout_not_a_crash(tmp_path, corrupt
         unseen, _ = _run(_cfg(tmp_path, "unchecked", corrupt=corrupt, **{**kw, "check_updates": False}))
         drift = max(float((unseen[k].double() - ref[k].double()).abs().max()) for k in ref)
         assert drift > 1.0
+
+
+def test_the_weight_check_takes_central_dps_centred_count() -> None:
+    """Under central DP the weight slot sums the centred bits b_i − ½: a round in which every client was clipped
+    decodes to −n/2 and is kept; a sum beyond ±n/2 (a forged bit) is discarded, as a forged weight is without DP.
+    The settings say which: ``SecAggSettings.from_config`` sets ``centred_count`` for ``dp=central``."""
+    centred = SecAggSettings(centred_count=True)
+    total = {secure.WEIGHT_KEY: torch.tensor([-1.5], dtype=torch.float64)}
+    secure._check_total(total, [0, 1, 2], [10, 10, 10], centred)  # all three clipped: kept
+    secure._check_total({secure.WEIGHT_KEY: torch.tensor([1.5], dtype=torch.float64)}, [0, 1, 2], None, centred)
+    for forged in (-1.6, 1.6, float("nan")):
+        with pytest.raises(SecAggAbort, match="forged weight"):
+            secure._check_total({secure.WEIGHT_KEY: torch.tensor([forged], dtype=torch.float64)}, [0, 1, 2],
+                                [10, 10, 10], centred)
+    with pytest.raises(SecAggAbort, match="forged weight"):  # without DP a negative weight sum is forged
+        secure._check_total(total, [0, 1, 2], [10, 10, 10], SecAggSettings())
+    cfg = validate(apply(RunConfig(), {"secagg": True, "dp": "central", "sampling": "poisson"}))
+    assert SecAggSettings.from_config(cfg).centred_count
+    assert not SecAggSettings.from_config(validate(apply(RunConfig(), {"secagg": True}))).centred_count

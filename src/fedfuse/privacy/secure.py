@@ -85,13 +85,14 @@ class SecAggSettings:
     min_clients: int = MIN_COHORT  # fewest contributions a sum may hold
     max_weight: int = 0  # cap of a client's weight n_i (0: its public training size only)
     norm_max: float = 0.0  # an honest client drops out when its update norm exceeds this (0: no check)
+    centred_count: bool = False  # central DP: the weight slot holds b_i − ½ (the sum may be negative)
 
     @classmethod
     def from_config(cls, cfg: Any) -> SecAggSettings:
         """The settings of a validated run config."""
         return cls(float(cfg.secagg_threshold), int(cfg.secagg_neighbors), int(cfg.secagg_frac_bits),
                    int(cfg.secagg_min_clients), int(cfg.secagg_max_weight),
-                   float(cfg.norm_max) if cfg.check_updates else 0.0)
+                   float(cfg.norm_max) if cfg.check_updates else 0.0, cfg.dp == "central")
 
 
 @dataclass(frozen=True)
@@ -226,16 +227,17 @@ def weight_bound(clients: Sequence[int] | frozenset[int], sizes: Sequence[int] |
 
 
 def _check_total(total: TensorDict, clients: Sequence[int] | frozenset[int], sizes: Sequence[int] | np.ndarray | None,
-                 settings: SecAggSettings, centred: bool = False) -> None:
+                 settings: SecAggSettings) -> None:
     """Server side: the decoded weight sum must be one honest clients can produce (see the module docstring).
-    ``centred``: the slot holds central DP's centred bits b_i − ½, so the sum lies in [−n/2, n/2]."""
+    Under central DP (``settings.centred_count``) the slot holds the centred bits b_i − ½: the sum lies in
+    [−n/2, n/2]."""
     least = max(settings.min_clients, MIN_COHORT)
     if len(clients) < least:
         raise SecAggAbort(f"the secure sum holds {len(clients)} clients; it needs at least {least} "
                           "(secagg_min_clients): over fewer it would reveal their inputs")
     if WEIGHT_KEY not in total:
         return
-    lower, bound = (-len(clients) / 2, len(clients) / 2) if centred else \
+    lower, bound = (-len(clients) / 2, len(clients) / 2) if settings.centred_count else \
         (0.0, weight_bound(clients, sizes, settings.max_weight))
     got = float(total[WEIGHT_KEY].sum())
     slack = len(clients) * 2.0 ** -settings.frac_bits
@@ -288,7 +290,7 @@ def secure_round(
     done = _presummed(results)
     if done is not None:
         decoded = _decode(done, settings.frac_bits)
-        _check_total(decoded, done.clients, sizes, settings, algo.ctx.dp.central)
+        _check_total(decoded, done.clients, sizes, settings)
         return algo.aggregate_sum(state, info, decoded), dict(done.record), ServerTranscript()
     cohort = len(set(sent) | set(results))
     vectors: dict[int, torch.Tensor] = {}
@@ -317,7 +319,7 @@ def secure_round(
                                       graph_seed=derive_seed(seed, "secagg-graph", info.index, info.stage),
                                       drop_before_masking=set(absent), min_clients=settings.min_clients)
     total: TensorDict = unflatten(dequantize(ring_sum, settings.frac_bits), like, keys)
-    _check_total(total, survivors, sizes, settings, algo.ctx.dp.central)
+    _check_total(total, survivors, sizes, settings)
     record: dict[str, Any] = {"secagg_clients": len(vectors), "secagg_survivors": len(survivors),
                               "secagg_recovered": sum(1 for k in transcript.reconstructed.values() if k == "s")}
     if refused:
