@@ -439,6 +439,9 @@ def test_verify_refuses_a_lora_record_without_its_base_digest(tmp_path):
 def test_a_tampered_lora_base_runs_no_code_during_verify(tmp_path, capsys):
     """The base a LoRA record names is replaced by a file whose pickle runs a payload: ``fedfuse results
     verify`` refuses it with one line, and the payload never runs (its base is read with ``weights_only``)."""
+    from support import needs_extra
+
+    needs_extra("lora")  # verify checks the extra first, before it reads any base
     import torch
 
     from fedfuse.adapters.lora import load_base
