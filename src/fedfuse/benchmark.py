@@ -24,7 +24,7 @@ from fedfuse.reproduce.preset import Family, Table
 SINGLE: tuple[str, ...] = (
     "fedavg", "fedprox", "scaffold", "feddyn", "fednova", "fedavgm", "fedadam", "fedmr", "fedmut", "fedexp",
     "fedma", "fedmerge", "ifca", "fedem", "pfedmoe", "local", "fedavg-ft",
-    "fedbn", "fedper", "fedrep", "ditto", "moon",  # the personalised methods, planned once registered
+    "fedbn", "fedper", "fedrep", "ditto", "moon",  # the personalised methods (a name not registered is left out)
 )
 #: The width-sliced track: clients hold a slice of the full model (their own table per regime).
 WIDTH: tuple[str, ...] = ("msfusion", "heterofl", "fedrolex")
