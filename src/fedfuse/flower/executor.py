@@ -64,7 +64,6 @@ class FlowerExecutor:
         self.lost: dict[int, str] = {}  # the last call's jobs without a usable reply, with the reason
         self.route_log = RouteLog()  # every client training runs on a node (the summary's executor block)
         self._started = False
-        self._discovered = False  # min_nodes nodes have said which clients they hold (or node_wait ran out)
         self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
         self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
         self.calls: list[dict[str, Any]] = []  # per grid call: message type, push and last-reply wall times
@@ -143,20 +142,8 @@ class FlowerExecutor:
     def present(self) -> set[int] | None:
         """``None``: every client may be sampled, exactly as in process.  A sampled client that no connected node
         holds is absent — a dropout of the round (:meth:`assign`), never replaced by another client — so the sample,
-        and the sampling probability a DP accountant assumes, are the run's own.
-
-        Before this ServerApp's first round (a start, or a resume after a SuperLink restart, when registered nodes
-        may still be reconnecting or finishing a stale job) it waits up to ``node_wait`` s until ``min_nodes`` nodes
-        have said which clients they hold, so that their clients are not counted absent for want of an answer."""
+        and the sampling probability a DP accountant assumes, are the run's own."""
         self.discover(self.nodes())
-        deadline = time.monotonic() + self.node_wait
-        while not self._discovered and len(self.served) < self.min_nodes and time.monotonic() < deadline:
-            time.sleep(1.0)
-            self.discover(self.nodes())
-        if not self._discovered and len(self.served) < self.min_nodes:
-            log.warning("flower: only %d of %d nodes said which clients they hold within %.0f s; the others' "
-                        "clients are absent until they answer", len(self.served), self.min_nodes, self.node_wait)
-        self._discovered = True
         return None
 
     def route(self, ids: list[int], strict: bool = False) -> list[int]:
