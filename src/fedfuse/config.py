@@ -74,6 +74,7 @@ MAX_LR = 100.0  # a client learning rate above this is certainly a typo (SGD and
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed
 CORRUPTIONS = ("none", "nan", "inf", "shape", "scale", "count", "drop")
 DP_MODES = ("none", "central", "local")
+GLOBAL_EVALS = ("server", "federated", "none")
 
 
 @dataclass
@@ -117,6 +118,11 @@ class RunConfig:
     eval_every: int = opt(1, "evaluate every this many rounds (and at the last)", ge=1)
     checkpoint_every: int = opt(1, "checkpoint every this many rounds (and at the last)", ge=1)
     eval_batch_size: int = opt(512, "batch size of evaluation", ge=1)
+    global_eval: str = opt("server", "where the global model is evaluated: server = on the global test set, which "
+                                     "the server holds; federated = on every client's own test split, reported as "
+                                     "the size-weighted mean of the clients' results (a server without data: a "
+                                     "Flower deployment, docs/deploy.md); none = not evaluated",
+                           choices=GLOBAL_EVALS)
     plots: bool = opt(True, "write PNG plots into the run directory")
     sampling: str = opt("auto", "client sampling policy (fedfuse.engine.sampling): auto = the algorithm's default")
     # ---- faults and reliability (docs/reliability.md) -----------------------------------------------

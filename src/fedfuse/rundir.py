@@ -50,7 +50,7 @@ RESUME_FIXED = ("algorithm", "dataset", "partition", "model", "clients", "client
                 "stragglers", "deadline", "late_replies", "quorum", "corrupt", "corrupt_clients", "dp", "secagg",
                 "dp_noise", "dp_clip", "dp_quantile", "dp_clip_lr", "dp_count_noise", "dp_delta", "dp_accountant",
                 "precision", "memory_format", "fp32_matmul", "secagg_threshold", "secagg_neighbors",
-                "secagg_frac_bits", "dp_reproducible", "dp_debug_metrics")
+                "secagg_frac_bits", "dp_reproducible", "dp_debug_metrics", "global_eval")
 #: what else ε depends on, fixed when the checkpoint's run used DP (a change would rewrite the accounting)
 DP_RESUME_FIXED = ("sampling",)
 

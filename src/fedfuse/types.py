@@ -141,12 +141,22 @@ class Federation:
     #: the federation an algorithm's ``setup`` started from (Fed-ET holds a public set aside); ``None`` when
     #: this one is not derived.  A new run handed a derived federation starts again from its source.
     source: Federation | None = field(default=None, repr=False, compare=False)
+    #: a federation without data (a deployed server: :func:`fedfuse.flower.server_data.dataless_federation`):
+    #: every client's training-set size as its node reported it; its clients' splits and ``test`` are empty
+    sizes: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_clients(self) -> int:
         return len(self.clients)
 
+    @property
+    def holds_data(self) -> bool:
+        """False for a federation without data (:attr:`sizes`): only the clients' sizes and the data's shape."""
+        return self.sizes is None
+
     def client_sizes(self) -> np.ndarray:
+        if self.sizes is not None:
+            return np.array(self.sizes, dtype=np.int64)
         return np.array([c.num_train for c in self.clients], dtype=np.int64)
 
     def groups(self) -> list[int] | None:

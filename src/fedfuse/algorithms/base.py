@@ -73,6 +73,10 @@ class Algorithm:
     echo_meta: ClassVar[tuple[str, ...]] = ()
     reply_kind: ClassVar[str | None] = None  # None: the round's replies vote (keys a subset of the payload's)
     node_private: tuple[str, ...] = ()  # may be a property when it depends on the options
+    #: Why the server rule needs a dataset on the server (None: it needs none).  A server that holds no data (a
+    #: deployed one, ``global_eval`` federated or none) refuses such a run with this reason.  May be a property
+    #: when it depends on the options.
+    server_data: str | None = None
     #: the optional extras a run needs (``pip install 'fedfuse[EXTRA]'``, :mod:`fedfuse.extras`), checked before
     #: the run loads any data
     extras: ClassVar[tuple[str, ...]] = ()

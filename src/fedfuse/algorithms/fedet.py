@@ -88,6 +88,7 @@ class FedET(Algorithm):
                 local_dp=not_built('DP-SGD on the small-model step would make each model DP'),
                 secagg=no('each model must be evaluated individually on the public set')),
     )
+    server_data = "its server distils on an unlabelled public set taken from the clients' training data"
 
     @dataclass
     class Options:

@@ -253,6 +253,12 @@ class MSfusion(Algorithm):
         """Serverless: a participant's sub-model and full-size memory stay on its Flower node."""
         return ("sub", "known") if self.serverless else ()
 
+    @property
+    def server_data(self) -> str | None:
+        """``compare_assemblies`` scores every assembly on the server's test set."""
+        return "compare_assemblies=true scores every assembly on the server's test set" \
+            if self.opt.compare_assemblies else None
+
     def init_state(self) -> ServerState:
         if self.serverless:  # the relay's state: undelivered envelopes and diagnostics, no model
             return {"mailbox": {}, "diag": {}}

@@ -167,6 +167,7 @@ class Ensemble(_LocalModels):
                 local_dp=not_built('DP-SGD on the local training would make each released model DP'),
                 secagg=no('the server must hold each model individually')),
     )
+    server_data = "it has no global model; its only measure, the ensemble's accuracy, is taken on the server's test set"
 
     def init_state(self) -> ServerState:
         return {"members": {}}

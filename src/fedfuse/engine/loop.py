@@ -26,6 +26,7 @@ from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerSta
 from fedfuse.engine.contract import Algorithm, Executor, Job
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
+from fedfuse.engine.federated_eval import aggregate_global, check_server_data, global_client_side, with_global_model
 from fedfuse.engine.local_dp import local_epsilon, sample_rate
 from fedfuse.engine.personal import client_side, outgoing
 from fedfuse.engine.round import Collected, RoundLedger
@@ -50,7 +51,7 @@ DP_WITHHELD = ("clients", "replied", "dropped", "late", "delivered_late", "quara
                "bytes_up", "bytes_peer", "client_flops", "total_bytes_down", "total_bytes_up", "total_bytes_peer",
                "total_client_flops", "total_dropped", "total_late", "total_quarantined", "dp_clipped",
                "client_test_accuracy", "communicated_parameters_per_client", "optimised_parameters_per_client",
-               "clients_without_test")
+               "clients_without_test", "global_eval_clients")
 DP_WITHHELD_PREFIXES = ("secagg_",)  # SecAgg's counts of clients, nodes and survivors, and its abort message
 NO_GUARANTEE = "no privacy guarantee"
 MAX_ROLLBACKS = 8  # on_divergence=rollback halves the lr at most this many times in one round
@@ -126,6 +127,7 @@ def assemble(cfg: RunConfig, device: torch.device, algorithm: type, *,
     fed = fed if fed is not None else build_federation(cfg, device)
     ctx = build_context(cfg, fed, device)
     algo = build_algorithm(cfg, ctx, algorithm)
+    check_server_data(cfg, fed, algo)  # a federation without data (a deployed server): what it cannot run
     blinded = fed.blinded()
     prepared = algo.setup(blinded)  # an algorithm may hold data aside for the server (Fed-ET's public set)
     if prepared is not blinded:
@@ -188,6 +190,9 @@ class Experiment:
         self.precision = resolve_precision(self.cfg.precision, self.device)  # fp32 | bf16 (runtime/precision.py)
         self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, algorithm, fed=fed)
         self.client = client_side(self.algo)  # what executors run: with entries that stay local, engine/personal.py
+        if self.cfg.global_eval == "federated":  # the clients also evaluate the global model (engine/federated_eval)
+            self.client = global_client_side(self.client)
+        check_server_data(self.cfg, self.fed, self.algo, has_executor=executor is not None)
         self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
         self.local_dp_steps: dict[int, int] = {}  # dp=local: DP-SGD steps each client has taken so far
@@ -612,18 +617,25 @@ class Experiment:
         return None
 
     def evaluate(self, r: int) -> dict[str, Any]:
-        """Global model on the global test set; every client's personal model on its own splits."""
+        """The global model on the global test set (``global_eval=server``) or on every client's own test split
+        (``federated``: the size-weighted mean of their results, engine/federated_eval.py); every client's personal
+        model on its own splits."""
         out: dict[str, Any] = {"global_accuracy": None, "global_loss": None}
         g = self.algo.global_model(self.state)
-        if g is not None:
+        if g is not None and self.cfg.global_eval == "server":
             model = self.ctx.load(g[0], g[1])
             st = evaluate_model(model, self.fed.test, self.cfg.eval_batch_size)
             out["global_accuracy"], out["global_loss"] = st.accuracy, st.loss
         everyone = list(range(self.fed.num_clients))
         payloads = outgoing(self.client, self.algo.configure_evaluate(self.state, everyone))
+        federated = g is not None and self.cfg.global_eval == "federated"
+        if federated:  # the global model rides along each client's evaluation payload
+            payloads = with_global_model(payloads, g)
         jobs = [Job(c, payloads[c], self.client_states.get(c), ("evaluate", r, 0)) for c in everyone]
         res = dict(sorted(self.executor.map(self.client.evaluate, jobs).items()))
         out.update(aggregate_client_metrics(res))
+        if federated:
+            out.update(aggregate_global(res))
         out["loss"] = out["global_loss"] if out["global_loss"] is not None else out["personal_loss"]
         if self.fed.task == "lm":
             out["perplexity"] = _exp(out["loss"])

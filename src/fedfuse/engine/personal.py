@@ -240,7 +240,9 @@ def client_side(algo: Any) -> Any:
 
 
 def outgoing(client: Any, payloads: dict[int, Message]) -> dict[int, Message]:
-    """``payloads`` as they travel: without the client's own entries when ``client`` is a :class:`ClientSide`."""
+    """``payloads`` as they travel: without the client's own entries when ``client`` is a :class:`ClientSide` (or
+    wraps one: federated evaluation's :class:`~fedfuse.engine.federated_eval.GlobalEvaluation`)."""
+    client = getattr(client, "wrapped", client)
     return client.outgoing(payloads) if isinstance(client, ClientSide) else payloads
 
 
