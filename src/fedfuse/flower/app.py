@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from fedfuse.algorithms import get_algorithm
 from fedfuse.config import make_config, resolve_device
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
+from fedfuse.engine.federated_eval import global_client_side
 from fedfuse.engine.local_dp import guarded, secure_generator
 from fedfuse.engine.loop import Experiment, assemble
 from fedfuse.engine.personal import client_side
@@ -43,6 +45,7 @@ from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
 from fedfuse.flower.node_data import NODE_KEYS, NodeDataError
 from fedfuse.flower.node_policy import NODE_PATHS, NodeDP, RefusedJob, node_view
 from fedfuse.flower.secure import is_secure_fit, node_fit, secure_mod
+from fedfuse.flower.server_data import ClaimCheck, learn_federation, node_answer, record_opens
 from fedfuse.runtime.precision import resolve_precision, use_precision
 from fedfuse.runtime.threads import apply_threads
 from fedfuse.types import Message as FedfuseMessage
@@ -163,7 +166,9 @@ def run_job(content: Any, context: Context) -> tuple[NodeRun, Job, Any]:
     body = wire.unpack(content)
     payload = wire.from_records(content[wire.PAYLOAD_ARRAYS], content[wire.PAYLOAD_SKELETON])
     data = run.fed.clients[cid]
-    client = client_side(run.algo)  # with entries that stay local, they are merged here (engine/personal.py)
+    # with entries that stay local, they are merged here (engine/personal.py); an evaluation payload carrying the
+    # global model (global_eval=federated) is evaluated on the client's test split too (engine/federated_eval.py)
+    client = global_client_side(client_side(run.algo))
     private = tuple(client.node_private)
     state = restore_private(body["state"], private, context, cid)
     job = Job(cid, payload.to(data.train.x.device), state, tuple(json.loads(str(job_rec["keys"]))))
@@ -256,7 +261,8 @@ client_app = ClientApp(mods=[secure_mod])  # secure_mod: Flower's secaggplus_mod
 @client_app.query()
 def _query(msg: Message, context: Context) -> Message:
     """Which clients this node serves: ``[ids]`` when it holds node-local data, ``"*"`` when it rebuilds the
-    whole federation from the config (and so can serve any client)."""
+    whole federation from the config (and so can serve any client); with their training-set sizes and the shape
+    of the data (:func:`~fedfuse.flower.server_data.node_answer`: what a server without data learns)."""
     held: Any = "*"
     try:
         run = node_run(str(msg.content[JOB]["run"]), context.node_config)
@@ -265,7 +271,8 @@ def _query(msg: Message, context: Context) -> Message:
         return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=str(e)), reply_to=msg)
     if context.node_config.get("data"):
         held = sorted(run.held or ())
-    return Message(content=RecordDict({CLIENTS: ConfigRecord({"clients": json.dumps(held)})}), reply_to=msg)
+    answer = {"clients": json.dumps(held), **node_answer(run.fed, None if held == "*" else held)}
+    return Message(content=RecordDict({CLIENTS: ConfigRecord(answer)}), reply_to=msg)
 
 
 @client_app.train()
@@ -288,13 +295,21 @@ def _main(grid: Grid, context: Context) -> None:
     rc = dict(context.run_config)
     if "fedfuse-config" not in rc:
         raise UserError("the fedfuse ServerApp needs run config 'fedfuse-config' (a fedfuse YAML config file)")
+    audit = os.environ.get("FEDFUSE_AUDIT_OPEN")
+    if audit:  # record every file the server opens (the tests check a server without data opens none)
+        record_opens(audit)
     overrides: dict[str, Any] = {"executor": "sequential"}
     if rc.get("out"):
         overrides["out"] = str(rc["out"])
     cfg = make_config(str(rc["fedfuse-config"]), **overrides)
     timeout = float(rc.get("round-timeout", 0) or 0) or None
     executor = FlowerExecutor(grid, cfg, cfg.seed, round_timeout=timeout, min_nodes=int(rc.get("min-nodes", 1)))
-    exp = Experiment(cfg, get_algorithm(cfg.algorithm), executor=executor)
+    algorithm = get_algorithm(cfg.algorithm)
+    if cfg.global_eval == "server":  # the operator gave the server its dataset: the global test set is its own
+        exp = Experiment(cfg, algorithm, executor=executor)
+        executor.vet = ClaimCheck(cfg.clients, exp.fed.client_sizes())  # the nodes' sizes must be the same
+    else:  # the server holds no data: the clients' sizes come from the nodes (fedfuse.flower.server_data)
+        exp = Experiment(cfg, algorithm, executor=executor, fed=learn_federation(executor, cfg))
     summary = exp.run(resume=bool(rc.get("resume", False)))
     if cfg.out:  # when each call's messages were pushed and their last reply arrived (benchmarks/peers.py --deploy)
         from pathlib import Path

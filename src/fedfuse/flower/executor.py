@@ -38,7 +38,7 @@ RETRY_AFTER = 3  # calls a node that left a message unanswered is skipped before
 #: client hooks that run on the nodes, and the Flower message type each travels as
 METHODS = {"fit": "train", "evaluate": "evaluate"}
 JOB = "fedfuse.job"
-CLIENTS = "fedfuse.clients"  # a node's answer to the "query" message: the client ids it holds
+CLIENTS = "fedfuse.clients"  # a node's answer to the "query" message: the client ids it holds, their sizes
 
 
 class FlowerExecutor:
@@ -68,6 +68,10 @@ class FlowerExecutor:
         self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
         self.calls: list[dict[str, Any]] = []  # per grid call: message type, push and last-reply wall times
         self.served: dict[int, list[int] | None] = {}  # node -> the clients it holds (None: any, see discover)
+        #: ``vet(node, held, answer) -> reason | None``: checks a node's answer to the query (its client sizes and
+        #: data shape, ``answer``) before its clients are served; a refused node is asked again on the next call
+        #: (fedfuse.flower.server_data.ClaimCheck)
+        self.vet: Any = None
         #: secagg=true: fit rounds run Flower's SecAgg+ with these settings (fedfuse.flower.secure)
         self.secagg = SecAggSettings.from_config(config) if config.secagg else None
 
@@ -113,6 +117,11 @@ class FlowerExecutor:
                 log.warning("flower: node %d did not say which clients it holds: %s", node, rep.error.reason)
                 continue
             held = json.loads(str(rep.content[CLIENTS]["clients"]))
+            answer = {k: json.loads(str(v)) for k, v in rep.content[CLIENTS].items() if k != "clients"}
+            why = self.vet(node, held, answer) if self.vet is not None else None
+            if why:
+                log.error("flower: node %d refused: %s", node, why)
+                continue
             if held != "*" and self._claimed_elsewhere(node, [int(c) for c in held], ids):
                 continue
             self.served[node] = None if held == "*" else [int(c) for c in held]
