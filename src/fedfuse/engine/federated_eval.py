@@ -84,6 +84,14 @@ class GlobalEvaluation:
             raise AttributeError(name)
         return getattr(self.wrapped, name)
 
+    # the client step, as the wrapped client side's own methods (a process pool keyed by the methods' owner keeps
+    # one pool for training and evaluation)
+    def client_program(self, payload: Message, client_state: Any, data: ClientData) -> Any:
+        return self.wrapped.client_program(payload, client_state, data)
+
+    def fit(self, payload: Message, client_state: Any, data: ClientData, gen: torch.Generator) -> Any:
+        return self.wrapped.fit(payload, client_state, data, gen)
+
     def evaluate(self, payload: Message, client_state: Any, data: ClientData,
                  gen: torch.Generator) -> dict[str, float]:
         """The algorithm's evaluation of its own payload, plus :data:`KEYS` when the payload carries the global
