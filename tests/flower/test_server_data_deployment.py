@@ -67,7 +67,7 @@ def test_a_deployed_server_without_data_runs_fedavg_and_fedmr_equal_to_in_proces
         ref = tmp_path / f"ref-{algorithm}"
         Experiment(make_config({**BASE, "algorithm": algorithm}, out=str(ref)), get_algorithm(algorithm)).run()
         got = _metrics(out)
-        assert [r["round"] for r in got] == [1, 2, 3], algorithm
+        assert [r["round"] for r in got] == list(range(1, BASE["rounds"] + 1)), algorithm
         assert got == _metrics(ref), algorithm
         assert got[-1]["global_eval_clients"] == 4 and got[-1]["global_accuracy"] > 0.3
     assert list(empty.iterdir()) == []

@@ -132,7 +132,7 @@ def check_server_data(cfg: Any, fed: Federation, algo: Any, *, has_executor: boo
     if cfg.global_eval == "server":
         raise ConfigError("global_eval=server: the server holds no data, so it has no test set; set "
                           "global_eval=federated (the clients evaluate the global model) or none")
-    why = getattr(algo, "server_data", None)
+    why = algo.server_data
     if why:
         raise ConfigError(f"algorithm {cfg.algorithm!r} cannot run on a server without data: {why}")
     if not has_executor:

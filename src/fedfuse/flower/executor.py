@@ -117,15 +117,22 @@ class FlowerExecutor:
                 log.warning("flower: node %d did not say which clients it holds: %s", node, rep.error.reason)
                 continue
             held = json.loads(str(rep.content[CLIENTS]["clients"]))
-            answer = {k: json.loads(str(v)) for k, v in rep.content[CLIENTS].items() if k != "clients"}
-            why = self.vet(node, held, answer) if self.vet is not None else None
-            if why:
-                log.error("flower: node %d refused: %s", node, why)
+            if self._refused(node, held, rep.content[CLIENTS]):
                 continue
             if held != "*" and self._claimed_elsewhere(node, [int(c) for c in held], ids):
                 continue
             self.served[node] = None if held == "*" else [int(c) for c in held]
             log.info("flower: node %d serves %s", node, "any client" if held == "*" else f"clients {held}")
+
+    def _refused(self, node: int, held: Any, record: Any) -> bool:
+        """True (and logged as an error) when :attr:`vet` refuses ``node``'s answer (``record``: its entries
+        beside the client ids, JSON-encoded: their sizes, the data's shape)."""
+        if self.vet is None:
+            return False
+        why = self.vet(node, held, {k: json.loads(str(v)) for k, v in record.items() if k != "clients"})
+        if why:
+            log.error("flower: node %d refused: %s", node, why)
+        return bool(why)
 
     def _claimed_elsewhere(self, node: int, held: list[int], ids: list[int]) -> bool:
         """True (and logged as an error) when a connected node already serves one of the clients ``node`` claims:

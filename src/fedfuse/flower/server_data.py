@@ -68,15 +68,9 @@ class ClaimCheck:
             return "its answer carries no client sizes (a fedfuse older than the server's?)"
         sizes = {int(c): n for c, n in dict(answer["sizes"]).items()}
         ids = list(range(self.num_clients)) if held == "*" else [int(c) for c in held]
-        outside = sorted(c for c in ids if not 0 <= c < self.num_clients)
-        if outside:
-            return f"it claims clients {outside}, but the run has clients 0..{self.num_clients - 1}"
-        unsized = sorted(c for c in ids if c not in sizes)
-        if unsized:
-            return f"it gives no size for clients {unsized}"
-        bad = sorted(c for c in ids if not isinstance(sizes[c], int) or sizes[c] < 0)
-        if bad:
-            return f"it reports invalid sizes for clients {bad}: {[sizes[c] for c in bad]}"
+        why = self._unsized(ids, sizes)
+        if why:
+            return why
         differ = [f"client {c}: {sizes[c]} examples (the federation's: {self.sizes[c]})" for c in ids
                   if c in self.sizes and sizes[c] != self.sizes[c]]
         if differ:
@@ -89,6 +83,19 @@ class ClaimCheck:
             self.extra = {k: answer["data"].get(k) for k in ("dataset", "class_names")}
         for c in ids:
             self.sizes.setdefault(c, sizes[c])
+        return None
+
+    def _unsized(self, ids: list[int], sizes: Mapping[int, Any]) -> str | None:
+        """Why the claimed clients ``ids`` with their ``sizes`` are not well formed (None: they are)."""
+        outside = sorted(c for c in ids if not 0 <= c < self.num_clients)
+        if outside:
+            return f"it claims clients {outside}, but the run has clients 0..{self.num_clients - 1}"
+        unsized = sorted(c for c in ids if c not in sizes)
+        if unsized:
+            return f"it gives no size for clients {unsized}"
+        bad = sorted(c for c in ids if not isinstance(sizes[c], int) or sizes[c] < 0)
+        if bad:
+            return f"it reports invalid sizes for clients {bad}: {[sizes[c] for c in bad]}"
         return None
 
     def missing(self) -> list[int]:
