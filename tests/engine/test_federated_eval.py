@@ -131,3 +131,22 @@ def test_a_federation_without_data_knows_sizes_and_refuses_what_needs_server_dat
         c = _cfg(algorithm=algorithm, algorithm_options=options)
         with pytest.raises(ConfigError, match=f"cannot run on a server without data: .*{why}"):
             Experiment(c, get_algorithm(algorithm), fed=_dataless(c), executor=object())  # type: ignore
+
+
+def test_global_eval_is_validated_and_fixed_on_resume(tmp_path):
+    from fedfuse.rundir import check_resume
+
+    with pytest.raises(ConfigError, match="global_eval: unknown value 'nope'; choose one of: server, federated, none"):
+        _cfg(global_eval="nope")
+    with pytest.raises(ConfigError, match="global_eval='server' but this run has global_eval='federated'"):
+        check_resume(_cfg(global_eval="server").to_dict(), _cfg(), 1, "ck")
+
+
+def test_central_dp_withholds_how_many_clients_the_global_metrics_average():
+    """Under central DP the count of clients that answered an evaluation is withheld like the other counts; the
+    global metrics themselves are aggregates and stay."""
+    cfg = _cfg(dp="central", sampling="poisson", dp_noise=0.5)
+    exp = Experiment(cfg, get_algorithm("fedavg"))
+    exp.run()
+    last = exp.history[-1]
+    assert "global_eval_clients" not in last and last["global_accuracy"] is not None
