@@ -7,6 +7,7 @@ through Flower's protobuf both ways, the ClientApp in this process); the real de
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -19,14 +20,15 @@ pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[fl
 
 from flwr.app import Context, RecordDict
 
-from fedfuse.algorithms import get_algorithm
-from fedfuse.config import make_config
+from fedfuse.algorithms import ALGORITHMS, get_algorithm
+from fedfuse.config import make_config, validate
 from fedfuse.engine.loop import Experiment, build_federation, strip_timing
 from fedfuse.errors import UserError
 from fedfuse.flower.app import _main, client_app
 from fedfuse.flower.executor import FlowerExecutor, LocalGrid
 from fedfuse.flower.node_data import write_node_bundles
 from fedfuse.flower.server_data import ClaimCheck, learn_federation, node_answer
+from support import LORA, conformance_cfg
 
 BASE = dict(algorithm="fedavg", dataset="digits", clients=4, clients_per_round=3, rounds=3, local_epochs=1, seed=3,
             threads="1", plots=False, global_eval="federated", model_options={"widths": [16]})
@@ -116,7 +118,7 @@ def test_the_server_opens_no_data_file(bundles, tmp_path):
     def data_files(paths: list[str]) -> list[str]:
         return [p for p in paths if any(Path(p).resolve().is_relative_to(d) for d in data_dirs)]
 
-    assert opened and not data_files(opened)
+    assert not data_files(opened)
     opened.clear()
     recording[0] = True  # the control: a server that loads the dataset is seen
     try:
@@ -171,9 +173,38 @@ def test_the_server_waits_for_every_clients_size_then_says_who_is_missing(bundle
         learn_federation(FlowerExecutor(grid, cfg, cfg.seed), cfg, wait=0.0)
 
 
-def test_a_server_without_data_refuses_server_evaluation_and_server_data_algorithms(bundles, tmp_path):
+@pytest.mark.parametrize("algorithm", ["ensemble", "fedet"])
+def test_a_server_without_data_refuses_algorithms_whose_server_needs_data(algorithm, bundles, tmp_path):
+    """Refused at once with the reason (not after waiting for nodes that refuse the run: Fed-ET's nodes do)."""
     from fedfuse.config import ConfigError
 
     grid = LocalGrid(client_app, 2, node_config=[{"data": str(p)} for p in bundles])
-    with pytest.raises(ConfigError, match=r"ensemble.*cannot run on a server without data"):
-        _serve({**BASE, "algorithm": "ensemble"}, tmp_path, grid)
+    with pytest.raises(ConfigError, match=rf"{algorithm}.*cannot run on a server without data"):
+        _serve({**BASE, "algorithm": algorithm}, tmp_path, grid)
+
+
+REFUSED = {"ensemble", "fedet"}  # their server needs data (Algorithm.server_data)
+
+
+@pytest.fixture(scope="module")
+def conformance_bundles(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The conformance runs' digits federation (the same for every digits algorithm), one bundle per node."""
+    cfg = validate(conformance_cfg("fedavg", "sequential"))
+    return write_node_bundles(build_federation(cfg), tmp_path_factory.mktemp("conformance"), 2, config=cfg)
+
+
+@pytest.mark.parametrize("algorithm", sorted(a for a in ALGORITHMS if a not in LORA and a != "simple-fedma"))
+def test_every_algorithm_on_a_server_without_data_equals_in_process(algorithm, conformance_bundles):
+    """Every algorithm on digits (the conformance suite's tiny runs), federated evaluation: on a server that knows
+    only the nodes' answers it equals the in-process run round for round, or is refused with the reason."""
+    cfg = validate(dataclasses.replace(conformance_cfg(algorithm, "sequential"), global_eval="federated"))
+    grid = LocalGrid(client_app, 2, node_config=[{"data": str(p)} for p in conformance_bundles])
+    executor = FlowerExecutor(grid, cfg, cfg.seed, min_nodes=2)
+    if algorithm in REFUSED:  # the ServerApp refuses them before round 1 (the test above)
+        assert isinstance(get_algorithm(algorithm).server_data, str)
+        return
+    ref = Experiment(cfg, get_algorithm(algorithm))
+    ref.run()
+    exp = Experiment(cfg, get_algorithm(algorithm), executor=executor, fed=learn_federation(executor, cfg, wait=0))
+    exp.run()
+    assert [strip_timing(h) for h in exp.history] == [strip_timing(h) for h in ref.history]

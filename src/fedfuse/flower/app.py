@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from fedfuse.algorithms import get_algorithm
-from fedfuse.config import make_config, resolve_device
+from fedfuse.config import ConfigError, make_config, resolve_device
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
 from fedfuse.engine.federated_eval import global_client_side
@@ -309,6 +309,10 @@ def _main(grid: Grid, context: Context) -> None:
         exp = Experiment(cfg, algorithm, executor=executor)
         executor.vet = ClaimCheck(cfg.clients, exp.fed.client_sizes())  # the nodes' sizes must be the same
     else:  # the server holds no data: the clients' sizes come from the nodes (fedfuse.flower.server_data)
+        # a fixed reason is refused before waiting for the nodes; one that depends on the options, when the run is built
+        need = algorithm.server_data
+        if isinstance(need, str):
+            raise ConfigError(f"algorithm {cfg.algorithm!r} cannot run on a server without data: {need}")
         exp = Experiment(cfg, algorithm, executor=executor, fed=learn_federation(executor, cfg))
     summary = exp.run(resume=bool(rc.get("resume", False)))
     if cfg.out:  # when each call's messages were pushed and their last reply arrived (benchmarks/peers.py --deploy)
