@@ -49,11 +49,18 @@ def test_global_model_rides_along_shared_payloads_and_splits_off_exactly():
     out = with_global_model({0: shared, 1: shared, 2: own}, model)
     assert out[0] is out[1] and out[2] is not out[0]  # a broadcast stays one message (encoded once on the wire)
     assert set(out[0].tensors) == {"w", PREFIX + "w", PREFIX + "b"}
-    assert out[0].meta[GLOBAL_META] == {"model_options": {"widths": [4]}}
+    assert out[0].meta[GLOBAL_META] == {"meta": {"model_options": {"widths": [4]}}, "in_payload": False}
     back, glob = split_global(out[0])
     assert back.meta == {"k": 1} and torch.equal(back.tensors["w"], torch.ones(2)) and set(back.tensors) == {"w"}
     assert glob is not None and torch.equal(glob[0]["w"], torch.full((2,), 3.0)) and glob[1] == model[1]
     assert split_global(shared) == (shared, None)  # a payload without the global model is left as it is
+    # the default evaluation payload is the global model itself (equal values suffice): nothing is sent twice
+    same = Message({k: v.clone() for k, v in model[0].items()}, dict(model[1]))
+    sent = with_global_model({0: same}, model)[0]
+    assert sent.nbytes == same.nbytes and sent.meta[GLOBAL_META]["in_payload"] is True
+    back, glob = split_global(sent)
+    assert back.meta == model[1] and glob is not None and glob[1] == model[1]
+    assert all(torch.equal(glob[0][k], v) and torch.equal(back.tensors[k], v) for k, v in model[0].items())
 
 
 def _by_hand(exp: Experiment) -> tuple[float, float, float]:

@@ -7,10 +7,10 @@ language model), i.e. the accuracy and mean loss over the union of the clients' 
 ``docs/deploy.md``) can report, and the in-process run evaluates the same way, so the two agree round for round.
 
 The global model travels with the evaluation payload every client receives anyway (its tensors under
-:data:`PREFIX`, its architecture in the payload's :data:`GLOBAL_META` entry), so an evaluation stays one message
-per client; :class:`GlobalEvaluation` wraps the client side that executors (and Flower nodes) run and splits it
-off again.  What the server learns is what personal evaluation already tells it: each client's test loss,
-accuracy and count.
+:data:`PREFIX` unless the payload's tensors are the global model already, its architecture in the payload's
+:data:`GLOBAL_META` entry), so an evaluation stays one message per client and sends no model twice;
+:class:`GlobalEvaluation` wraps the client side that executors (and Flower nodes) run and splits it off again.
+What the server learns is what personal evaluation already tells it: each client's test loss, accuracy and count.
 
 A run whose federation holds no data (:attr:`fedfuse.types.Federation.holds_data` false) is checked by
 :func:`check_server_data`: no server test set to evaluate on, no algorithm whose server rule needs data.
@@ -34,10 +34,19 @@ GLOBAL_META = "fedfuse:global-eval"  # the payload's meta entry with the global 
 KEYS = ("global_test_loss", "global_test_accuracy", "global_test_count")
 
 
+def _is_model(tensors: Mapping[str, torch.Tensor], model: Mapping[str, torch.Tensor]) -> bool:
+    """True when ``tensors`` are exactly the global ``model``'s (the same entries, the same values)."""
+    return tensors.keys() == model.keys() and all(
+        a is b or (a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b)))
+        for a, b in ((tensors[k], model[k]) for k in model))
+
+
 def with_global_model(payloads: Mapping[int, Message], model: tuple[TensorDict, Mapping[str, Any]]
                       ) -> dict[int, Message]:
-    """Every evaluation payload with the global ``model`` (tensors, meta) attached; a payload shared by several
-    clients stays shared (it is encoded once on the Flower wire)."""
+    """Every evaluation payload with the global ``model`` (tensors, meta) attached: its tensors under
+    :data:`PREFIX`, or none when the payload's tensors are the global model already (the default evaluation
+    payload: nothing is sent twice).  A payload shared by several clients stays shared (it is encoded once on the
+    Flower wire)."""
     tensors, meta = model
     glob = {PREFIX + k: v for k, v in tensors.items()}
     done: dict[int, Message] = {}
@@ -46,7 +55,9 @@ def with_global_model(payloads: Mapping[int, Message], model: tuple[TensorDict, 
         if id(msg) not in done:
             if any(k.startswith(PREFIX) for k in msg.tensors) or GLOBAL_META in msg.meta:
                 raise ValueError(f"client {c}'s evaluation payload already uses {PREFIX!r}/{GLOBAL_META!r}")
-            done[id(msg)] = Message({**msg.tensors, **glob}, {**msg.meta, GLOBAL_META: dict(meta)}, msg.stats)
+            inside = _is_model(msg.tensors, tensors)
+            done[id(msg)] = Message(dict(msg.tensors) if inside else {**msg.tensors, **glob},
+                                    {**msg.meta, GLOBAL_META: {"meta": dict(meta), "in_payload": inside}}, msg.stats)
         out[c] = done[id(msg)]
     return out
 
@@ -56,10 +67,13 @@ def split_global(payload: Message) -> tuple[Message, tuple[TensorDict, dict[str,
     none; the payload is then returned as it is)."""
     if GLOBAL_META not in payload.meta:
         return payload, None
+    about = payload.meta[GLOBAL_META]
+    meta = {k: v for k, v in payload.meta.items() if k != GLOBAL_META}
+    if about["in_payload"]:  # the payload's tensors are the global model
+        return Message(dict(payload.tensors), meta, payload.stats), (dict(payload.tensors), dict(about["meta"]))
     own = {k: v for k, v in payload.tensors.items() if not k.startswith(PREFIX)}
     glob = {k[len(PREFIX):]: v for k, v in payload.tensors.items() if k.startswith(PREFIX)}
-    meta = {k: v for k, v in payload.meta.items() if k != GLOBAL_META}
-    return Message(own, meta, payload.stats), (glob, dict(payload.meta[GLOBAL_META]))
+    return Message(own, meta, payload.stats), (glob, dict(about["meta"]))
 
 
 def evaluate_global(ctx: Any, model: tuple[TensorDict, Mapping[str, Any]], data: ClientData) -> dict[str, float]:
