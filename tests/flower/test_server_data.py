@@ -208,3 +208,23 @@ def test_every_algorithm_on_a_server_without_data_equals_in_process(algorithm, c
     exp = Experiment(cfg, get_algorithm(algorithm), executor=executor, fed=learn_federation(executor, cfg, wait=0))
     exp.run()
     assert [strip_timing(h) for h in exp.history] == [strip_timing(h) for h in ref.history]
+
+
+def test_with_a_server_test_set_the_nodes_sizes_are_checked_against_it(bundles, tmp_path, caplog):
+    """global_eval=server: the operator gave the server its dataset (digits is packaged), which it evaluates on;
+    the run equals the in-process one, and a node whose sizes differ from the server's dataset is refused."""
+    conf = {**BASE, "global_eval": "server", "rounds": 2}
+    ref = _in_process(conf, tmp_path / "ref")
+    grid = LocalGrid(client_app, 2, node_config=[{"data": str(p)} for p in bundles])
+    got = _metrics(_serve(conf, tmp_path, grid))
+    assert got == ref and "global_eval_clients" not in got[-1] and got[-1]["global_accuracy"] is not None
+    other = make_config({**BASE, "seed": 4})  # another partition: the same client ids, other sizes
+    foreign = write_node_bundles(build_federation(other), tmp_path / "foreign", 2, config=make_config(BASE))
+    sizes = build_federation(make_config(BASE)).client_sizes()
+    assert build_federation(other).client_sizes()[1] != sizes[1]
+    grid = LocalGrid(client_app, 2, node_config=[{"data": str(bundles[0])}, {"data": str(foreign[1])}])
+    (tmp_path / "second").mkdir()
+    with caplog.at_level(logging.ERROR, logger="fedfuse"):
+        got = _metrics(_serve(conf, tmp_path / "second", grid))
+    assert "node 2 refused: its clients' sizes differ from the federation's" in caplog.text
+    assert all(c in r["dropped"] for r in got for c in r["clients"] if c % 2 == 1)  # its clients are dropouts
