@@ -228,3 +228,15 @@ def test_with_a_server_test_set_the_nodes_sizes_are_checked_against_it(bundles, 
         got = _metrics(_serve(conf, tmp_path / "second", grid))
     assert "node 2 refused: its clients' sizes differ from the federation's" in caplog.text
     assert all(c in r["dropped"] for r in got for c in r["clients"] if c % 2 == 1)  # its clients are dropouts
+
+
+def test_a_server_without_data_resumes_from_its_checkpoint(bundles, tmp_path):
+    """``resume=true``: the resumed ServerApp learns the sizes from the nodes again and continues the run; the
+    resumed 3-round run equals the uninterrupted in-process one."""
+    ref = _in_process(BASE, tmp_path / "ref")
+    grid = LocalGrid(client_app, 2, node_config=[{"data": str(p)} for p in bundles])
+    out = _serve({**BASE, "rounds": 2}, tmp_path, grid)
+    assert len(_metrics(out)) == 2
+    out = _serve(BASE, tmp_path, LocalGrid(client_app, 2, node_config=[{"data": str(p)} for p in bundles]),
+                 resume=True)
+    assert _metrics(out) == ref
