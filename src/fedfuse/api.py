@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fedfuse.catalog import when_text
 from fedfuse.config import ConfigError, ConfigLike, make_config
 from fedfuse.result import Result
+from fedfuse.runfiles import CHECKPOINT
 from fedfuse.runner import execute
 from fedfuse.types import Admits
 
@@ -48,7 +49,7 @@ def run(config: ConfigLike = None, /, *, progress: bool = False, callbacks: Sequ
         if word in options:
             raise ConfigError(f"run() is one run; for {word}= use fedfuse.compare(...) or fedfuse.sweep(...)")
     cfg = make_config(config, **options)
-    if resume and not (cfg.out and (Path(cfg.out) / "checkpoint.pt").exists()):
+    if resume and not (cfg.out and (Path(cfg.out) / CHECKPOINT).exists()):
         raise ConfigError(f"resume: no checkpoint.pt in out={cfg.out!r} (nothing to resume)")
     return execute(cfg, progress=progress, callbacks=callbacks, log=log, resume=resume)
 

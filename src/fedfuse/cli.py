@@ -24,6 +24,7 @@ from fedfuse.config import (
 )
 from fedfuse.errors import UserError, run_guarded
 from fedfuse.rundir import prepare_run_dir, resume_config
+from fedfuse.runfiles import CHECKPOINT
 from fedfuse.stats import FINAL_WINDOW
 
 
@@ -232,7 +233,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         res = execute(cfg, progress=not args.no_progress, log=_logs(args), resume=bool(args.resume))
     except KeyboardInterrupt:
-        if (Path(cfg.out) / "checkpoint.pt").exists():
+        if (Path(cfg.out) / CHECKPOINT).exists():
             print(f"fedfuse: interrupted; continue with: fedfuse run --resume {cfg.out}", file=sys.stderr)
             raise SystemExit(130) from None
         raise
@@ -328,7 +329,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     from fedfuse.data.report import partition_table, plot_partition
-    from fedfuse.engine.loop import build_federation
+    from fedfuse.engine.assemble import build_federation
 
     cfg = build_config(args)
     fed = build_federation(cfg)
@@ -349,7 +350,7 @@ def cmd_export_partitions(args: argparse.Namespace) -> int:
     if not cfg.out:
         raise ConfigError("export-partitions: give the output directory with --out DIR")
     if args.nodes:  # one bundle per SuperNode, each holding only its clients
-        from fedfuse.engine.loop import build_federation
+        from fedfuse.engine.assemble import build_federation
         from fedfuse.flower.node_data import write_node_bundles
 
         fed = build_federation(cfg)

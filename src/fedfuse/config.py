@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedfuse import sections
 from fedfuse.coerce import coerce, coerce_option, parse_threads, plain
 from fedfuse.coerce import parse_value as parse_value
 from fedfuse.configfile import config_file
@@ -182,6 +183,27 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    # ---- the sections the engine consumes (fedfuse.sections); the flat keys stay the user's interface --------
+    @property
+    def training(self) -> sections.TrainConfig:
+        """The local optimisation of a client step."""
+        return sections.training(self)
+
+    @property
+    def faults(self) -> sections.FaultSettings:
+        """Injected faults and the server's defences against bad replies."""
+        return sections.faults(self)
+
+    @property
+    def privacy(self) -> sections.PrivacySettings:
+        """Differential privacy and secure aggregation."""
+        return sections.privacy(self)
+
+    @property
+    def runtime(self) -> sections.RuntimeSettings:
+        """Device, executor, precision and threads."""
+        return sections.runtime(self)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -29,16 +29,17 @@ DESIGN = SRC.parent.parent / "docs" / "design.md"
 # module may import modules of its own layer or of a lower one, never of a higher one, and never in a cycle.
 LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("foundation", "message and federation types, structure declarations, seeded RNG, option declarations, "
-                   "error types, optional extras, statistics, Markdown tables, name suggestions",
+                   "error types, optional extras, statistics, Markdown tables, name suggestions, the run directory's "
+                   "file names",
      ("fedfuse.types", "fedfuse.structure", "fedfuse.rng", "fedfuse.options", "fedfuse.errors", "fedfuse.extras",
-      "fedfuse.stats", "fedfuse.tables", "fedfuse._callable", "fedfuse.names")),
+      "fedfuse.stats", "fedfuse.tables", "fedfuse._callable", "fedfuse.names", "fedfuse.runfiles")),
     ("plots", "figures of metric histories", ("fedfuse.plots",)),
     ("models", "model classes and their registry", ("fedfuse.models", "fedfuse.models.*")),
     ("fusion", "pure operators on named tensors", ("fedfuse.fusion", "fedfuse.fusion.*")),
     ("data", "datasets, corpora, partitions, federations, partition reports and exports",
      ("fedfuse.data", "fedfuse.data.*")),
-    ("config", "the run configuration: schema, validation, YAML, run directories",
-     ("fedfuse.coerce", "fedfuse.configfile", "fedfuse.config", "fedfuse.rundir")),
+    ("config", "the run configuration: schema, validation, its sections, YAML, run directories",
+     ("fedfuse.coerce", "fedfuse.sections", "fedfuse.configfile", "fedfuse.config", "fedfuse.rundir")),
     ("run store", "a run directory read back as a Result", ("fedfuse.result",)),
     ("runtime", "the process's compute settings: training precision and memory format, thread counts",
      ("fedfuse.runtime", "fedfuse.runtime.*")),
