@@ -104,7 +104,8 @@ class Experiment:
         self.precision = resolve_precision(self.runtime.precision, self.device)  # fp32 | bf16 (runtime/precision.py)
         self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, algorithm, fed=fed)
         self.client = client_side(self.algo)  # what executors run: with entries that stay local, engine/personal.py
-        self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
+        self.store = RunStore(self.cfg.out)  # every file the run writes (engine/store.py)
+        self.ctx.out_dir = self.store.dir  # where an algorithm's own diagnostic files go
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
         # central DP's client sampling: from the OS unless the research mode (the run seed) is asked for
         self.dp_select_rng = secure_numpy_rng() if self.ctx.dp.central and not self.ctx.dp.reproducible else None
@@ -117,7 +118,6 @@ class Experiment:
         self.progress = progress
         self.on_round = on_round
         self.callbacks = CallbackList(callbacks)
-        self.store = RunStore(self.cfg.out)  # every file the run writes (engine/store.py)
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
         self.totals = Totals()
