@@ -89,3 +89,22 @@ def test_a_run_without_out_writes_no_file(tmp_path, monkeypatch):
     exp = experiment(small_cfg(tmp_path, out=None, plots=True))
     exp.run()
     assert exp.out is None and list(tmp_path.iterdir()) == []
+
+
+def test_the_round_loop_writes_no_file_itself():
+    """Every file the loop writes goes through the store: engine/loop.py calls no writer directly."""
+    import ast
+    from pathlib import Path
+
+    import fedfuse.engine.loop as loop
+
+    writers = {"write_text", "write_bytes", "save", "dump", "dump_yaml", "save_checkpoint", "mkdir", "open"}
+    calls = []
+    for node in ast.walk(ast.parse(Path(loop.__file__).read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            owner = getattr(f.value, "attr", getattr(f.value, "id", "")) if isinstance(f, ast.Attribute) else ""
+            if name in writers and owner != "store":
+                calls.append(f"line {node.lineno}: {owner + '.' if owner else ''}{name}")
+    assert not calls, calls
