@@ -38,7 +38,6 @@ import itertools
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import load  # benchmarks/ is on sys.path when a benchmark runs
 
 N_CLIENTS, PER_CLIENT, PER_ROUND, EPOCHS, BATCH, LR = 100, 600, 10, 1, 50, 0.05
 MODELS = {  # variant -> (label, fedfuse registry model, options)
@@ -169,13 +169,6 @@ class Row:
     def e2e(self, n: int) -> float:
         """Median measured total, plus the rounds not run at the median round time."""
         return statistics.median(self.totals) + (n - statistics.median(self.rounds)) * self.per_round()
-
-
-def load() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "load average " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 def prepare(data_dir: str, path: Path, threads: int) -> None:

@@ -112,7 +112,7 @@ def main(args: Any) -> None:
     import tempfile
 
     import flwr
-    from peers import load  # benchmarks/ is on sys.path when peers.py runs
+    from machine import load  # benchmarks/ is on sys.path when peers.py runs
 
     root = Path(tempfile.mkdtemp(prefix="peers-deploy-"))
     bench = Path(__file__).resolve().parent

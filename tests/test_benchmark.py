@@ -14,7 +14,7 @@ from fedfuse import benchmark as b
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.cached_runs import run_dir_name
 from fedfuse.config import config_hash
-from fedfuse.records import verify
+from fedfuse.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -124,12 +124,12 @@ def test_logger_names_check_the_extra_before_building_a_logger(hide):
 # ---- the command line: exit 2, one line, before any work -------------------------------------------------------
 def test_run_with_a_missing_logger_exits_2_before_loading_data(hide, monkeypatch, tmp_path, capsys):
     hide("tensorboard")
-    import fedfuse.engine.loop
+    import fedfuse.engine.assemble
 
     def no_data(*a, **k):
         raise AssertionError("the data was loaded before the missing extra was reported")
 
-    monkeypatch.setattr(fedfuse.engine.loop, "build_federation", no_data)
+    monkeypatch.setattr(fedfuse.engine.assemble, "build_federation", no_data)
     out = tmp_path / "r"
     assert main(["run", *FAST, "--log", "tensorboard,csv", "--out", str(out)]) == 2
     line = _one_error_line(capsys.readouterr().err)

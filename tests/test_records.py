@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from fedfuse import records
+from fedfuse import verify as verification
 from fedfuse.records import BEHAVIOUR, STALE, make_record, render_table, stale_reason
 from fedfuse.stats import stability
 
@@ -170,11 +171,11 @@ def test_record_of_an_ensemble_run_keeps_its_ensemble_accuracy_and_verify_checks
     hist = load(run).history
     assert rec["metrics"]["global_accuracy"] is None and rec["curve_metric"] == "personal_accuracy"
     assert rec["metrics"]["ensemble_accuracy"] == hist[-1]["ensemble_accuracy"] is not None
-    assert records.is_table_metric("ensemble_accuracy")
-    ok, rows = records.verify(rec, tol=0.0)
+    assert verification.is_table_metric("ensemble_accuracy")
+    ok, rows = verification.verify(rec, tol=0.0)
     assert ok and dict((k, d) for k, _, _, d in rows)["ensemble_accuracy"] == 0.0
     bad = {**rec, "metrics": {**rec["metrics"], "ensemble_accuracy": rec["metrics"]["ensemble_accuracy"] - 0.25}}
-    assert not records.verify(bad)[0]
+    assert not verification.verify(bad)[0]
 
 
 def test_metric_of_reads_each_methods_own_metric_in_claims_paired_and_columns(tmp_path):
@@ -231,10 +232,10 @@ def test_record_render_and_verify_a_real_run(tmp_path):
     assert "| fedavg | 1 | " in text and f"{accs[0]:.1f} / {accs[1]:.1f}" in text
     assert "from 2 records in `results/records/tiny/`" in text and text.endswith("<!-- /results -->\nafter\n")
     # verify: the same code re-runs the record bit for bit; a changed number is reported
-    ok, rows = records.verify(recs[0], tol=0.0)
+    ok, rows = verification.verify(recs[0], tol=0.0)
     assert ok and dict((k, d) for k, _, _, d in rows)["global_accuracy"] == 0.0
     bad = {**recs[0], "metrics": {**recs[0]["metrics"], "global_accuracy": 0.01}}
-    ok, rows = records.verify(bad)
+    ok, rows = verification.verify(bad)
     assert not ok and dict((k, d) for k, _, _, d in rows)["global_accuracy"] > 0
     shutil.rmtree(tmp_path / "run0")
 
@@ -244,15 +245,15 @@ def test_verify_compares_the_recorded_curve(tmp_path):
     the same code gives a zero largest difference; a changed point is caught and its size reported."""
     rec = make_record(_tiny_run(tmp_path, 0), "tiny", {"method": "fedavg"}, commit="0" * 40)
     assert len(rec["curve"]) == 2
-    ok, rows = records.verify(rec, tol=0.0)
+    ok, rows = verification.verify(rec, tol=0.0)
     got = {k: (a, b, d) for k, a, b, d in rows}
-    assert ok and got[records.CURVE_DIFF] == ("2 rounds", "2 rounds", 0.0)
+    assert ok and got[verification.CURVE_DIFF] == ("2 rounds", "2 rounds", 0.0)
     bad = {**rec, "curve": [rec["curve"][0], [rec["curve"][1][0], rec["curve"][1][1] + 0.125]]}
-    ok, rows = records.verify(bad, tol=1e-9)
-    assert not ok and dict((k, d) for k, _, _, d in rows)[records.CURVE_DIFF] == pytest.approx(-0.125)
+    ok, rows = verification.verify(bad, tol=1e-9)
+    assert not ok and dict((k, d) for k, _, _, d in rows)[verification.CURVE_DIFF] == pytest.approx(-0.125)
     short = {**rec, "curve": rec["curve"][:1]}
-    ok, rows = records.verify(short)
-    assert not ok and dict((k, d) for k, _, _, d in rows)[records.CURVE_DIFF] is None
+    ok, rows = verification.verify(short)
+    assert not ok and dict((k, d) for k, _, _, d in rows)[verification.CURVE_DIFF] is None
 
 
 def test_cli_results_render_check_and_list(tmp_path, capsys):
@@ -269,6 +270,10 @@ def test_cli_results_render_check_and_list(tmp_path, capsys):
     assert main(["results", "--root", str(root), "render", "--check"]) == 0
     assert main(["results", "--root", str(root), "list"]) == 0
     assert "t: 2 records, 0 stale" in capsys.readouterr().out
+    # the store's own answers, without the command line
+    records.write_record(root, _rec("c", 0, 0.7, behaviour={"*": 0, "c": 1}))  # made on older engine code
+    assert records.table_counts(root) == [("t", 3, 1)]
+    assert records.rendered_blocks(root) == (1, 1, 2)  # README.md: one table of rows a, b (rendered before c)
 
 
 def test_claims_rows_computed_from_records_and_typed_rows_marked(tmp_path):
@@ -374,14 +379,14 @@ def test_verify_rebuilds_a_lora_reproduction_run_on_its_recorded_base(tmp_path):
     fed = record_federation("roles", quick=True, clients=3, base_sha=sha)
     rec = make_record(run, "t", {"split": "roles", "method": "fedit"}, commit="0" * 40, federation=fed)
     assert rec["metrics"]["personal_perplexity"] > 1 and rec["federation"]["kind"] == "lora"
-    ok, rows = records.verify(rec, data_dir=str(data), tol=0.0)
+    ok, rows = verification.verify(rec, data_dir=str(data), tol=0.0)
     assert ok and dict((k, d) for k, _, _, d in rows)["personal_perplexity"] == 0.0
     with pytest.raises(SystemExit, match="not the recorded one"):
-        records.verify({**rec, "federation": {**fed, "base_state_sha256": "0" * 64}}, data_dir=str(data))
+        verification.verify({**rec, "federation": {**fed, "base_state_sha256": "0" * 64}}, data_dir=str(data))
     gone = {**rec["config"], "algorithm_options": {**rec["config"]["algorithm_options"],
                                                    "base": f"fedfuse:{tmp_path / 'gone.pt'}"}}
     with pytest.raises(SystemExit, match="missing"):
-        records.verify({**rec, "config": gone}, data_dir=str(data))
+        verification.verify({**rec, "config": gone}, data_dir=str(data))
 
 
 def test_base_state_hash_reads_the_weights_not_the_file(tmp_path):
@@ -433,7 +438,7 @@ def test_verify_refuses_a_lora_record_without_its_base_digest(tmp_path):
     base = f"fedfuse:{tmp_path / 'base.pt'}"
     for fed in (None, record_federation("roles", base_sha=""), {"kind": "lora", "base_state_sha256": "xyz"}):
         with pytest.raises(SystemExit, match="not its weights digest"):
-            records.verify(_lora_record(base, fed))
+            verification.verify(_lora_record(base, fed))
 
 
 def test_a_tampered_lora_base_runs_no_code_during_verify(tmp_path, capsys):

@@ -16,6 +16,7 @@ from typing import Any
 
 from fedfuse.config import ConfigError, RunConfig, config_hash
 from fedfuse.result import Result, load
+from fedfuse.runfiles import CHECKPOINT, CONFIG, SUMMARY
 
 Job = tuple[int, str, RunConfig, bool]  # (index in the plan, label, config, resume)
 
@@ -79,7 +80,7 @@ def run_serial(todo: list[Job], progress: bool, log: list[str], callbacks: list[
                verbose: bool) -> dict[int, Result]:
     """Run ``todo`` in this process; consecutive runs with the same federation share it."""
     from fedfuse.config import resolve_device
-    from fedfuse.engine.loop import build_federation
+    from fedfuse.engine.assemble import build_federation
 
     out: dict[int, Result] = {}
     fed_key, fed = None, None  # runs are ordered seed-major: consecutive runs share one federation
@@ -125,7 +126,7 @@ def _status(run_dir: Path, cfg: RunConfig, strict: bool = True) -> str:
 
     A directory holding another configuration is an error when ``strict`` (store directories are named by
     their hash), otherwise ``empty``."""
-    if not (run_dir / "config.yaml").exists():
+    if not (run_dir / CONFIG).exists():
         return "empty"
     try:
         old = load(run_dir).config
@@ -135,9 +136,9 @@ def _status(run_dir: Path, cfg: RunConfig, strict: bool = True) -> str:
         if not strict:
             return "empty"
         raise ConfigError(f"{run_dir} holds a different configuration than its name says; delete it")
-    if (run_dir / "summary.json").exists():
+    if (run_dir / SUMMARY).exists():
         return "done"
-    return "partial" if (run_dir / "checkpoint.pt").exists() else "empty"
+    return "partial" if (run_dir / CHECKPOINT).exists() else "empty"
 
 
 def _run_job(cfg: RunConfig, resume: bool, progress: bool, log: list[str], callbacks: list[Any],

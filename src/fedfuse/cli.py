@@ -23,8 +23,9 @@ from fedfuse.config import (
     validate,
 )
 from fedfuse.errors import UserError, run_guarded
+from fedfuse.run_table import results_table as results_table  # what `fedfuse run` prints
 from fedfuse.rundir import prepare_run_dir, resume_config
-from fedfuse.stats import FINAL_WINDOW
+from fedfuse.runfiles import CHECKPOINT
 
 
 def _flag_helps() -> dict[str, str]:
@@ -125,91 +126,6 @@ def _default_out(cfg: RunConfig, prefix: str) -> str:
     return str(Path("runs") / f"{prefix}-{dataset_label(cfg.dataset)}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _fmt(v: Any, pct: bool = False) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, float):
-        return f"{100 * v:.2f}" if pct else (f"{v:.4g}")
-    if isinstance(v, int) and not isinstance(v, bool):
-        return f"{v:,}"
-    return str(v)
-
-
-#: rows of the ``fedfuse run`` table whose "final" is the mean of the last evaluations (the others are totals)
-EVALUATED = ("global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "loss", "val_loss", "perplexity")
-
-
-#: the rows of the ``fedfuse run`` table: (label, summary key, shown in %)
-RESULT_ROWS = (
-    ("global accuracy (%)", "global_accuracy", True),
-    ("personalised accuracy, mean over clients (%)", "personal_accuracy", True),
-    ("personalised accuracy, sample-weighted (%)", "personal_accuracy_weighted", True),
-    ("test loss", "loss", False),
-    ("validation loss", "val_loss", False),
-    ("perplexity", "perplexity", False),
-    ("MB down (total)", "bytes_down", False),
-    ("MB up (total)", "bytes_up", False),
-    ("client GFLOPs (total)", "client_flops", False),
-    ("server parameters", "server_parameters", False),
-    ("clients without test data (not in the means)", "clients_without_test", False),
-    ("updates quarantined (total)", "total_quarantined", False),
-    ("replies lost to dropout (total)", "total_dropped", False),
-    ("replies after the deadline (total)", "total_late", False),
-)
-
-
-def results_table(summary: dict[str, Any], history: list[dict[str, Any]] | None = None,
-                  last: int = FINAL_WINDOW) -> str:
-    """The table ``fedfuse run`` prints: ``final`` (the same statistic as compare, the API and reports:
-    :func:`fedfuse.stats.final_window`), the last evaluation and the best one (the highest accuracy)."""
-    from fedfuse.result import last_evaluation
-    from fedfuse.stats import evaluations, final_note
-
-    history = history or []
-    final, latest, best = summary["final"], last_evaluation(summary), summary["best"]
-    at, best_at = latest.get("round"), best.get("round")
-    last_head = f"round {at}" if at is not None else "last"
-    best_head = f"best (round {best_at})" if best_at is not None else "best"
-    lines = [f"{'metric':<46} {'final':>10} {last_head:>12} {best_head:>16}", "-" * 87]
-    for label, key, pct in RESULT_ROWS:
-        line = _results_line(final, latest, best, label, key, pct)
-        if line is not None:
-            lines.append(line)
-    n = summary["rounds_completed"]
-    lines.append(f"wall time: {summary['wall_seconds']:.1f} s over {n} round{'s' if n != 1 else ''}")
-    metric = best.get("metric", "global_accuracy")
-    count = len(evaluations(history, metric))
-    if count:
-        lines.append(f"{final_note(last, [count], 'this run')}; the same final as compare, reports and "
-                     "Result.final()")
-        chosen = summary.get("best_val_loss", {}).get("round")
-        lines.append(f"best = the evaluation with the highest {metric.replace('_', ' ')}"
-                     + (f"; the lowest validation loss was at round {chosen} (model_best_val_loss.pt)"
-                        if chosen is not None else ""))
-    if "precision" in summary:
-        threads = summary.get("threads")
-        lines.append(f"precision: {summary['precision']}" + (f", torch threads: {threads}" if threads else ""))
-    from fedfuse.engine.routing import executor_line
-
-    executor = executor_line(summary.get("executor"))  # what ran, and why when it is not what was asked for
-    if executor:
-        lines.append(executor)
-    return "\n".join(lines)
-
-
-def _results_line(final: dict[str, Any], latest: dict[str, Any], best: dict[str, Any], label: str, key: str,
-                  pct: bool) -> str | None:
-    """One row of :func:`results_table` (None when the run has no such value, or a zero count)."""
-    f, b = latest.get(key), best.get(key)
-    if (f is None and b is None) or (key.startswith(("total_", "clients_without")) and not f):
-        return None
-    scale = 1e6 if key.startswith("bytes") else 1e9 if key == "client_flops" else None
-    if scale is not None:
-        f, b = (None if x is None else x / scale for x in (f, b))
-    shown = _fmt(final.get(key), pct) if key in EVALUATED else ""
-    return f"{label:<46} {shown:>10} {_fmt(f, pct):>12} {_fmt(b, pct):>16}"
-
-
 def _logs(args: argparse.Namespace) -> list[str]:
     return [x.strip() for x in (getattr(args, "log", "") or "").split(",") if x.strip()]
 
@@ -232,7 +148,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         res = execute(cfg, progress=not args.no_progress, log=_logs(args), resume=bool(args.resume))
     except KeyboardInterrupt:
-        if (Path(cfg.out) / "checkpoint.pt").exists():
+        if (Path(cfg.out) / CHECKPOINT).exists():
             print(f"fedfuse: interrupted; continue with: fedfuse run --resume {cfg.out}", file=sys.stderr)
             raise SystemExit(130) from None
         raise
@@ -328,7 +244,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     from fedfuse.data.report import partition_table, plot_partition
-    from fedfuse.engine.loop import build_federation
+    from fedfuse.engine.assemble import build_federation
 
     cfg = build_config(args)
     fed = build_federation(cfg)
@@ -349,7 +265,7 @@ def cmd_export_partitions(args: argparse.Namespace) -> int:
     if not cfg.out:
         raise ConfigError("export-partitions: give the output directory with --out DIR")
     if args.nodes:  # one bundle per SuperNode, each holding only its clients
-        from fedfuse.engine.loop import build_federation
+        from fedfuse.engine.assemble import build_federation
         from fedfuse.flower.node_data import write_node_bundles
 
         fed = build_federation(cfg)
@@ -498,7 +414,7 @@ def _results_render(args: argparse.Namespace, root: Path) -> int:
         print("fedfuse results render --check: tables differ from their records; run `fedfuse results "
               "render`", file=sys.stderr)
         return 1
-    docs, tables, rows = _results_blocks(root)
+    docs, tables, rows = records.rendered_blocks(root)
     what = (f"{tables} table{'s' if tables != 1 else ''} ({rows} rows) in {docs} document{'s' if docs != 1 else ''},"
             f" from {len(records.all_records(root))} records")
     if args.check:
@@ -506,21 +422,6 @@ def _results_render(args: argparse.Namespace, root: Path) -> int:
     else:
         print(f"{what}: {len(changed)} document{'s' if len(changed) != 1 else ''} rewritten")
     return 0
-
-
-def _results_blocks(root: Path) -> tuple[int, int, int]:
-    """(documents, results tables, table rows) rendered from result records below ``root``."""
-    from fedfuse import records
-
-    docs = records.documents(root)
-    tables = rows = 0
-    for p in docs:
-        for m in records.MARK.finditer(p.read_text()):
-            tables += 1
-            lines = [line for line in m.group("body").splitlines() if line.startswith("|")]
-            separators = sum(1 for line in lines if set(line) <= set("|-: "))
-            rows += len(lines) - 2 * separators  # each Markdown table: a header and a separator line, then rows
-    return len(docs), tables, rows
 
 
 def _results_record(args: argparse.Namespace, root: Path) -> int:
@@ -539,24 +440,22 @@ def _results_list(root: Path) -> int:
     """``results list``: every table with its record and stale counts."""
     from fedfuse import records
 
-    for p in sorted((root / "results" / "tables").glob("*.json")):
-        recs = records.load_records(root, p.stem)
-        stale = sum(1 for r in recs if records.stale_reason(r))
-        print(f"{p.stem}: {len(recs)} records, {stale} stale")
+    for table, count, stale in records.table_counts(root):
+        print(f"{table}: {count} records, {stale} stale")
     return 0
 
 
 def _results_verify(args: argparse.Namespace, root: Path) -> int:
     """``results verify``: re-run one record and print recorded against now; 1 when not reproduced."""
-    from fedfuse import records
+    from fedfuse import records, verify
 
     pick = args.random if args.random is not None else None
     path, rec = records.choose(root, args.table, _cell_arg(args.cell or ""), args.seed, pick)
     stale = records.stale_reason(rec)
     print(f"verifying {path} (table {rec['table']}, cell {rec['cell']}, seed {rec['seed']}, recorded on commit "
           f"{rec['commit'][:12]}{'; ' + stale if stale else ''})", flush=True)
-    ok, rows = records.verify(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
-    wanted = [r for r in rows if records.is_table_metric(r[0])]
+    ok, rows = verify.verify(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
+    wanted = [r for r in rows if verify.is_table_metric(r[0])]
     for name, a, b, d in (rows if args.all_metrics else wanted):
         diff = "—" if d is None else f"{d:+.3g}"
         print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  difference {diff}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedfuse import sections
 from fedfuse.coerce import coerce, coerce_option, parse_threads, plain
 from fedfuse.coerce import parse_value as parse_value
 from fedfuse.configfile import config_file
@@ -188,6 +189,27 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    # ---- the sections the engine consumes (fedfuse.sections); the flat keys stay the user's interface --------
+    @property
+    def training(self) -> sections.TrainConfig:
+        """The local optimisation of a client step."""
+        return sections.training(self)
+
+    @property
+    def faults(self) -> sections.FaultSettings:
+        """Injected faults and the server's defences against bad replies."""
+        return sections.faults(self)
+
+    @property
+    def privacy(self) -> sections.PrivacySettings:
+        """Differential privacy and secure aggregation."""
+        return sections.privacy(self)
+
+    @property
+    def runtime(self) -> sections.RuntimeSettings:
+        """Device, executor, precision and threads."""
+        return sections.runtime(self)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -727,7 +749,7 @@ _HASH_NEUTRAL_DEFAULTS: dict[str, object] = {
     "precision": "fp32", "memory_format": "auto", "fp32_matmul": "ieee",
     "secagg_frac_bits": 24, "secagg_neighbors": 0, "secagg_threshold": 0.5,
     "secagg_min_clients": 3, "secagg_max_weight": 0, "norm_max": 100.0,
-    "dp_reproducible": False, "dp_debug_metrics": False,
+    "dp_reproducible": False, "dp_debug_metrics": False, "global_eval": "server",
 }
 """Run keys added after configs were first hashed: left out of :func:`config_hash` while at these defaults (a
 run that leaves them alone computes what it did before they existed), so earlier caches and result records keep

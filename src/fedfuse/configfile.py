@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import yaml
 
 from fedfuse.errors import ConfigError
+from fedfuse.runfiles import RUN_FILES
 
 
 class AsDict(Protocol):
@@ -38,9 +39,6 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: expected a mapping of key: value at top level, got {type(data).__name__}")
     return data
 
-
-#: the files that make a directory a run's (:mod:`fedfuse.rundir` refuses to write a fresh run over them)
-RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json", "config.yaml")
 
 
 def holds_run(path: str | Path) -> bool:

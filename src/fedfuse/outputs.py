@@ -5,19 +5,20 @@
 - :class:`CurvesPlot`: ``curves.png`` (accuracy/loss against rounds and bytes), with ``plots``, when the run ends.
 
 The round loop writes only what a run needs to resume and to be read back (``config.yaml``, ``metrics.jsonl``,
-``summary.json``, checkpoints, models); it draws nothing.
+``summary.json``, checkpoints, models); it draws nothing.  Every file goes to the path the run store
+(:class:`fedfuse.engine.store.RunStore`) gives it; :data:`fedfuse.runfiles.FILES` lists them all.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from fedfuse.config import RunConfig
 from fedfuse.data.report import label_histograms, plot_partition
 from fedfuse.engine.callbacks import Callback
+from fedfuse.engine.store import RunStore
 from fedfuse.plots import plot_curves
+from fedfuse.runfiles import CURVES, PARTITION_JSON, PARTITION_PNG
 from fedfuse.types import Federation
 
 
@@ -31,8 +32,7 @@ class PartitionFiles(Callback):
     def on_run_start(self, config: RunConfig) -> None:
         if not config.out:
             return
-        out = Path(config.out)
-        out.mkdir(parents=True, exist_ok=True)
+        store = RunStore(config.out)
         fed = self.fed
         info = {
             "dataset": fed.dataset,
@@ -41,9 +41,9 @@ class PartitionFiles(Callback):
                         for c in fed.clients],
             "label_histograms": label_histograms(fed).tolist(),
         }
-        (out / "partition.json").write_text(json.dumps(info))
+        store.write_json(PARTITION_JSON, info)
         if config.plots:
-            plot_partition(fed, out / "partition.png")
+            plot_partition(fed, store.path(PARTITION_PNG))
 
 
 class CurvesPlot(Callback):
@@ -60,10 +60,10 @@ class CurvesPlot(Callback):
         cfg = self.config
         if cfg is None or not cfg.out or not cfg.plots or not summary:
             return
-        metrics = Path(cfg.out) / "metrics.jsonl"
-        history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        store = RunStore(cfg.out)
+        history = store.read_metrics()
         if history:
-            plot_curves(history, Path(cfg.out) / "curves.png", title=f"{cfg.algorithm} on {cfg.dataset}")
+            plot_curves(history, store.path(CURVES), title=f"{cfg.algorithm} on {cfg.dataset}")
 
 
 def output_callbacks(fed: Federation) -> list[Callback]:

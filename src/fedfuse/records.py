@@ -13,8 +13,9 @@ delimited by ``<!-- results: <table> -->`` … ``<!-- /results -->`` are generat
 in :data:`BEHAVIOUR` and says so in its message.  A record made on older code (a lower version for its
 algorithm or for ``"*"``) is *stale*: its rows render with a visible ⚠ mark until re-run and re-recorded.
 
-``fedfuse results verify`` re-runs a chosen (or random) record at its recorded config with today's code and
-reports the difference of every metric the record holds.
+``fedfuse results verify`` re-runs a chosen (:func:`choose`, or random) record at its recorded config with
+today's code and reports the difference of every metric the record holds: that is :mod:`fedfuse.verify`, which
+sits above the reproductions it re-runs; this module only stores, finds and renders numbers.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import math
 import random
 import re
 import subprocess
-import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +62,11 @@ def current_commit(where: Path | None = None) -> str:
 
 
 # ---- records -------------------------------------------------------------------------------------------------
-def _scalars(block: dict[str, Any]) -> dict[str, Any]:
+def scalar_metrics(block: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in block.items() if isinstance(v, int | float | str | bool) or v is None}
 
 
-def _stability_metrics(hist: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+def stability_metrics(hist: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     """``last10_mean`` / ``best10_mean`` of the global accuracy, and ``…_<name>`` of every other evaluated
     ``global_accuracy_<name>`` (e.g. MSfusion's ``compare_assemblies``)."""
     out: dict[str, float | None] = {}
@@ -118,7 +118,7 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
     if not res.summary:
         raise ValueError(f"{run_dir}: the run has not finished (no summary.json)")
     algo = cfg.algorithm
-    curve, curve_metric = _curve(hist)
+    curve, curve_metric = record_curve(hist)
     d = cfg.to_dict()
     for k in ("out", "data_dir", "threads"):
         d.pop(k, None)
@@ -133,14 +133,14 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
         "config_hash": config_hash(cfg),
         "config": d,
         "federation": federation,
-        "metrics": {**_scalars(last_evaluation(res.summary)), **_stability_metrics(hist)},
+        "metrics": {**scalar_metrics(last_evaluation(res.summary)), **stability_metrics(hist)},
         "curve": curve,
         "costs": costs(hist),
         **({} if curve_metric == "global_accuracy" else {"curve_metric": curve_metric}),
     }
 
 
-def _curve(hist: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], str]:
+def record_curve(hist: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], str]:
     """([round, accuracy] of every evaluated round, the metric): the global model's accuracy, or (methods
     without one, e.g. FedMerge) the personalised one."""
     has_global = any(h.get("global_accuracy") is not None for h in hist)
@@ -472,7 +472,29 @@ def _write_figures(root: Path, text: str) -> None:
             write_figures(spec, recs, root / spec["figures"])
 
 
-# ---- verification --------------------------------------------------------------------------------------------
+# ---- finding and counting records ----------------------------------------------------------------------------
+def table_counts(root: Path) -> list[tuple[str, int, int]]:
+    """(table, records, stale records) of every table spec below ``root``, by table id."""
+    out = []
+    for p in sorted((root / "results" / "tables").glob("*.json")):
+        recs = load_records(root, p.stem)
+        out.append((p.stem, len(recs), sum(1 for r in recs if stale_reason(r))))
+    return out
+
+
+def rendered_blocks(root: Path) -> tuple[int, int, int]:
+    """(documents, results tables, table rows) rendered from result records below ``root``."""
+    docs = documents(root)
+    tables = rows = 0
+    for p in docs:
+        for m in MARK.finditer(p.read_text()):
+            tables += 1
+            lines = [line for line in m.group("body").splitlines() if line.startswith("|")]
+            separators = sum(1 for line in lines if set(line) <= set("|-: "))
+            rows += len(lines) - 2 * separators  # each Markdown table: a header and a separator line, then rows
+    return len(docs), tables, rows
+
+
 def all_records(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     base = root / "results" / "records"
     return [(p, json.loads(p.read_text())) for p in sorted(base.glob("*/*.json"))] if base.is_dir() else []
@@ -490,97 +512,4 @@ def choose(root: Path, table: str | None = None, cell: dict[str, str] | None = N
     return random.Random(pick).choice(found) if pick is not None else found[0]
 
 
-def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = None) -> dict[str, Any]:
-    """Re-run ``rec``'s config with today's code; returns the metrics a record would hold and (``curve``) its
-    per-round curve."""
-    from fedfuse.config import RunConfig, apply, validate
-    from fedfuse.runner import experiment
-
-    check_base_digest(rec)
-    out = out or tempfile.mkdtemp(prefix="fedfuse-verify-")
-    cfg = validate(apply(RunConfig(), {**rec["config"], "out": out, "data_dir": data_dir, "threads": 1,
-                                       "plots": False}))
-    fed = None
-    spec = rec.get("federation")
-    if spec and spec.get("kind") == "lora":  # `reproduce fedmerge-lora`: clients built from the base's tokenizer
-        from fedfuse.reproduce.fedmerge_lora import rebuild
-
-        cfg, fed = rebuild(spec, cfg)
-    elif spec:
-        from fedfuse.reproduce.common import federation_for
-
-        if spec.get("kind") != "truncated":
-            raise SystemExit(f"fedfuse results verify: unknown federation {spec}")
-        from fedfuse.reproduce.msfusion import truncated
-
-        fed = truncated(federation_for(cfg), int(spec["seqs"]), int(spec["test"]))
-    exp = experiment(cfg, fed=fed, progress=False)
-    summary = exp.run()
-    return {**_scalars(last_evaluation(summary)), **_stability_metrics(exp.history), "curve": _curve(exp.history)[0]}
-
-
-def check_base_digest(rec: dict[str, Any]) -> None:
-    """Refuse (``SystemExit``) a record whose run names a LoRA base but that does not record the base's weights
-    digest (``federation.base_state_sha256``): a re-run would load whatever file now sits at that path."""
-    base = (rec.get("config", {}).get("algorithm_options") or {}).get("base")
-    if not base:
-        return
-    digest = str((rec.get("federation") or {}).get("base_state_sha256") or "")
-    if not re.fullmatch(r"[0-9a-f]{64}", digest):
-        raise SystemExit(f"fedfuse results verify: the record names the LoRA base {base!r} but not its weights "
-                         "digest (federation.base_state_sha256): refused to re-run it on an unchecked base")
-
-
-#: The row of :func:`verify`'s comparison that covers the per-round curve (tables read points and means of it).
-CURVE_DIFF = "curve (largest difference over its rounds)"
-
-
-def _curve_row(recorded: list[list[Any]], now: list[list[Any]]) -> tuple[str, Any, Any, float | None]:
-    """(CURVE_DIFF, "N rounds" recorded, "N rounds" now, the largest |now − recorded| over the evaluated rounds,
-    signed); the difference is None when the evaluated rounds differ."""
-    a = {int(r): v for r, v in recorded}
-    b = {int(r): v for r, v in now}
-    if set(a) != set(b) or any((a[r] is None) != (b[r] is None) for r in a):
-        return CURVE_DIFF, f"{len(a)} rounds", f"{len(b)} rounds", None
-    diffs = [float(b[r]) - float(a[r]) for r in a if a[r] is not None]
-    return CURVE_DIFF, f"{len(a)} rounds", f"{len(b)} rounds", max(diffs, key=abs, default=0.0)
-
-
-def compare(recorded: dict[str, Any], now: dict[str, Any], keys: Iterable[str] | None = None
-            ) -> list[tuple[str, Any, Any, float | None]]:
-    """(metric, recorded, now, now − recorded) for every numeric metric both hold (or ``keys``)."""
-    rows = []
-    for k in keys or sorted(recorded):
-        a, b = recorded.get(k), now.get(k)
-        if isinstance(a, bool) or isinstance(b, bool):
-            continue
-        if isinstance(a, int | float) and isinstance(b, int | float) and not k.startswith(("wall", "seconds")):
-            rows.append((k, a, b, float(b) - float(a)))
-    return rows
-
-
-TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy", "personal_accuracy_worst10",
-                 "ensemble_accuracy", "personal_perplexity",
-                 "personal_rouge1")
-
-
-def is_table_metric(name: str) -> bool:
-    """Metrics the tables use: accuracies, perplexities, ROUGE-1 and the stability means."""
-    return name in TABLE_METRICS or name == CURVE_DIFF or name.startswith(("global_accuracy_", "last10_mean",
-                                                                          "best10_mean"))
-
-
-def verify(rec: dict[str, Any], data_dir: str | None = None, tol: float = 1e-9,
-           out: str | None = None) -> tuple[bool, list[tuple[str, Any, Any, float | None]]]:
-    """Re-run ``rec`` and compare: (every table metric within ``tol``, the comparison rows)."""
-    now = rerun(rec, data_dir, out)
-    curve = now.pop("curve")
-    rows = compare(rec["metrics"], now)
-    if rec.get("curve"):
-        rows.append(_curve_row(rec["curve"], curve))
-    table = [r for r in rows if is_table_metric(r[0])]
-    ok = all(d is not None and abs(d) <= tol for _, _, _, d in table)
-    return ok, rows
-
-
-__all__ = ["BEHAVIOUR", "make_record", "render", "render_table", "stability", "stale_reason", "verify"]
+__all__ = ["BEHAVIOUR", "choose", "make_record", "render", "render_table", "stability", "stale_reason"]

@@ -22,13 +22,14 @@ from fedfuse.config import RunConfig
 from fedfuse.plots import available_metrics, plot_metric
 from fedfuse.result import Result
 from fedfuse.result_table import ResultTable
+from fedfuse.runfiles import CURVES, METRICS, PARTITION_PNG
 from fedfuse.sweep import _flatten, load_sweep
 from fedfuse.tables import cell
 
 CURVE_METRICS = ("global_accuracy", "personal_accuracy", "personal_accuracy_weighted", "val_accuracy", "loss",
                  "val_loss", "train_loss", "perplexity", "personal_perplexity")
 # Files every run writes; anything else that is a PNG in a run directory is the algorithm's own diagnostic.
-_STANDARD_PNG = {"curves.png", "partition.png"}
+_STANDARD_PNG = {CURVES, PARTITION_PNG}
 
 
 class _Page:
@@ -188,7 +189,7 @@ def write_compare(table: ResultTable, out: str | Path, *, plots: bool = True) ->
     :meth:`~fedfuse.sweep.Sweep.execute` or run directories below it).  Returns the Markdown table's path."""
     md = table.write(out, plots=plots)
     root = Path(out)
-    if plots and ((root / "sweep.json").exists() or any(root.rglob("metrics.jsonl"))):
+    if plots and ((root / "sweep.json").exists() or any(root.rglob(METRICS))):
         write_report(root, metric=table.metric, last=table.last, target=table.target, baseline=table.baseline,
                      test=table.test)
     return md
@@ -255,14 +256,14 @@ def _curves_section(page: _Page, table: ResultTable, figdir: Path, metrics: Sequ
 
 def _partition_section(page: _Page, results: dict[str, list[Result]], figdir: Path, seed: int) -> None:
     """The first run's partition plot, when a run wrote one."""
-    part = [r.out / "partition.png" for rs in results.values() for r in rs if r.out]
+    part = [r.out / PARTITION_PNG for rs in results.values() for r in rs if r.out]
     part = [p for p in part if p.exists()]
     if not part:
         return
     page.h(2, "Partition")
-    shutil.copy(part[0], figdir / "partition.png")
+    shutil.copy(part[0], figdir / PARTITION_PNG)
     page.p(f"Per-client label histograms of seed {seed}'s partition (every label shares it for that seed).")
-    page.img("report/partition.png", "partition")
+    page.img(f"report/{PARTITION_PNG}", "partition")
 
 
 def _diagnostics_section(page: _Page, results: dict[str, list[Result]], figdir: Path) -> None:

@@ -14,6 +14,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedfuse.config import RunConfig, apply, load_yaml
+from fedfuse.runfiles import (
+    CHECKPOINT,
+    CONFIG,
+    CURVES,
+    METRICS,
+    MODEL_BEST_VAL_LOSS,
+    MODEL_FINAL,
+    PARTITION_JSON,
+    PARTITION_PNG,
+    SUMMARY,
+)
 from fedfuse.stats import FINAL_WINDOW, best_value, final_mean, with_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -95,10 +106,9 @@ class Result:
         ``checkpoint``, ``model_final``, ``model_best_val_loss`` and the algorithm's own files such as heat-maps)."""
         if self.out is None or not self.out.is_dir():
             return {}
-        known = {"config": "config.yaml", "metrics": "metrics.jsonl", "summary": "summary.json",
-                 "curves": "curves.png", "partition": "partition.png", "partition_json": "partition.json",
-                 "checkpoint": "checkpoint.pt", "model_final": "model_final.pt",
-                 "model_best_val_loss": "model_best_val_loss.pt"}
+        known = {"config": CONFIG, "metrics": METRICS, "summary": SUMMARY, "curves": CURVES,
+                 "partition": PARTITION_PNG, "partition_json": PARTITION_JSON, "checkpoint": CHECKPOINT,
+                 "model_final": MODEL_FINAL, "model_best_val_loss": MODEL_BEST_VAL_LOSS}
         out = {name: self.out / f for name, f in known.items() if (self.out / f).exists()}
         taken = set(known.values())
         for p in sorted(self.out.iterdir()):
@@ -131,11 +141,11 @@ def load(run_dir: str | Path) -> Result:
     """The :class:`Result` of a run directory written by ``fedfuse run`` or :func:`run` (``config.yaml`` and
     ``metrics.jsonl``; ``summary.json`` when the run finished)."""
     d = Path(run_dir)
-    if not (d / "config.yaml").exists() or not (d / "metrics.jsonl").exists():
+    if not (d / CONFIG).exists() or not (d / METRICS).exists():
         raise FileNotFoundError(f"{d}: not a run directory (needs config.yaml and metrics.jsonl)")
-    cfg = apply(RunConfig(), load_yaml(d / "config.yaml"))
+    cfg = apply(RunConfig(), load_yaml(d / CONFIG))
     history = []
-    lines = [line for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lines = [line for line in (d / METRICS).read_text().splitlines() if line.strip()]
     for i, line in enumerate(lines):
         try:
             history.append(json.loads(line))
@@ -143,10 +153,10 @@ def load(run_dir: str | Path) -> Result:
             if i == len(lines) - 1:  # a run killed while writing its last record
                 break
             raise
-    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+    summary = json.loads((d / SUMMARY).read_text()) if (d / SUMMARY).exists() else {}
     return Result(cfg, history, summary, d)
 
 
 def is_run_dir(path: str | Path) -> bool:
     p = Path(path)
-    return (p / "config.yaml").exists() and (p / "metrics.jsonl").exists()
+    return (p / CONFIG).exists() and (p / METRICS).exists()

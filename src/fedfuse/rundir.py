@@ -9,11 +9,8 @@ from typing import Any
 
 from fedfuse.coerce import plain
 from fedfuse.config import RunConfig
-from fedfuse.configfile import RUN_FILES as RUN_FILES  # the files that make a directory a run's
 from fedfuse.errors import ConfigError
-
-#: the global model of the round with the lowest validation loss (``summary.json``'s ``best_val_loss``)
-BEST_VAL_LOSS_MODEL = "model_best_val_loss.pt"
+from fedfuse.runfiles import CHECKPOINT, CONFIG, REPLACED, RUN_FILES
 
 
 def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
@@ -36,8 +33,7 @@ def prepare_run_dir(out: str | Path, *, overwrite: bool = False) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {path}: cannot write there ({existing} is not writable)")
     if earlier:
-        for name in (*RUN_FILES, "checkpoint.pt.tmp", BEST_VAL_LOSS_MODEL, "model_best.pt", "model_final.pt",
-                     "fedfuse.log"):  # model_best.pt: BEST_VAL_LOSS_MODEL's name in 0.1.0
+        for name in REPLACED:
             (path / name).unlink(missing_ok=True)
     return path
 
@@ -75,9 +71,9 @@ def resume_config(args: Any, build: Any) -> RunConfig:
     """The configuration to resume run directory ``args.resume``: its ``config.yaml``, then the flags given now
     (only ``rounds`` and run-time settings such as ``device`` may differ; the checkpoint check enforces it)."""
     out = Path(args.resume)
-    if not (out / "checkpoint.pt").is_file():
+    if not (out / CHECKPOINT).is_file():
         raise ConfigError(f"--resume {out}: no checkpoint.pt there (nothing to resume)")
-    if not (out / "config.yaml").is_file():
+    if not (out / CONFIG).is_file():
         raise ConfigError(f"--resume {out}: no config.yaml there; it is not a fedfuse run directory")
     if getattr(args, "config", None):
         raise ConfigError("--resume takes the run's own config.yaml; drop --config (change rounds with --rounds)")
@@ -85,7 +81,7 @@ def resume_config(args: Any, build: Any) -> RunConfig:
         raise ConfigError(f"--out {args.out}: a resumed run writes into its own directory {out}; drop --out")
     if getattr(args, "overwrite", False):
         raise ConfigError("--overwrite and --resume contradict each other; choose one")
-    args.config = str(out / "config.yaml")
+    args.config = str(out / CONFIG)
     cfg = build(args)
     cfg.out = str(out)
     return cfg

@@ -32,6 +32,7 @@ from fedfuse.executors import register as register_executors
 from fedfuse.extras import require_extra
 from fedfuse.outputs import output_callbacks
 from fedfuse.result import Result
+from fedfuse.runfiles import LOG
 from fedfuse.types import ClientData, Federation
 
 
@@ -48,7 +49,6 @@ def _flower_executor(clients: Sequence[ClientData], seed: int, *, threads: int =
 register_executors()  # batched, processes, auto
 register_executor("flower", _flower_executor)
 
-LOG = "fedfuse.log"  # the run's log: the traceback of an internal error
 
 
 def experiment(cfg: RunConfig, *, fed: Federation | None = None, executor: Any | None = None,

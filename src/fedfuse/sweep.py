@@ -34,6 +34,7 @@ from fedfuse.config import (
 )
 from fedfuse.result import Result, is_run_dir, load
 from fedfuse.result_table import ResultTable
+from fedfuse.runfiles import METRICS
 from fedfuse.stats import parse_seeds
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -334,7 +335,7 @@ def load_sweep(path: str | Path) -> dict[str, list[Result]]:
     if is_run_dir(root):
         r = load(root)
         return {r.config.algorithm: [r]}
-    dirs = sorted({p.parent for p in root.rglob("metrics.jsonl") if is_run_dir(p.parent)})
+    dirs = sorted({p.parent for p in root.rglob(METRICS) if is_run_dir(p.parent)})
     if not dirs:
         raise FileNotFoundError(f"{root}: no run directories (config.yaml + metrics.jsonl) below it")
     return _label_groups([load(d) for d in dirs])

@@ -8,8 +8,8 @@ import torch
 
 from fedfuse.config import RunConfig, apply, validate
 from fedfuse.engine.context import RoundInfo
-from fedfuse.engine.loop import Totals, build_federation
-from fedfuse.engine.round import Collected, RoundLedger
+from fedfuse.engine.loop import build_federation
+from fedfuse.engine.round import Collected, RoundLedger, Totals
 from fedfuse.runner import experiment
 from fedfuse.types import FitStats, Message
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from fedfuse.cli import results_table
 from fedfuse.config import RunConfig, apply
 from fedfuse.engine.routing import RouteLog, executor_line, executor_summary
+from fedfuse.run_table import results_table
 from fedfuse.runner import experiment
 
 

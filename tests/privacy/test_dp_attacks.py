@@ -21,7 +21,7 @@ import torch
 
 import fedfuse.privacy.central as central_module
 from fedfuse.config import ConfigError, RunConfig, apply, validate
-from fedfuse.engine.loop import DP_WITHHELD, DP_WITHHELD_PREFIXES
+from fedfuse.engine.privacy_account import DP_WITHHELD, DP_WITHHELD_PREFIXES
 from fedfuse.fusion.privacy import noised_keys
 from fedfuse.privacy.dp import DPSettings, events_epsilon, round_event
 from fedfuse.rng import derive_seed

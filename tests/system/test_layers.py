@@ -29,16 +29,17 @@ DESIGN = SRC.parent.parent / "docs" / "design.md"
 # module may import modules of its own layer or of a lower one, never of a higher one, and never in a cycle.
 LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("foundation", "message and federation types, structure declarations, seeded RNG, option declarations, "
-                   "error types, optional extras, statistics, Markdown tables, name suggestions",
+                   "error types, optional extras, statistics, Markdown tables, name suggestions, the run directory's "
+                   "file names",
      ("fedfuse.types", "fedfuse.structure", "fedfuse.rng", "fedfuse.options", "fedfuse.errors", "fedfuse.extras",
-      "fedfuse.stats", "fedfuse.tables", "fedfuse._callable", "fedfuse.names")),
+      "fedfuse.stats", "fedfuse.tables", "fedfuse._callable", "fedfuse.names", "fedfuse.runfiles")),
     ("plots", "figures of metric histories", ("fedfuse.plots",)),
     ("models", "model classes and their registry", ("fedfuse.models", "fedfuse.models.*")),
     ("fusion", "pure operators on named tensors", ("fedfuse.fusion", "fedfuse.fusion.*")),
     ("data", "datasets, corpora, partitions, federations, partition reports and exports",
      ("fedfuse.data", "fedfuse.data.*")),
-    ("config", "the run configuration: schema, validation, YAML, run directories",
-     ("fedfuse.coerce", "fedfuse.configfile", "fedfuse.config", "fedfuse.rundir")),
+    ("config", "the run configuration: schema, validation, its sections, YAML, run directories",
+     ("fedfuse.coerce", "fedfuse.sections", "fedfuse.configfile", "fedfuse.config", "fedfuse.rundir")),
     ("run store", "a run directory read back as a Result", ("fedfuse.result",)),
     ("runtime", "the process's compute settings: training precision and memory format, thread counts",
      ("fedfuse.runtime", "fedfuse.runtime.*")),
@@ -58,14 +59,17 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
     ("flower", "Flower: executor, apps, wire format, simulation, deployment", ("fedfuse.flower", "fedfuse.flower.*")),
     ("composition root", "wires algorithm, executors and output files into a run",
      ("fedfuse.outputs", "fedfuse.runner")),
-    ("tools", "sweeps and the run store's tables, reports",
-     ("fedfuse.result_table", "fedfuse.cached_runs", "fedfuse.sweep", "fedfuse.report")),
+    ("tools", "sweeps and the run store's tables, reports, the table a run prints",
+     ("fedfuse.result_table", "fedfuse.cached_runs", "fedfuse.sweep", "fedfuse.report", "fedfuse.run_table")),
+    ("records", "result records and the docs' tables rendered from them (the benchmark matrix too)",
+     ("fedfuse.bench_report", "fedfuse.records")),
     ("reproductions", "paper presets, the benchmark matrix's plan",
      ("fedfuse.reproduce", "fedfuse.reproduce.*", "fedfuse.benchmark")),
-    ("results", "result records, the docs' tables rendered from them (the benchmark matrix too), verification by "
-                "re-run", ("fedfuse.bench_report", "fedfuse.records")),
-    ("entry points", "the Python API, the command line and the catalog it lists, the package root",
-     ("fedfuse.catalog", "fedfuse.api", "fedfuse.cli", "fedfuse.adapters.cli", "fedfuse.__main__", "fedfuse")),
+    ("verification", "a record re-run with today's code and compared", ("fedfuse.verify",)),
+    ("entry points", "the Python API, the command line and the catalog it lists, docs generated from the "
+                     "declarations, the package root",
+     ("fedfuse.catalog", "fedfuse.docgen", "fedfuse.api", "fedfuse.cli", "fedfuse.adapters.cli", "fedfuse.__main__",
+      "fedfuse")),
 ]
 # A variant may subclass another algorithm (and import nothing else from it): the rule, checked on the code, is that
 # every name an algorithm module imports from another algorithm's module is an ``Algorithm`` subclass that the
@@ -312,6 +316,38 @@ def test_the_imports_form_no_cycle():
     assert _cycles([Arrow("a", 1, "b", ()), Arrow("b", 1, "c", ()), Arrow("c", 1, "a", ())]) == [["a", "b", "c"]]
     cycles = _cycles(ARROWS)
     assert not cycles, _report("import cycles", cycles)
+
+
+BENCHMARKS = SRC.parent.parent / "benchmarks"
+
+
+def benchmark_arrows() -> list[Arrow]:
+    """Imports between the scripts of ``benchmarks/`` (they import each other by bare name: the folder is on
+    ``sys.path`` when one runs), module level and in functions."""
+    names = {p.stem for p in BENCHMARKS.glob("*.py")}
+    out = []
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            out += [Arrow(path.stem, node.lineno, m, ()) for m in mods if m.split(".")[0] in names]
+    return out
+
+
+def test_the_benchmarks_sit_outside_the_package_with_no_cycle():
+    """``benchmarks/`` is outside the layers: its scripts may import any fedfuse module, no fedfuse module imports
+    a script, and the scripts import each other without a cycle."""
+    assert BENCHMARKS.is_dir()
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py")}
+    assert not [m for m in MODULES if m.split(".")[-1] in scripts and "benchmarks" in m]
+    reached = {a.module.split(".")[0] for a in all_arrows()} | {a.module for a in ARROWS}
+    assert "benchmarks" not in reached and not any(m.startswith("benchmarks.") for m in reached)
+    src_text = "\n".join(p.read_text() for p in SRC.rglob("*.py"))
+    assert not [s for s in scripts if f"import {s}\n" in src_text or f"from {s} import" in src_text]
+    arrows = benchmark_arrows()
+    assert arrows, "the scanner found no import between benchmark scripts"
+    cycles = _cycles(arrows)
+    assert not cycles, _report("import cycles among benchmarks/", cycles)
 
 
 def render_layers() -> list[str]:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 from fedfuse.config import ConfigError, RunConfig
 from fedfuse.extras import require_extra
+from fedfuse.runfiles import METRICS_CSV, TENSORBOARD
 
 
 class Callback:
@@ -80,7 +81,7 @@ class CSVLogger(Callback):
 
     def on_run_start(self, config: RunConfig) -> None:
         if self.path is None and config.out:
-            self.path = Path(config.out) / "metrics.csv"
+            self.path = Path(config.out) / METRICS_CSV
 
     def on_round(self, record: dict[str, Any]) -> None:
         # integers (round, counts, bytes) stay integers: 3, not 3.0
@@ -117,7 +118,7 @@ class TensorBoardLogger(Callback):
         from torch.utils.tensorboard import SummaryWriter
 
         self.config = config
-        log_dir = self.log_dir or (Path(config.out) / "tensorboard" if config.out else None)
+        log_dir = self.log_dir or (Path(config.out) / TENSORBOARD if config.out else None)
         self.writer = SummaryWriter(log_dir=str(log_dir) if log_dir else None)
         self.writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in config.to_dict().items()))
 

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from fedfuse.errors import ConfigError
+from fedfuse.runfiles import CHECKPOINT as CHECKPOINT  # the file's name (fedfuse.runfiles)
 from fedfuse.types import FitStats, Message
 
-CHECKPOINT = "checkpoint.pt"
 #: entries every checkpoint has
 REQUIRED = ("round", "state", "client_states", "totals", "best", "history")
 TAG = "__fedfuse__"  # the key that marks a dict :func:`plain` made out of a non-plain object

@@ -12,7 +12,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,48 +19,12 @@ from torch import nn
 
 from fedfuse.errors import UserError
 from fedfuse.runtime.precision import train_autocast, train_layout
+from fedfuse.sections import TrainConfig as TrainConfig  # the run config's training section
 from fedfuse.types import ClientData, Split
 
 #: ``loss(model, x, y) -> (minimised, reported)``: a batch loss that replaces the cross-entropy.
 BatchLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 GradHook = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The local optimisation of one client step (one fresh optimiser per step, as in the seed papers' code):
-    the run's settings (``RunContext.train``) and what a declared client program trains with."""
-
-    local_epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    optimizer: str = "sgd"  # "sgd" | "adam"
-    grad_clip: float = 0.0  # 0 = off; otherwise the max global L2 norm of the gradient
-    max_steps: int = 0  # 0 = no cap; otherwise stop after this many optimiser steps
-    two_pass: str = ""  # "" | "sam" | "asam": sharpness-aware two-pass steps (fedfuse.engine.sam)
-    sam_rho: float = 0.0  # SAM/ASAM radius ρ
-    sam_eta: float = 0.01  # ASAM's T_w = |w| + η
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        """These settings with ``changes`` (e.g. an algorithm's own learning rate or epochs)."""
-        return dataclasses.replace(self, **changes)
-
-    def with_two_pass(self, kind: str, rho: float, eta: float = 0.01) -> TrainConfig:
-        """These settings with SAM (``kind="sam"``) or ASAM (``"asam"``) two-pass steps of radius ``rho``."""
-        if kind not in ("sam", "asam"):
-            raise UserError(f"two_pass must be 'sam' or 'asam', not {kind!r}")
-        return dataclasses.replace(self, two_pass=kind, sam_rho=float(rho), sam_eta=float(eta))
-
-    def schedule(self, n: int) -> list[int]:
-        """The batch size of every optimiser step on ``n`` samples, in order (what ``train_local`` does)."""
-        if n == 0:
-            return []
-        bs = min(self.batch_size, n)
-        per_epoch = [min(bs, n - s) for s in range(0, n, bs)]
-        steps = per_epoch * self.local_epochs
-        return steps[: self.max_steps] if self.max_steps else steps
 
 
 @dataclass

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fedfuse.config import RunConfig
 from fedfuse.rng import numpy_rng
+from fedfuse.sections import FaultSettings
 from fedfuse.types import SIM_PREFIX, FitStats, Message
 
 OK, DROPOUT, LATE = "ok", "dropout", "late"
@@ -45,9 +47,15 @@ class FaultPlan:
     corrupt_clients: tuple[int, ...] = ()
 
     @classmethod
-    def from_config(cls, cfg) -> FaultPlan:
-        return cls(int(cfg.seed), float(cfg.dropout), float(cfg.stragglers), float(cfg.deadline),
-                   str(cfg.corrupt), tuple(int(c) for c in cfg.corrupt_clients))
+    def from_settings(cls, seed: int, faults: FaultSettings) -> FaultPlan:
+        """The plan of a run of ``seed`` with the run config's fault section ``faults`` (``cfg.faults``)."""
+        return cls(int(seed), float(faults.dropout), float(faults.stragglers), float(faults.deadline),
+                   str(faults.corrupt), tuple(int(c) for c in faults.corrupt_clients))
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> FaultPlan:
+        """The plan of a run config."""
+        return cls.from_settings(cfg.seed, cfg.faults)
 
     def fate(self, round_index: int, cid: int) -> str:
         """``"ok"``, ``"dropout"`` (no reply) or ``"late"`` (reply after the deadline) for one client in one round."""

@@ -1,139 +1,64 @@
 """The one round loop: select → configure → client work → exchange → fuse → evaluate → account → log →
 checkpoint.  It never names an algorithm.
+
+:class:`Experiment` runs the rounds and owns the run's state; each other job is a module of its own: building
+the run (``engine/assemble.py``), one round's bookkeeping and the run totals (``engine/round.py``), evaluation
+(``engine/evaluation.py``), privacy accounting (``engine/privacy_account.py``), ``summary.json`` and the records
+(``engine/summary.py``) and every file the run writes (``engine/store.py``).  The names those modules took from
+here (``build_federation``, ``strip_timing``, ``DP_WITHHELD``, ...) stay importable from here.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedfuse.config import ConfigError, RunConfig, dump_yaml, resolve_device, validate
+from fedfuse.config import RunConfig, resolve_device, validate
+from fedfuse.engine.assemble import assemble
+from fedfuse.engine.assemble import build_algorithm as build_algorithm
+from fedfuse.engine.assemble import build_context as build_context
+from fedfuse.engine.assemble import build_federation as build_federation
 from fedfuse.engine.callbacks import Callback, CallbackList
-from fedfuse.engine.checkpoint import CHECKPOINT, checkpoint_round, load_checkpoint, save_checkpoint
-from fedfuse.engine.client import TrainConfig, evaluate_model
-from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState
-from fedfuse.engine.contract import Algorithm, Executor, Job
+from fedfuse.engine.context import ClientState, RoundInfo, ServerState
+from fedfuse.engine.contract import Executor, Job
+from fedfuse.engine.evaluation import aggregate_client_metrics as aggregate_client_metrics
+from fedfuse.engine.evaluation import evaluate
 from fedfuse.engine.executors import make_executor
 from fedfuse.engine.faults import DROPOUT, LATE, FaultPlan
-from fedfuse.engine.federated_eval import aggregate_global, check_server_data, global_client_side, with_global_model
-from fedfuse.engine.local_dp import local_epsilon, sample_rate
+from fedfuse.engine.federated_eval import check_server_data, global_client_side
 from fedfuse.engine.personal import client_side, outgoing
-from fedfuse.engine.round import Collected, RoundLedger
+from fedfuse.engine.privacy_account import DP_WITHHELD as DP_WITHHELD
+from fedfuse.engine.privacy_account import DP_WITHHELD_PREFIXES as DP_WITHHELD_PREFIXES
+from fedfuse.engine.privacy_account import PrivacyAccount
+from fedfuse.engine.round import Collected, RoundLedger, Totals
 from fedfuse.engine.routing import executor_summary
 from fedfuse.engine.sampling import make_sampler
+from fedfuse.engine.store import RunStore
+from fedfuse.engine.summary import TIMING_KEYS as TIMING_KEYS
+from fedfuse.engine.summary import clean, improves_val_loss, run_summary
+from fedfuse.engine.summary import final_block as final_block
+from fedfuse.engine.summary import strip_timing as strip_timing
 from fedfuse.engine.validate import check_replies, is_state_like
-from fedfuse.errors import DivergenceError, UserError
-from fedfuse.privacy.dp import DP_SAMPLINGS, DPSettings, events_epsilon, round_event
+from fedfuse.errors import DivergenceError
 from fedfuse.privacy.secure import SecAggAbort, SecAggSettings, secure_round
 from fedfuse.rng import numpy_rng, secure_numpy_rng
-from fedfuse.rundir import BEST_VAL_LOSS_MODEL, check_resume
+from fedfuse.rundir import check_resume
+from fedfuse.runfiles import CHECKPOINT
 from fedfuse.runtime.precision import resolve_precision, use_precision
 from fedfuse.runtime.threads import apply_threads, worker_threads
-from fedfuse.stats import best_round, final_mean, final_window, is_evaluation_metric, primary_metric
 from fedfuse.types import Federation, Message
 
-TIMING_KEYS = ("seconds", "wall_seconds")
-#: what a central-DP round record withholds unless ``dp_debug_metrics``: who took part and how many (the count of a
-#: Poisson sample, dropouts, late and quarantined replies, SecAgg's survivors, the traffic and work that scale with
-#: it), the training loss over the participants, the exact clipped count and per-client test metrics
-DP_WITHHELD = ("clients", "replied", "dropped", "late", "delivered_late", "quarantined", "train_loss", "bytes_down",
-               "bytes_up", "bytes_peer", "client_flops", "total_bytes_down", "total_bytes_up", "total_bytes_peer",
-               "total_client_flops", "total_dropped", "total_late", "total_quarantined", "dp_clipped",
-               "client_test_accuracy", "communicated_parameters_per_client", "optimised_parameters_per_client",
-               "clients_without_test", "global_eval_clients")
-DP_WITHHELD_PREFIXES = ("secagg_",)  # SecAgg's counts of clients, nodes and survivors, and its abort message
-NO_GUARANTEE = "no privacy guarantee"
 MAX_ROLLBACKS = 8  # on_divergence=rollback halves the lr at most this many times in one round
 log = logging.getLogger("fedfuse")
-
-
-def build_federation(cfg: RunConfig, device: torch.device | str = "cpu") -> Federation:
-    """Load the dataset, partition it, and give every client its train/val/test splits."""
-    from fedfuse.data.datasets import load_dataset
-    from fedfuse.data.federation import build_federation as _build
-    from fedfuse.data.partition import make_partition
-
-    ds = load_dataset(cfg.dataset, cfg.data_dir, **cfg.dataset_options)
-    part = make_partition(cfg.partition, ds, cfg.clients, cfg.seed, **cfg.partition_options)
-    return _build(ds, part, seed=cfg.seed, val_fraction=cfg.val_fraction, device=device)
-
-
-def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunContext:
-    train = TrainConfig(
-        local_epochs=cfg.local_epochs,
-        batch_size=cfg.batch_size,
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        optimizer=cfg.optimizer,
-        grad_clip=cfg.grad_clip,
-    )
-    return RunContext(
-        model_name=cfg.model,
-        model_options=dict(cfg.model_options),
-        input_shape=tuple(fed.input_shape),
-        num_classes=fed.num_classes,
-        task=fed.task,
-        train=train,
-        num_clients=fed.num_clients,
-        clients_per_round=cfg.clients_per_round,
-        client_sizes=fed.client_sizes(),
-        seed=cfg.seed,
-        device=device,
-        eval_batch_size=cfg.eval_batch_size,
-        eval_every=cfg.eval_every,
-        dp=DPSettings(mode=cfg.dp, noise=cfg.dp_noise, clip=cfg.dp_clip, quantile=cfg.dp_quantile,
-                      clip_lr=cfg.dp_clip_lr, count_noise=cfg.dp_count_noise, delta=cfg.dp_delta,
-                      accountant=cfg.dp_accountant, reproducible=cfg.dp_reproducible,
-                      debug_metrics=cfg.dp_debug_metrics),
-    )
-
-
-def build_algorithm(cfg: RunConfig, ctx: RunContext, algorithm: type) -> Algorithm:
-    """An instance of the algorithm class ``algorithm`` with the options of ``cfg`` (the engine never imports
-    ``fedfuse.algorithms``: the caller hands it the class, e.g. ``fedfuse.algorithms.get_algorithm(name)``).
-
-    The algorithm is constructed and initialised once as a dry run (algorithms inspect the model's structure
-    there).  An option or model it cannot work with is a user error it raises (:class:`~fedfuse.errors.UserError`),
-    reported as a :class:`ConfigError` naming the algorithm and the model; any other exception is a bug and
-    propagates as it is."""
-    cls: Any = algorithm
-    try:
-        algo = cls(ctx, cls.Options(**cfg.algorithm_options))
-        with torch.random.fork_rng(devices=[]):
-            algo.init_state()
-    except UserError as e:
-        raise ConfigError(f"algorithm {cfg.algorithm!r} (model {cfg.model!r}): {e}") from e
-    return algo
-
-
-def assemble(cfg: RunConfig, device: torch.device, algorithm: type, *,
-             fed: Federation | None = None) -> tuple[Federation, RunContext, Algorithm]:
-    """The federation, run context and algorithm of a validated config, exactly as every engine builds them
-    (the in-process loop, and a Flower node rebuilding the run from the config it is sent)."""
-    if fed is not None and fed.source is not None:  # another run's prepared federation: start from its data
-        fed = fed.source
-    fed = fed if fed is not None else build_federation(cfg, device)
-    ctx = build_context(cfg, fed, device)
-    algo = build_algorithm(cfg, ctx, algorithm)
-    check_server_data(cfg, fed, algo)  # a federation without data (a deployed server): what it cannot run
-    blinded = fed.blinded()
-    prepared = algo.setup(blinded)  # an algorithm may hold data aside for the server (Fed-ET's public set)
-    if prepared is not blinded:
-        fed = dataclasses.replace(prepared.with_truth_of(fed), source=fed)  # it never saw the ground truth
-        ctx.client_sizes = fed.client_sizes()
-    return fed, ctx, algo
 
 
 def among_present(clients: list[int], present: set[int] | None, num_clients: int,
@@ -148,19 +73,6 @@ def among_present(clients: list[int], present: set[int] | None, num_clients: int
     need = min(len(clients) - len(kept), len(pool))
     extra = [pool[i] for i in rng.choice(len(pool), size=need, replace=False)] if need else []
     return sorted(kept + extra)
-
-
-@dataclass
-class Totals:
-    bytes_down: int = 0
-    bytes_up: int = 0
-    bytes_peer: int = 0
-    client_flops: float = 0.0
-    wall_seconds: float = 0.0
-    dropped: int = 0  # sampled clients that never replied
-    late: int = 0  # replies that missed the deadline
-    quarantined: int = 0  # replies rejected by the update checks
-    skipped_rounds: int = 0  # rounds with fewer replies than the quorum
 
 
 class Experiment:
@@ -185,44 +97,49 @@ class Experiment:
             raise TypeError(f"Experiment takes the algorithm's class (e.g. fedfuse.algorithms.get_algorithm(name)), "
                             f"not {type(algorithm).__name__}")
         self.cfg = validate(cfg)
-        self.device = resolve_device(self.cfg.device)
-        self.threads = apply_threads(self.cfg.threads)
-        self.precision = resolve_precision(self.cfg.precision, self.device)  # fp32 | bf16 (runtime/precision.py)
+        # the run config's sections (fedfuse.sections): what the loop reads of the configuration besides the run's
+        # identity (algorithm, data, rounds, seed, cadence)
+        self.runtime, self.defences, self.mechanisms = self.cfg.runtime, self.cfg.faults, self.cfg.privacy
+        self.device = resolve_device(self.runtime.device)
+        self.threads = apply_threads(self.runtime.threads)
+        self.precision = resolve_precision(self.runtime.precision, self.device)  # fp32 | bf16 (runtime/precision.py)
         self.fed, self.ctx, self.algo = assemble(self.cfg, self.device, algorithm, fed=fed)
         self.client = client_side(self.algo)  # what executors run: with entries that stay local, engine/personal.py
+        self.store = RunStore(self.cfg.out)  # every file the run writes (engine/store.py)
         if self.cfg.global_eval == "federated":  # the clients also evaluate the global model (engine/federated_eval)
             self.client = global_client_side(self.client)
         check_server_data(self.cfg, self.fed, self.algo, has_executor=executor is not None)
-        self.ctx.out_dir = Path(self.cfg.out) if self.cfg.out else None
+        self.ctx.out_dir = self.store.dir  # where an algorithm's own diagnostic files go
         self.sampler = make_sampler(self.cfg.sampling, self.algo)
-        self.local_dp_steps: dict[int, int] = {}  # dp=local: DP-SGD steps each client has taken so far
-        self.dp_events: list[dict[str, Any]] = []  # dp=central: the accountant's event of every round run
         # central DP's client sampling: from the OS unless the research mode (the run seed) is asked for
         self.dp_select_rng = secure_numpy_rng() if self.ctx.dp.central and not self.ctx.dp.reproducible else None
-        if self.ctx.dp.central and not self.ctx.dp.guarantee:
-            why = ("dp_reproducible=true (noise and sampling from the run seed)" if self.ctx.dp.reproducible else
-                   "dp_debug_metrics=true" if self.ctx.dp.debug_metrics else "dp_noise=0")
-            log.warning("dp=central with %s: %s (the outputs say so)", why, NO_GUARANTEE)
+        self.privacy = PrivacyAccount(self.ctx, self.sampler.name, self.cfg.algorithm)  # engine/privacy_account.py
         self.secagg = SecAggSettings.from_config(self.cfg)
-        if self.ctx.dp.central and self.sampler.name not in DP_SAMPLINGS:
-            raise ConfigError(f"sampling: central DP is accounted for sampling {' or '.join(DP_SAMPLINGS)}; "
-                              f"{self.cfg.algorithm!r} samples {self.sampler.name!r} (set --set sampling=poisson)")
         # fit/evaluate get the clients' data without the ground truth; only diagnostics/finish see self.fed
-        self.executor = executor or make_executor(self.cfg.executor, self.fed.blinded().clients, self.cfg.seed,
-                                                  threads=worker_threads(self.cfg.threads), config=self.cfg)
+        self.executor = executor or make_executor(self.runtime.executor, self.fed.blinded().clients, self.cfg.seed,
+                                                  threads=worker_threads(self.runtime.threads), config=self.cfg)
         self.executor.bind(self.ctx)  # executors that send the local-training settings along
         self.progress = progress
         self.on_round = on_round
         self.callbacks = CallbackList(callbacks)
-        self.out = Path(self.cfg.out) if self.cfg.out else None
         self.history: list[dict[str, Any]] = []
         self.best: dict[str, Any] | None = None
         self.totals = Totals()
         self.start_round = 0
         self.state: ServerState = {}
         self.client_states: dict[int, ClientState] = {}
-        self.faults = FaultPlan.from_config(self.cfg)
+        self.faults = FaultPlan.from_settings(self.cfg.seed, self.defences)
         self.late_box: dict[int, tuple[Message, Message]] = {}  # late_replies=next-round: cid -> (reply, sent)
+
+    @property
+    def local_dp_steps(self) -> dict[int, int]:
+        """dp=local: the DP-SGD steps each client has taken so far (:attr:`privacy`)."""
+        return self.privacy.local_steps
+
+    @property
+    def out(self) -> Path | None:
+        """The run directory (None when the run writes nothing)."""
+        return self.store.dir
 
     def attach(self, *callbacks: Callback) -> None:
         """Add callbacks after construction (e.g. ones that need :attr:`fed`)."""
@@ -232,16 +149,11 @@ class Experiment:
     def _fresh(self) -> None:
         self.state = self.algo.init_state()
         self.client_states = {c: self.algo.init_client_state(c) for c in range(self.fed.num_clients)}
-        if self.out:
-            self.out.mkdir(parents=True, exist_ok=True)
-            dump_yaml(self.cfg, self.out / "config.yaml")
-            (self.out / "metrics.jsonl").write_text("")
+        self.store.start(self.cfg)
 
     def _resume(self) -> None:
-        assert self.out is not None
-        path = self.out / CHECKPOINT
-        ck = load_checkpoint(path, self.device)
-        check_resume(ck.get("config") or {}, self.cfg, int(ck["round"]), str(path))
+        ck = self.store.load_checkpoint(self.device)
+        check_resume(ck.get("config") or {}, self.cfg, int(ck["round"]), str(self.store.path(CHECKPOINT)))
         self.state = ck["state"]
         self.client_states = ck["client_states"]
         self.start_round = int(ck["round"])
@@ -251,31 +163,16 @@ class Experiment:
         if ck.get("lr") is not None:  # halved by on_divergence=rollback
             self.ctx.train = dataclasses.replace(self.ctx.train, lr=float(ck["lr"]))
         if ck["config"].get("rounds") != self.cfg.rounds:  # a resume that extends the run
-            dump_yaml(self.cfg, self.out / "config.yaml")
+            self.store.write_config(self.cfg)
         self.executor.restore(ck.get("executor"))  # auto: keep the executor the probe chose
         self.executor.routing().load_state_dict(ck.get("routes"))  # the summary counts the earlier rounds too
         self.sampler.load_state_dict(ck.get("sampler", {}))
-        self.local_dp_steps = dict(ck.get("local_dp_steps", {}))
-        self.dp_events = self._stored_dp_events(ck)
+        self.privacy.load_checkpoint(ck)
         self.late_box = ck.get("late_box", {})
         # metrics written after the checkpoint (a kill between the two) are dropped and recomputed
-        lines = [json.dumps(rec) for rec in self.history]
-        (self.out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
-
-    def _stored_dp_events(self, ck: dict[str, Any]) -> list[dict[str, Any]]:
-        """The central-DP rounds the checkpoint has spent: its stored events (a checkpoint written before they
-        were stored: one event per completed round from its own config, which resume keeps fixed)."""
-        if "dp_events" in ck:
-            return [dict(e) for e in ck["dp_events"]]
-        saved = ck.get("config") or {}
-        if saved.get("dp") != "central":
-            return []
-        one = round_event(float(saved["dp_noise"]), self.ctx.num_clients, int(saved["clients_per_round"]),
-                          self.sampler.name, str(saved.get("dp_accountant", "rdp")))
-        return [dict(one) for _ in range(int(ck["round"]))]
+        self.store.rewrite_metrics(self.history)
 
     def _checkpoint(self, next_round: int) -> None:
-        assert self.out is not None
         ck = {
             "round": next_round,
             "state": self.state,
@@ -284,15 +181,14 @@ class Experiment:
             "best": self.best,
             "history": self.history,
             "sampler": self.sampler.state_dict(),
-            "local_dp_steps": dict(self.local_dp_steps),
-            "dp_events": [dict(e) for e in self.dp_events],
+            **self.privacy.state_dict(),  # local_dp_steps, dp_events
             "late_box": self.late_box,
             "config": self.cfg.to_dict(),
             "lr": self.ctx.train.lr,
             "executor": self.executor.describe(),
             "routes": self.executor.routing().state_dict(),
         }
-        save_checkpoint(self.out / CHECKPOINT, ck)
+        self.store.save_checkpoint(ck)
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict[str, Any]:
@@ -320,20 +216,18 @@ class Experiment:
             bar = tqdm(total=R, initial=self.start_round, desc=f"{self.cfg.algorithm}", unit="round")
         for r in range(self.start_round, R):
             t0 = time.perf_counter()
-            with use_precision(self.precision, self.cfg.memory_format, self.cfg.fp32_matmul):
+            with use_precision(self.precision, self.runtime.memory_format, self.runtime.fp32_matmul):
                 rec = self._guarded_round(r)
             self.totals.wall_seconds += time.perf_counter() - t0
             rec["seconds"] = time.perf_counter() - t0
             rec["wall_seconds"] = self.totals.wall_seconds
-            rec = _clean(rec)
+            rec = clean(rec)
             self.history.append(rec)
             if "val_loss" in rec:
                 self._track_best(rec)
-            if self.out:
-                with open(self.out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                if (r + 1) % self.cfg.checkpoint_every == 0 or r + 1 == R:
-                    self._checkpoint(r + 1)
+            self.store.append_metrics(rec)
+            if self.store.enabled and ((r + 1) % self.cfg.checkpoint_every == 0 or r + 1 == R):
+                self._checkpoint(r + 1)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(_postfix(rec))
@@ -344,14 +238,13 @@ class Experiment:
             bar.close()
         self.executor.close()
         summary = self.summary()
-        if self.out:
-            self._finish(summary)
+        self._finish(summary)
         return summary
 
     def _guarded_round(self, r: int) -> dict[str, Any]:
         """One round; a non-finite outcome stops the run (or, with on_divergence=rollback, redoes the round from
         the state before it with half the learning rate)."""
-        rollback = self.cfg.on_divergence == "rollback"
+        rollback = self.defences.on_divergence == "rollback"
         for attempt in range(MAX_ROLLBACKS + 1):
             saved = copy.deepcopy((self.state, self.client_states, self.totals, self.sampler.state_dict(),
                                    self.late_box)) if rollback else None
@@ -372,11 +265,10 @@ class Experiment:
 
     def _divergence_message(self, r: int, why: str, lr: float) -> str:
         msg = f"the run diverged in round {r + 1}: {why}."
-        ck = self.out / CHECKPOINT if self.out else None
-        done = checkpoint_round(ck) if ck is not None else None
+        done = self.store.checkpoint_round()
         if done is not None:
-            msg += f" The last good checkpoint ({ck}, after round {done}) is kept."
-        if self.cfg.on_divergence == "rollback":
+            msg += f" The last good checkpoint ({self.store.path(CHECKPOINT)}, after round {done}) is kept."
+        if self.defences.on_divergence == "rollback":
             msg += f" Rolling back and halving the lr {MAX_ROLLBACKS} times (to {lr:.3g}) did not help."
         else:
             msg += f" Lower --lr (now {lr:g}) or use --set on_divergence=rollback."
@@ -404,28 +296,15 @@ class Experiment:
         ledger.add_to(self.totals)
         rec = ledger.record(r, self.totals, self.algo.server_parameters(self.state))
         rec.update(self.secure_record)
-        if self.ctx.dp.central:  # the round released a noised aggregate (even an empty one): account it
-            self.dp_events.append(round_event(self.ctx.dp.noise, self.ctx.num_clients, self.ctx.clients_per_round,
-                                              self.sampler.name, self.ctx.dp.accountant))
-        rec.update(self._privacy_record(r))
+        self.privacy.spend_round()  # central DP: the round released a noised aggregate (even an empty one)
+        rec.update(self.privacy.record(self.state.get("dp")))
         why = self._diverged(ledger.honest_bad, ledger.honest_replies, ledger.train_loss)
         if why:
             rec["_diverged"] = why
-            return self._withhold(rec)
+            return self.privacy.withhold(rec)
         if (r + 1) % self.cfg.eval_every == 0 or r + 1 == self.cfg.rounds:
             rec.update(self.evaluate(r))
-        return self._withhold(rec)
-
-    def _withhold(self, rec: dict[str, Any]) -> dict[str, Any]:
-        """Central DP: the record without what touches individual clients (:data:`DP_WITHHELD`) — unless
-        ``dp_debug_metrics``, and then the record says the run has no guarantee."""
-        dp = self.ctx.dp
-        if not dp.central:
-            return rec
-        if not dp.debug_metrics:
-            rec = {k: v for k, v in rec.items() if k not in DP_WITHHELD and not k.startswith(DP_WITHHELD_PREFIXES)}
-        rec["dp_guarantee"] = dp.guarantee
-        return rec
+        return self.privacy.withhold(rec)
 
     def _select(self, info: RoundInfo) -> list[int]:
         """The round's participants: the sampler's choice, among the clients that are present (Flower)."""
@@ -454,10 +333,7 @@ class Experiment:
         jobs = [Job(c, payloads[c], self.client_states.get(c), ("fit", info.index, info.stage))
                 for c in payloads if fates.get(c) != DROPOUT]
         outs = self.executor.fit(self.client, jobs)  # the executor runs declared programs or calls fit
-        if self.ctx.dp.local:  # every model a client sends costs its examples privacy, used or not
-            for c, (res, _) in outs.items():
-                if res.stats is not None:
-                    self.local_dp_steps[c] = self.local_dp_steps.get(c, 0) + int(res.stats.steps)
+        self.privacy.count_steps(outs)  # local DP: every model a client sends costs its examples privacy
         for job in jobs:  # a job without a reply (a Flower node died, a reply timed out) is a dropout
             if job.cid not in outs and job.cid not in ledger.dropped:
                 ledger.dropped.append(job.cid)
@@ -479,7 +355,7 @@ class Experiment:
             self.client_states[c] = cstate
             if fates.get(c) == LATE:  # worked, but the reply missed the deadline
                 ledger.late.append(c)
-                if self.cfg.late_replies == "next-round" and info.stage == 0:
+                if self.defences.late_replies == "next-round" and info.stage == 0:
                     stale = self.faults.corrupt(c, payloads[c], res, state_like)
                     if stale is not None:
                         new_late[c] = (stale, payloads[c])
@@ -512,10 +388,10 @@ class Experiment:
         """The replies the update checks accept (``check_updates``); the others are quarantined, with the reason."""
         results = got.results
         ledger.honest_replies += sum(1 for c in results if not self.faults.corrupts(c))
-        if not (self.cfg.check_updates and results) or self.cfg.secagg:  # under SecAgg it cannot inspect them
+        checks = self.defences
+        if not (checks.check_updates and results) or self.mechanisms.secagg.enabled:  # SecAgg: it cannot see them
             return results
-        bad = check_replies(self.algo, got.sent, results, self.ctx.client_sizes, self.cfg.norm_bound,
-                            self.cfg.norm_max)
+        bad = check_replies(self.algo, got.sent, results, self.ctx.client_sizes, checks.norm_bound, checks.norm_max)
         for c, reason in bad.items():
             ledger.quarantined[str(c)] = f"stage {info.stage}: {reason}" if info.stage else reason
             log.warning("round %d: quarantined the update of client %d: %s", info.index + 1, c, reason)
@@ -542,13 +418,13 @@ class Experiment:
         whoever replied (possibly no one) makes the noised aggregate, and an aborted SecAgg round releases noise
         around the current model (:meth:`_dp_empty_release`)."""
         central = self.ctx.dp.central
-        if not central and len(results) < max(self.cfg.quorum, 1):
+        if not central and len(results) < max(self.defences.quorum, 1):
             self.state = start_state
             ledger.skipped = True
             return False
         results, moved = self.algo.exchange(info, results)
         ledger.peer += moved
-        if not self.cfg.secagg:
+        if not self.mechanisms.secagg.enabled:
             self.state = self.algo.aggregate_fit(self.state, info, results)
             return True
         if central and not results:
@@ -575,33 +451,6 @@ class Experiment:
         self.state = self.algo.aggregate_fit(self.state, info, {})
         return True
 
-    def _privacy_record(self, r: int) -> dict[str, Any]:
-        """Central DP: ε at δ of every round run so far (the stored events, composed; every round counts) and the
-        mechanism's own record (the clip, the clipped clients) from the server state's ``dp`` entry."""
-        dp = self.ctx.dp
-        if dp.local:
-            return self._local_dp_record()
-        if not dp.central:
-            return {}
-        eps = events_epsilon(self.dp_events, dp.delta)
-        out: dict[str, Any] = {"dp_epsilon": eps if math.isfinite(eps) else None, "dp_delta": dp.delta}
-        out.update({f"dp_{k}": v for k, v in (self.state.get("dp") or {}).items()})
-        return out
-
-    def _local_dp_record(self) -> dict[str, Any]:
-        """Local DP: every client's ε_i at δ over all its DP-SGD steps so far (Opacus's RDP accountant); the
-        largest (the run's guarantee for every example) and the median over the clients that trained."""
-        dp, bs = self.ctx.dp, self.ctx.train.batch_size
-        eps = []
-        for c, steps in sorted(self.local_dp_steps.items()):
-            n = int(self.ctx.client_sizes[c])
-            eps.append(local_epsilon(dp.noise, sample_rate(n, min(bs, max(n, 1))), steps, dp.delta))
-        if not eps:
-            return {"dp_epsilon": 0.0, "dp_delta": dp.delta}
-        finite = all(math.isfinite(e) for e in eps)
-        return {"dp_epsilon": max(eps) if finite else None, "dp_epsilon_median": float(np.median(eps)),
-                "dp_delta": dp.delta, "dp_clients": len(eps)}
-
     def _diverged(self, bad: int, replies: int, loss: float | None) -> str | None:
         """Why this round counts as diverged (None if it does not): most honest replies non-finite, a
         non-finite mean training loss, or non-finite values in the server's global model."""
@@ -617,175 +466,40 @@ class Experiment:
         return None
 
     def evaluate(self, r: int) -> dict[str, Any]:
-        """The global model on the global test set (``global_eval=server``) or on every client's own test split
-        (``federated``: the size-weighted mean of their results, engine/federated_eval.py); every client's personal
-        model on its own splits."""
-        out: dict[str, Any] = {"global_accuracy": None, "global_loss": None}
-        g = self.algo.global_model(self.state)
-        if g is not None and self.cfg.global_eval == "server":
-            model = self.ctx.load(g[0], g[1])
-            st = evaluate_model(model, self.fed.test, self.cfg.eval_batch_size)
-            out["global_accuracy"], out["global_loss"] = st.accuracy, st.loss
-        everyone = list(range(self.fed.num_clients))
-        payloads = outgoing(self.client, self.algo.configure_evaluate(self.state, everyone))
-        federated = g is not None and self.cfg.global_eval == "federated"
-        if federated:  # the global model rides along each client's evaluation payload
-            payloads = with_global_model(payloads, g)
-        jobs = [Job(c, payloads[c], self.client_states.get(c), ("evaluate", r, 0)) for c in everyone]
-        res = dict(sorted(self.executor.map(self.client.evaluate, jobs).items()))
-        out.update(aggregate_client_metrics(res))
-        if federated:
-            out.update(aggregate_global(res))
-        out["loss"] = out["global_loss"] if out["global_loss"] is not None else out["personal_loss"]
-        if self.fed.task == "lm":
-            out["perplexity"] = _exp(out["loss"])
-            out["personal_perplexity"] = _exp(out["personal_loss"])
-        out.update(self.algo.diagnostics(self.state, self.fed, RoundInfo(index=r, total=self.cfg.rounds)))
-        return out
+        """Round ``r``'s evaluation (:func:`fedfuse.engine.evaluation.evaluate`)."""
+        return evaluate(self, r)
 
     def _track_best(self, rec: dict[str, Any]) -> None:
         """Keep the record (and, with ``out``, the global model: ``model_best_val_loss.pt``) of the round with the
-        lowest validation loss: the model a run selects without looking at the test sets."""
-        v = rec.get("val_loss")
-        if v is None or (isinstance(v, float) and math.isnan(v)):
+        lowest validation loss (:func:`fedfuse.engine.summary.improves_val_loss`)."""
+        if not improves_val_loss(self.best, rec):
             return
-        if self.best is None or v < self.best["val_loss"]:
-            self.best = dict(rec)
-            if self.out:
-                g = self.algo.global_model(self.state)
-                if g is not None:
-                    torch.save({"state": g[0], "meta": g[1], "round": rec["round"]}, self.out / BEST_VAL_LOSS_MODEL)
+        self.best = dict(rec)
+        g = self.algo.global_model(self.state) if self.store.enabled else None
+        if g is not None:
+            self.store.save_model("best_val_loss", g[0], g[1], rec["round"])
 
-    # ---- outputs -------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        """``summary.json``: the run's ``final`` (:func:`final_block`), ``last`` (the last evaluated round), ``best``
-        (the evaluated round with the highest accuracy, :func:`fedfuse.stats.primary_metric`) and ``best_val_loss``
-        (the round with the lowest validation loss, whose model is ``model_best_val_loss.pt``) blocks."""
-        evaluated = [h for h in self.history if "personal_accuracy" in h]
-        last = evaluated[-1] if evaluated else (self.history[-1] if self.history else {})
-        metric = primary_metric(evaluated)
-        return {
-            "algorithm": self.cfg.algorithm,
-            "dataset": self.cfg.dataset,
-            "partition": self.cfg.partition,
-            "model": self.cfg.model,
-            "task": self.fed.task,
-            "clients": self.fed.num_clients,
-            "rounds_completed": len(self.history),
-            "final": final_block(self.history, last),
-            "last": _block(last),
-            "best": {"metric": metric, **_block(best_round(evaluated, metric) or last)},
-            "best_val_loss": _block(self.best or last),
-            "totals": dataclasses.asdict(self.totals),
-            "wall_seconds": self.totals.wall_seconds,
+        """``summary.json`` of the run so far (:func:`fedfuse.engine.summary.run_summary`)."""
+        return run_summary(
+            self.cfg, self.fed.task, self.fed.num_clients, self.history, self.best, self.totals,
             # what was asked for, what trained the clients and why a request was re-routed (engine/routing.py)
-            "executor": executor_summary(self.cfg.executor, self.executor.routing(), self.executor.describe()),
-            "precision": self.precision,
-            "threads": self.threads,
-            **self._dp_summary(),
-        }
-
-    def _dp_summary(self) -> dict[str, Any]:
-        """Central DP: whether the run may claim its (ε, δ) and, when it may not, why; the run totals that count
-        clients are withheld like the round records' (:data:`DP_WITHHELD`)."""
-        dp = self.ctx.dp
-        if not dp.central:
-            return {}
-        out: dict[str, Any] = {"dp_guarantee": dp.guarantee}
-        if dp.reproducible:
-            out["dp_warning"] = (f"{NO_GUARANTEE}: dp_reproducible=true draws the DP noise and sampling from the run "
-                                 "seed, which anyone holding config.yaml or a record can regenerate")
-        elif dp.debug_metrics:
-            out["dp_warning"] = f"{NO_GUARANTEE}: dp_debug_metrics=true publishes un-noised per-client metrics"
-        elif dp.noise <= 0:
-            out["dp_warning"] = f"{NO_GUARANTEE}: dp_noise=0 clips the updates but adds no noise (ε = ∞)"
-        if not dp.debug_metrics:
-            out["totals"] = {"wall_seconds": self.totals.wall_seconds}
-        return out
+            executor=executor_summary(self.runtime.executor, self.executor.routing(), self.executor.describe()),
+            precision=self.precision, threads=self.threads, **self.privacy.summary(self.totals.wall_seconds))
 
     def _finish(self, summary: dict[str, Any]) -> None:
-        assert self.out is not None
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if not self.store.enabled:
+            return
+        self.store.write_summary(summary)
         g = self.algo.global_model(self.state)
         if g is not None:
-            torch.save({"state": g[0], "meta": g[1], "round": len(self.history)}, self.out / "model_final.pt")
-        self.algo.finish(self.state, self.fed, self.out)
+            self.store.save_model("final", g[0], g[1], len(self.history))
+        self.algo.finish(self.state, self.fed, self.store.dir)
 
 
 def outs_results(outs: dict[int, Any]) -> dict[int, Message]:
     """The reply part of an executor's ``{cid: (reply, client_state)}`` output."""
     return {c: o[0] for c, o in outs.items()}
-
-
-def final_block(history: Sequence[dict[str, Any]], last: dict[str, Any]) -> dict[str, Any]:
-    """``summary.json``'s ``final``: every evaluation metric (:func:`fedfuse.stats.is_evaluation_metric`) as its
-    final value (:func:`fedfuse.stats.final_mean`: the mean of the last 5 evaluations, or of the later half of a
-    shorter run's), everything else (totals, parameter counts, diagnostics, wall time) as at the ``last``
-    evaluated round; ``window`` = how many evaluations the accuracies average (of the primary metric)."""
-    block = _block(last)
-    for key, v in block.items():
-        if is_evaluation_metric(key) and isinstance(v, int | float) and not isinstance(v, bool):
-            block[key] = final_mean(history, key)
-    metric = primary_metric(history)
-    block["window"] = final_window(sum(1 for h in history if h.get(metric) is not None))
-    return block
-
-
-def _block(rec: dict[str, Any]) -> dict[str, Any]:
-    """A summary block: the record's scalar metrics (diagnostics included) with totals as cumulative bytes/FLOPs."""
-    b = {k: v for k, v in rec.items() if isinstance(v, int | float | str | bool) or v is None}
-    for k in ("bytes_down", "bytes_up", "bytes_peer", "client_flops", "seconds"):
-        b.pop(k, None)  # per-round values; the block reports totals
-    b["bytes_down"] = b.pop("total_bytes_down", None)
-    b["bytes_up"] = b.pop("total_bytes_up", None)
-    b["bytes_peer"] = b.pop("total_bytes_peer", None)
-    b["client_flops"] = b.pop("total_client_flops", None)
-    return b
-
-
-def aggregate_client_metrics(res: dict[int, dict[str, float]]) -> dict[str, Any]:
-    """Unweighted and sample-weighted means of the clients' personal test metrics; weighted val loss."""
-    if not res:
-        return {}
-    vals = list(res.values())
-
-    def wmean(key: str, count: str) -> float | None:
-        n = sum(v[count] for v in vals if v[count])
-        return sum(v[key] * v[count] for v in vals if v[count]) / n if n else None
-
-    def umean(key: str, count: str) -> float | None:
-        xs = [v[key] for v in vals if v[count]]
-        return float(np.mean(xs)) if xs else None
-
-    out = {
-        "personal_accuracy": umean("test_accuracy", "test_count"),
-        "personal_accuracy_weighted": wmean("test_accuracy", "test_count"),
-        "personal_loss": wmean("test_loss", "test_count"),
-        "val_loss": wmean("val_loss", "val_count"),
-        "val_accuracy": wmean("val_accuracy", "val_count"),
-    }
-    out["clients_without_test"] = sum(1 for v in vals if not v["test_count"])  # not in the personal means
-    out["client_test_accuracy"] = {str(c): v["test_accuracy"] for c, v in res.items()}
-    extra = sorted({k for v in vals for k in v if k.startswith("test_")} - {"test_loss", "test_accuracy", "test_count"})
-    for key in extra:  # further per-client test metrics (e.g. ROUGE-1): unweighted mean over the clients reporting it
-        xs = [float(v[key]) for v in vals if key in v and v[key] is not None and math.isfinite(float(v[key]))]
-        out["personal_" + key[5:]] = float(np.mean(xs)) if xs else None
-    return out
-
-
-def _clean(obj: Any) -> Any:
-    """NaN/inf → None so metrics stay strict JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return obj
-
-
-def _exp(x: float | None) -> float | None:
-    return None if x is None else float(math.exp(min(x, 700.0)))
 
 
 def _postfix(rec: dict[str, Any]) -> str:
@@ -795,11 +509,6 @@ def _postfix(rec: dict[str, Any]) -> str:
         if v is not None:
             parts.append(f"{short}={v:.3f}" if k != "perplexity" else f"{short}={v:.1f}")
     return " ".join(parts)
-
-
-def strip_timing(rec: dict[str, Any]) -> dict[str, Any]:
-    """A metrics record without wall-clock fields (for bit-identity comparisons)."""
-    return {k: v for k, v in rec.items() if k not in TIMING_KEYS}
 
 
 def run(cfg: RunConfig, algorithm: type, *, resume: bool = False, progress: bool = False) -> dict[str, Any]:

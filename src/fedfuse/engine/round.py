@@ -4,7 +4,7 @@ The round loop (:meth:`fedfuse.engine.loop.Experiment._round`) runs each stage o
 **collect** (send the payloads, run the clients, apply faults, deliver late replies), **screen** (quarantine
 replies the update checks reject), **account** (the accepted replies' local work) and **fuse** (quorum,
 client-to-client exchange, the algorithm's server update) — and writes what each step finds into a
-:class:`RoundLedger`, which becomes the round's metrics record.
+:class:`RoundLedger`, which becomes the round's metrics record and adds itself to the run's :class:`Totals`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,22 @@ from typing import Any
 import numpy as np
 
 from fedfuse.types import SIM_PREFIX, Message
+
+
+@dataclass
+class Totals:
+    """The run's running totals, which every round's ledger adds to (:meth:`RoundLedger.add_to`) and the
+    checkpoint stores."""
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    bytes_peer: int = 0
+    client_flops: float = 0.0
+    wall_seconds: float = 0.0
+    dropped: int = 0  # sampled clients that never replied
+    late: int = 0  # replies that missed the deadline
+    quarantined: int = 0  # replies rejected by the update checks
+    skipped_rounds: int = 0  # rounds with fewer replies than the quorum
 
 
 @dataclass
@@ -73,8 +89,8 @@ class RoundLedger:
             self.loss_sum += st.train_loss * st.samples
             self.samples += st.samples
 
-    def add_to(self, totals: Any) -> None:
-        """Add this round to the run's running totals (:class:`fedfuse.engine.loop.Totals`)."""
+    def add_to(self, totals: Totals) -> None:
+        """Add this round to the run's running totals."""
         totals.bytes_down += self.down
         totals.bytes_up += self.up
         totals.bytes_peer += self.peer
@@ -84,7 +100,7 @@ class RoundLedger:
         totals.quarantined += len(self.quarantined)
         totals.skipped_rounds += int(self.skipped)
 
-    def record(self, r: int, totals: Any, server_parameters: int) -> dict[str, Any]:
+    def record(self, r: int, totals: Totals, server_parameters: int) -> dict[str, Any]:
         """The round's metrics record (before evaluation), with the running totals after it."""
         return {
             "round": r + 1,

@@ -33,12 +33,14 @@ import torch
 
 from fedfuse.algorithms import get_algorithm
 from fedfuse.config import ConfigError, make_config, resolve_device
+from fedfuse.engine.assemble import assemble
 from fedfuse.engine.client import TrainConfig
 from fedfuse.engine.executor import Job, job_generator, seed_global
 from fedfuse.engine.federated_eval import global_client_side
 from fedfuse.engine.local_dp import guarded, secure_generator
-from fedfuse.engine.loop import Experiment, assemble
+from fedfuse.engine.loop import Experiment
 from fedfuse.engine.personal import client_side
+from fedfuse.engine.store import RunStore
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
@@ -46,6 +48,7 @@ from fedfuse.flower.node_data import NODE_KEYS, NodeDataError
 from fedfuse.flower.node_policy import NODE_PATHS, NodeDP, RefusedJob, node_view
 from fedfuse.flower.secure import is_secure_fit, node_fit, secure_mod
 from fedfuse.flower.server_data import ClaimCheck, learn_federation, node_answer, record_opens
+from fedfuse.runfiles import FLOWER_CALLS
 from fedfuse.runtime.precision import resolve_precision, use_precision
 from fedfuse.runtime.threads import apply_threads
 from fedfuse.types import Message as FedfuseMessage
@@ -315,10 +318,8 @@ def _main(grid: Grid, context: Context) -> None:
             raise ConfigError(f"algorithm {cfg.algorithm!r} cannot run on a server without data: {need}")
         exp = Experiment(cfg, algorithm, executor=executor, fed=learn_federation(executor, cfg))
     summary = exp.run(resume=bool(rc.get("resume", False)))
-    if cfg.out:  # when each call's messages were pushed and their last reply arrived (benchmarks/peers.py --deploy)
-        from pathlib import Path
-
-        (Path(cfg.out) / "flower_calls.json").write_text(json.dumps(executor.calls))
+    # when each call's messages were pushed and their last reply arrived (benchmarks/peers.py --deploy)
+    RunStore(cfg.out).write_json(FLOWER_CALLS, executor.calls)
     log.info("fedfuse run finished: %s", json.dumps(summary.get("final", {}), default=str)[:500])
 
 

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from fedfuse.config import RunConfig, resolve_device
-from fedfuse.engine.loop import build_federation
+from fedfuse.engine.assemble import build_federation
 from fedfuse.types import Federation
 
 _FED_CACHE: dict[str, Federation] = {}
