@@ -105,7 +105,7 @@ def test_fedmr_uploads_dp_sgd_models(tmp_path) -> None:
     """dp=local on FedMR (a family that needs individual models on the server): the client step is Opacus
     DP-SGD — the reply equals train_dp_sgd's model for the same seeds — and the run reports each client's ε."""
     from fedfuse.engine.context import RoundInfo
-    from fedfuse.engine.local_dp import train_dp_sgd
+    from fedfuse.engine.local_dp import LocalDPClient, train_dp_sgd
 
     cfg = apply(RunConfig(), dict(algorithm="fedmr", dataset="digits", partition="iid", model="mlp", clients=6,
                                   clients_per_round=3, rounds=2, batch_size=16, lr=0.1, seed=2, plots=False,
@@ -115,16 +115,18 @@ def test_fedmr_uploads_dp_sgd_models(tmp_path) -> None:
     exp.run()
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert 0 < recs[0]["dp_epsilon"] <= recs[-1]["dp_epsilon"] < float("inf") and recs[-1]["dp_clients"] >= 3
-    algo, data = exp.algo, exp.fed.blinded().clients[0]
+    algo, data, client = exp.algo, exp.fed.blinded().clients[0], exp.client
+    assert isinstance(client, LocalDPClient) and client.inner is algo  # the engine wraps the algorithm's step
     payload = algo.configure_fit(exp.state, RoundInfo(index=2, total=3), [0])[0]
     torch.manual_seed(5)
-    reply, _ = algo.fit(payload, None, data, torch.Generator().manual_seed(7))
+    reply, _ = client.fit(payload, None, data, torch.Generator().manual_seed(7))
     torch.manual_seed(5)
     state, stats = train_dp_sgd(algo.ctx.load(payload.tensors, payload.meta), data.train, algo.ctx.train,
                                 torch.Generator().manual_seed(7), noise=1.1, clip=1.0)
     assert set(reply.tensors) == set(state) and all(torch.equal(reply.tensors[k], v) for k, v in state.items())
     assert reply.stats is not None and reply.stats.steps == stats.steps > 0
-    assert algo.client_program(payload, None, data) is None  # every executor calls fit (DP-SGD)
+    assert client.client_program(payload, None, data) is None  # every executor calls fit (DP-SGD)
+    assert algo.client_program(payload, None, data) is not None  # FedMR itself holds no DP code: a plain program
 
 
 def test_secure_fedmr_trains_with_dp_sgd_in_its_first_stage(tmp_path) -> None:
