@@ -154,7 +154,7 @@ def test_a_new_mean_of_deltas_algorithm_admits_secagg_without_code_of_its_own() 
     assert entry.secagg.ok and entry.central_dp.ok and entry.secagg.why.startswith("derived")
 
 
-# ---- attacks ----------------------------------------------------------------------------------------------------------
+# ---- attacks --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["scaffold", "scaffold-samples"])
 def test_a_forged_1e12_example_count_under_scaffold_is_that_client_s_dropout(name: str) -> None:
     """A client claiming 10¹² examples (to dominate the weighted mean, or crash the encoding) is refused by its own
@@ -212,7 +212,7 @@ def test_under_central_dp_scaffold_s_pair_is_clipped_as_one_vector_by_the_client
     """dp=central + secagg: client i's contribution is clip(y_i − x, Δc_i) with the payload's clip — a Δc_i of norm
     10³ cannot buy influence on c — and the weight slot is its centred bit."""
     algo = _algo("scaffold", dp="central", dp_noise=1.0, dp_clip=0.5, sampling="poisson")
-    state, info, sent, results = _round(algo)
+    _, _, sent, results = _round(algo)
     big = results[0]
     key = next(k for k in big.tensors if k.startswith("dc/"))
     big.tensors[key] = big.tensors[key] * 0 + 1e3

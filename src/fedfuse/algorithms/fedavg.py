@@ -65,12 +65,6 @@ class FedAvg(DeltaMean):
     class Options(FusionOptions):
         server_lr: float = opt(1.0, "server learning rate on the averaged update (1 = plain FedAvg)", gt=0.0)
 
-    def __init__(self, ctx, options=None) -> None:
-        super().__init__(ctx, options)
-        if self.reads_each_update() and ctx.dp.central:
-            raise UserError("dp=central replaces the mean with DP-FedAvg's clipped, noised mean; drop "
-                            f"fusion={self.opt.fusion!r} / clip_norm={self.opt.clip_norm:g} (use dp_clip)")
-
     def client_weights(self, results: dict[int, Message]) -> list[float]:
         if self.opt.weighting == "uniform":
             return [1.0] * len(results)

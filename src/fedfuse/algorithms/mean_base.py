@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from fedfuse.algorithms.base import Algorithm, RoundInfo, ServerState
+from fedfuse.algorithms.base import Algorithm, RoundInfo, RunContext, ServerState
 from fedfuse.errors import UserError
 from fedfuse.privacy.central import CentralDP
 from fedfuse.privacy.mean import MeanOfDeltas, SecureSum
@@ -74,6 +74,13 @@ class DeltaMean(Algorithm):
     server_update: ClassVar[MeanOfDeltas | None] = None
     #: the reason local DP is not built when the client step is not plain (None: the derived reason)
     local_dp_why: ClassVar[str | None] = None
+
+    def __init__(self, ctx: RunContext, options: Any | None = None) -> None:
+        super().__init__(ctx, options)
+        why = self.reads_each_update()
+        if why and ctx.dp.central:
+            raise UserError(f"dp=central replaces the mean with DP-FedAvg's clipped, noised mean, but {why}; drop "
+                            "them (use dp_clip)")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
