@@ -127,3 +127,14 @@ def test_algorithm_modules_hold_no_privacy_code(name: str) -> None:
     forbidden = {"dp", "central_dp", "secure_sum", "train_dp_sgd", "CentralDP", "SecureSum", "noised_mean",
                  "dp_contribution", "check_local_dp"}
     assert not names.found & forbidden, names.found & forbidden
+
+
+def test_robust_fusion_under_secagg_is_refused_before_the_run() -> None:
+    """fusion=median reads each update, which SecAgg hides: the run is refused when it is built (a config error
+    naming the option), not at its first secure round and never silently replaced by the mean."""
+    from fedfuse.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"secagg=true hands the server only the sum.*fusion='median'"):
+        _algo("fedavg", secagg=True, algorithm_options={"fusion": "median"})
+    with pytest.raises(ConfigError, match=r"clip_norm=0\.5"):
+        _algo("fedavgm", secagg=True, algorithm_options={"clip_norm": 0.5})

@@ -81,6 +81,9 @@ class DeltaMean(Algorithm):
         if why and ctx.dp.central:
             raise UserError(f"dp=central replaces the mean with DP-FedAvg's clipped, noised mean, but {why}; drop "
                             "them (use dp_clip)")
+        if why and ctx.secagg:
+            raise UserError(f"secagg=true hands the server only the sum of the updates, but {why}; drop them (or "
+                            "secagg)")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -96,6 +96,7 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
                       clip_lr=cfg.dp_clip_lr, count_noise=cfg.dp_count_noise, delta=cfg.dp_delta,
                       accountant=cfg.dp_accountant, reproducible=cfg.dp_reproducible,
                       debug_metrics=cfg.dp_debug_metrics),
+        secagg=bool(cfg.secagg),
     )
 
 
