@@ -59,6 +59,7 @@ class Scaffold(FedAvg):
                                  note="c ← c + Σ Δc_i / N reads the Δc sum: the control variates are summed too")
     local_dp_why = ("the corrected step is SGD plus a linear term: DP-SGD would clip the task gradients only")
     accepts_late = False  # a late Δc_i was computed against an older c
+    node_private = ("c",)  # c_i never leaves a Flower node (its changes are the Δc_i that only travel summed)
 
     @dataclass
     class Options(FedAvg.FusionOptions):
