@@ -183,9 +183,10 @@ def test_planned_steps_are_the_steps_dp_sgd_takes(epochs, batch, cap) -> None:
 
 # ---- local DP as a wrapper of the client step (LocalDPClient) -----------------------------------------------------
 def _small(algorithm: str, tmp_path, **kw):
-    cfg = apply(RunConfig(), dict(dataset="digits", partition="iid", model="mlp", clients=6, clients_per_round=3,
-                                  rounds=1, batch_size=16, lr=0.1, seed=2, plots=False, out=str(tmp_path / algorithm),
-                                  model_options={"widths": [16]}, algorithm=algorithm, **kw))
+    base = dict(dataset="digits", partition="iid", model="mlp", clients=6, clients_per_round=3, rounds=1,
+                batch_size=16, lr=0.1, seed=2, plots=False, out=str(tmp_path / algorithm),
+                model_options={"widths": [16]}, algorithm=algorithm)
+    cfg = apply(RunConfig(), {**base, **kw})
     return experiment(cfg)
 
 
@@ -228,3 +229,20 @@ def test_the_wrapper_refuses_a_step_that_is_more_than_plain_sgd(tmp_path) -> Non
     assert beyond_plain_sgd(prog) == []
     assert beyond_plain_sgd(dataclasses.replace(prog, spec=prog.spec.with_two_pass("sam", 0.05))) == \
         ["sam two-pass steps"]
+
+
+def test_the_wrapped_step_runs_in_worker_processes_as_in_process(tmp_path) -> None:
+    """The wrapper travels to the process executor's workers (fork, or pickled under spawn) and their DP-SGD
+    replies equal the sequential executor's bit for bit (the noise is seeded per client step in process)."""
+    import pickle
+
+    from fedfuse.engine.local_dp import LocalDPClient
+
+    kw = dict(dp="local", dp_noise=1.1, dp_clip=1.0, rounds=2)
+    seq = _small("fedavgm", tmp_path / "seq", **kw)
+    seq.run()
+    pro = _small("fedavgm", tmp_path / "pro", executor="processes", **kw)
+    pro.run()
+    assert all(torch.equal(v, pro.state["global"][k]) for k, v in seq.state["global"].items())
+    again = pickle.loads(pickle.dumps(seq.client))
+    assert isinstance(again, LocalDPClient) and (again.noise, again.clip) == (1.1, 1.0) and again.name == "fedavgm"
