@@ -138,3 +138,32 @@ def test_robust_fusion_under_secagg_is_refused_before_the_run() -> None:
         _algo("fedavg", secagg=True, algorithm_options={"fusion": "median"})
     with pytest.raises(ConfigError, match=r"clip_norm=0\.5"):
         _algo("fedavgm", secagg=True, algorithm_options={"clip_norm": 0.5})
+
+
+def test_a_subclass_that_changes_the_rule_loses_the_inherited_entry(monkeypatch) -> None:
+    """The SCAFFOLD trap: a subclass that adds to the payload or changes the plain rule without declaring its update
+    would inherit an entry describing FedAvg's; it has none instead, so config and mechanisms refuse DP and SecAgg
+    until it declares one.  A subclass that changes only the client step keeps the mechanisms and has local DP
+    derived again from its step."""
+    from fedfuse.config import ConfigError, check_privacy
+
+    class NewRule(FedAvg):
+        def fuse(self, state, info, results):
+            return state
+
+    class NewStep(FedAvg):
+        def loss_terms(self, payload: Message):
+            return (LossTerm("t", lambda b: torch.zeros(())),), {}
+
+    class Unchanged(FedAvg):
+        description = "only a new description"
+
+    assert NewRule.privacy == () and NewRule.privacy_for() is None
+    assert NewStep.privacy[0].central_dp.ok and NewStep.privacy[0].secagg.ok
+    assert NewStep.privacy[0].local_dp.support is Support.NOT_BUILT and FedAvg.privacy_for().local_dp.ok
+    assert Unchanged.privacy is FedAvg.privacy
+    monkeypatch.setitem(ALGORITHMS, "new-rule", NewRule)
+    with pytest.raises(ConfigError, match="'new-rule' does not admit secure aggregation"):
+        check_privacy("new-rule", {}, "none", True)
+    with pytest.raises(ConfigError, match="'new-rule' does not admit central DP"):
+        check_privacy("new-rule", {}, "central", False)

@@ -31,6 +31,13 @@ from fedfuse.types import Message, Privacy, ServerView, TensorDict, not_built, y
 
 __all__ = ["DeltaMean", "MeanOfDeltas", "derived_privacy", "plain_client_step"]
 
+#: hooks that change what the server update reads or does: a subclass overriding one without declaring
+#: ``server_update`` or ``privacy`` again has no privacy entry (its parent's no longer describes it)
+RULE_HOOKS = ("fuse", "aggregate_fit", "step_on_mean", "delta_base", "server_base", "delta_weight", "configure_fit",
+              "secure_contribution", "aggregate_sum", "stays_local")
+#: hooks of the client step: a subclass overriding one gets its entry derived again (local DP follows the step)
+STEP_HOOKS = ("fit", "client_program", "loss_terms")
+
 
 def plain_client_step(cls: type[Algorithm]) -> str | None:
     """None when ``cls``'s client step is the standard program (plain SGD on the task loss: no loss term, no own
@@ -86,8 +93,19 @@ class DeltaMean(Algorithm):
                             "secagg)")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Derive the entry of a class that declares ``server_update``; a subclass that declares neither it nor
+        ``privacy`` keeps its parent's entry only while it changes neither the server rule (then it has none, so
+        every mechanism is refused until it declares one: the inherited entry would describe another rule) nor the
+        client step (then the entry is derived again)."""
         super().__init_subclass__(**kwargs)
-        if "server_update" in cls.__dict__ and "privacy" not in cls.__dict__:
+        own = cls.__dict__
+        if "privacy" in own:
+            return
+        if "server_update" in own:
+            cls.privacy = (derived_privacy(cls),)
+        elif any(h in own for h in RULE_HOOKS):
+            cls.privacy = ()
+        elif any(h in own for h in STEP_HOOKS) and cls.server_update is not None and cls.privacy:
             cls.privacy = (derived_privacy(cls),)
 
     # ---- the algorithm's hooks ------------------------------------------------------------------------------
