@@ -215,10 +215,10 @@ def _dumps(data: dict[str, Any]) -> str:
 
 def _algorithm_files() -> list[str]:
     """The algorithm module names in ``fedfuse/algorithms/`` (the registry's discovery rule, without importing
-    a module: its ``_``-prefixed modules and the shared ``base``/``lora_base`` are not algorithms)."""
+    a module: its ``_``-prefixed modules and the shared ``base``/``lora_base``/``mean_base`` are not algorithms)."""
     folder = Path(__file__).with_name("algorithms")
     names = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
-    return sorted(n for n in names if not n.startswith("_") and n not in ("base", "lora_base"))
+    return sorted(n for n in names if not n.startswith("_") and n not in ("base", "lora_base", "mean_base"))
 
 
 def recorded() -> list[Component] | None:

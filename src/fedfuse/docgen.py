@@ -26,6 +26,12 @@ def privacy_table() -> str:
             label = f"`{name}`" + (f" ({when_text(e)})" if e.when else "")
             view = f"**{e.view.value}**: {e.why}".replace("|", "\\|")
             rows.append(f"| {label} | {view} | {cell(e.central_dp)} | {cell(e.local_dp)} | {cell(e.secagg)} |")
+    rows += ["", "Admitted with the default options, by mechanism:", ""]
+    for mech, label in (("central_dp", "central DP (`dp=central`)"), ("local_dp", "local DP (`dp=local`)"),
+                        ("secagg", "SecAgg (`secagg=true`)")):
+        names = [f"`{n}`" for n, c in sorted(ALGORITHMS.items())
+                 if (e := c.privacy_for()) is not None and e.admits(mech).ok]
+        rows.append(f"- {label}: {', '.join(names) or 'none'}")
     return "\n".join(rows) + "\n"
 
 

@@ -148,8 +148,8 @@ SECTIONS: dict[str, str] = {
 }
 #: the keys that say what the run is rather than how one part of it runs: in no section
 UNSECTIONED = ("algorithm", "dataset", "partition", "model", "clients", "clients_per_round", "rounds", "seed",
-               "data_dir", "out", "val_fraction", "eval_every", "global_eval", "checkpoint_every", "eval_batch_size", "plots",
-               "sampling", "algorithm_options", "model_options", "partition_options", "dataset_options")
+               "data_dir", "out", "val_fraction", "eval_every", "global_eval", "checkpoint_every", "eval_batch_size",
+               "plots", "sampling", "algorithm_options", "model_options", "partition_options", "dataset_options")
 
 
 def _pick(cls: type, keys: dict[str, str], flat: Any) -> Any:

@@ -3,6 +3,7 @@ seeded, BatchNorm models are refused with Opacus's reason, and the run reports �
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -105,7 +106,7 @@ def test_fedmr_uploads_dp_sgd_models(tmp_path) -> None:
     """dp=local on FedMR (a family that needs individual models on the server): the client step is Opacus
     DP-SGD — the reply equals train_dp_sgd's model for the same seeds — and the run reports each client's ε."""
     from fedfuse.engine.context import RoundInfo
-    from fedfuse.engine.local_dp import train_dp_sgd
+    from fedfuse.engine.local_dp import LocalDPClient, train_dp_sgd
 
     cfg = apply(RunConfig(), dict(algorithm="fedmr", dataset="digits", partition="iid", model="mlp", clients=6,
                                   clients_per_round=3, rounds=2, batch_size=16, lr=0.1, seed=2, plots=False,
@@ -115,16 +116,18 @@ def test_fedmr_uploads_dp_sgd_models(tmp_path) -> None:
     exp.run()
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert 0 < recs[0]["dp_epsilon"] <= recs[-1]["dp_epsilon"] < float("inf") and recs[-1]["dp_clients"] >= 3
-    algo, data = exp.algo, exp.fed.blinded().clients[0]
+    algo, data, client = exp.algo, exp.fed.blinded().clients[0], exp.client
+    assert isinstance(client, LocalDPClient) and client.inner is algo  # the engine wraps the algorithm's step
     payload = algo.configure_fit(exp.state, RoundInfo(index=2, total=3), [0])[0]
     torch.manual_seed(5)
-    reply, _ = algo.fit(payload, None, data, torch.Generator().manual_seed(7))
+    reply, _ = client.fit(payload, None, data, torch.Generator().manual_seed(7))
     torch.manual_seed(5)
     state, stats = train_dp_sgd(algo.ctx.load(payload.tensors, payload.meta), data.train, algo.ctx.train,
                                 torch.Generator().manual_seed(7), noise=1.1, clip=1.0)
     assert set(reply.tensors) == set(state) and all(torch.equal(reply.tensors[k], v) for k, v in state.items())
     assert reply.stats is not None and reply.stats.steps == stats.steps > 0
-    assert algo.client_program(payload, None, data) is None  # every executor calls fit (DP-SGD)
+    assert client.client_program(payload, None, data) is None  # every executor calls fit (DP-SGD)
+    assert algo.client_program(payload, None, data) is not None  # FedMR itself holds no DP code: a plain program
 
 
 def test_secure_fedmr_trains_with_dp_sgd_in_its_first_stage(tmp_path) -> None:
@@ -176,3 +179,70 @@ def test_planned_steps_are_the_steps_dp_sgd_takes(epochs, batch, cap) -> None:
     cfg = TrainConfig(local_epochs=epochs, batch_size=batch, lr=0.1, max_steps=cap)
     _, stats = train_dp_sgd(_model(), _split(12), cfg, torch.Generator().manual_seed(0), noise=1.0, clip=1.0)
     assert stats.steps == planned_steps(12, cfg)
+
+
+# ---- local DP as a wrapper of the client step (LocalDPClient) -----------------------------------------------------
+def _small(algorithm: str, tmp_path, **kw):
+    base = dict(dataset="digits", partition="iid", model="mlp", clients=6, clients_per_round=3, rounds=1,
+                batch_size=16, lr=0.1, seed=2, plots=False, out=str(tmp_path / algorithm),
+                model_options={"widths": [16]}, algorithm=algorithm)
+    cfg = apply(RunConfig(), {**base, **kw})
+    return experiment(cfg)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavgm", "fedadam"])
+def test_a_server_optimiser_admits_local_dp_by_its_plain_client_step(tmp_path, algorithm) -> None:
+    """FedAvgM and FedAdam hold no DP code: the engine wraps their declared step, whose reply is DP-SGD's model for
+    the same seeds, under the batched executor too (it declares no program, so every executor calls fit)."""
+    from fedfuse.engine.context import RoundInfo
+    from fedfuse.engine.local_dp import LocalDPClient
+
+    exp = _small(algorithm, tmp_path, dp="local", dp_noise=1.1, dp_clip=1.0, executor="batched")
+    exp.run()
+    rec = json.loads((tmp_path / algorithm / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 < rec["dp_epsilon"] < float("inf")
+    client, algo, data = exp.client, exp.algo, exp.fed.blinded().clients[0]
+    assert isinstance(client, LocalDPClient) and client.client_program(None, None, data) is None
+    payload = algo.configure_fit(exp.state, RoundInfo(index=1, total=2), [0])[0]
+    torch.manual_seed(5)
+    reply, _ = client.fit(payload, None, data, torch.Generator().manual_seed(7))
+    torch.manual_seed(5)
+    state, _ = train_dp_sgd(algo.ctx.load(payload.tensors, payload.meta), data.train, algo.ctx.train,
+                            torch.Generator().manual_seed(7), noise=1.1, clip=1.0)
+    assert all(torch.equal(reply.tensors[k], v) for k, v in state.items())
+
+
+def test_the_wrapper_refuses_a_step_that_is_more_than_plain_sgd(tmp_path) -> None:
+    """A program with a loss term (FedProx's proximal term) or an opaque fit that trains (Ditto's) is refused with
+    what makes it more, never trained with DP-SGD on part of its loss or outside DP-SGD."""
+    from fedfuse.engine.context import RoundInfo
+    from fedfuse.engine.local_dp import LocalDPClient, beyond_plain_sgd
+    from fedfuse.errors import UserError
+
+    for algorithm, why in (("fedprox", "loss terms proximal"), ("ditto", "trained outside DP-SGD")):
+        exp = _small(algorithm, tmp_path)
+        algo, data = exp.algo, exp.fed.blinded().clients[0]
+        payload = algo.configure_fit(algo.init_state(), RoundInfo(index=0, total=1), [0])[0]
+        with pytest.raises(UserError, match=why):
+            LocalDPClient(algo, 1.0, 1.0).fit(payload, algo.init_client_state(0), data, torch.Generator())
+    prog = _small("fedavg", tmp_path).algo.client_program(payload, None, data)
+    assert beyond_plain_sgd(prog) == []
+    assert beyond_plain_sgd(dataclasses.replace(prog, spec=prog.spec.with_two_pass("sam", 0.05))) == \
+        ["sam two-pass steps"]
+
+
+def test_the_wrapped_step_runs_in_worker_processes_as_in_process(tmp_path) -> None:
+    """The wrapper travels to the process executor's workers (fork, or pickled under spawn) and their DP-SGD
+    replies equal the sequential executor's bit for bit (the noise is seeded per client step in process)."""
+    import pickle
+
+    from fedfuse.engine.local_dp import LocalDPClient
+
+    kw = dict(dp="local", dp_noise=1.1, dp_clip=1.0, rounds=2)
+    seq = _small("fedavgm", tmp_path / "seq", **kw)
+    seq.run()
+    pro = _small("fedavgm", tmp_path / "pro", executor="processes", **kw)
+    pro.run()
+    assert all(torch.equal(v, pro.state["global"][k]) for k, v in seq.state["global"].items())
+    again = pickle.loads(pickle.dumps(seq.client))
+    assert isinstance(again, LocalDPClient) and (again.noise, again.clip) == (1.1, 1.0) and again.name == "fedavgm"

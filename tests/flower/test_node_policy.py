@@ -230,12 +230,12 @@ def test_every_dp_sgd_call_is_checked_with_the_parameters_it_really_runs_with(tm
     """The check sits in DP-SGD itself (``local_dp.guarded``), not in the run config: a client step that calls
     DP-SGD with a weaker noise than the node's is refused even when the run config says otherwise, and a client
     step that trains without DP-SGD at all has its reply withheld."""
-    import fedfuse.algorithms.fedavg as fedavg
+    import fedfuse.engine.local_dp as local_dp  # the client-step wrapper (LocalDPClient) calls DP-SGD from here
     from fedfuse.engine.client import TrainStats
 
     caplog.set_level(logging.WARNING, logger="fedfuse")
-    real = fedavg.train_dp_sgd
-    monkeypatch.setattr(fedavg, "train_dp_sgd", lambda *a, noise, clip: real(*a, noise=noise / 10, clip=clip))
+    real = local_dp.train_dp_sgd
+    monkeypatch.setattr(local_dp, "train_dp_sgd", lambda *a, noise, clip: real(*a, noise=noise / 10, clip=clip))
     exp = _run(_cfg(), _policy(tmp_path))
     assert exp.history[0]["dropped"] == [0, 1]
     assert not (tmp_path / "node" / "local-dp.json").exists() or json.loads(
@@ -244,7 +244,7 @@ def test_every_dp_sgd_call_is_checked_with_the_parameters_it_really_runs_with(tm
     def plain_sgd(model, split, train, gen, *, noise, clip):  # a client step that skips DP-SGD
         return {k: v.detach().clone() for k, v in model.state_dict().items()}, TrainStats(steps=5, samples=50)
 
-    monkeypatch.setattr(fedavg, "train_dp_sgd", plain_sgd)
+    monkeypatch.setattr(local_dp, "train_dp_sgd", plain_sgd)
     exp = _run(_cfg(), _policy(tmp_path / "b"))
     assert exp.history[0]["dropped"] == [0, 1] and exp.history[0]["replied"] == 0
     assert "DP-SGD asked with noise 0.1" in caplog.text and "without DP-SGD" in caplog.text

@@ -21,7 +21,7 @@ pytest.importorskip("flwr", reason="needs the flower extra: pip install -e '.[fl
 
 from fedfuse.config import RunConfig, apply, validate
 from fedfuse.flower import secure
-from fedfuse.flower.app import client_app
+from fedfuse.flower.app import KEPT, client_app
 from fedfuse.flower.executor import FlowerExecutor, LocalGrid
 from fedfuse.fusion.secagg import MODULUS, ring_add
 from fedfuse.runner import experiment
@@ -76,7 +76,8 @@ def test_limbs_pass_flowers_quantiser_and_ring_exactly(nodes: int) -> None:
 @pytest.mark.parametrize("extra", [{}, {"dp": "central", "dp_noise": 0.7, "dp_clip": 0.3, "sampling": "poisson",
                                         "dp_reproducible": True, "dp_debug_metrics": True},  # seeded noise, counts
                                    {"secagg_neighbors": 2, "algorithm": "fedadam",
-                                    "algorithm_options": {"tau": 1e-3}}])
+                                    "algorithm_options": {"tau": 1e-3}},
+                                   {"algorithm": "scaffold", "algorithm_options": {"weighting": "samples"}}])
 def test_secagg_plus_on_flower_equals_simulated_secagg_and_the_plain_run(extra) -> None:
     """The same run three ways: fedfuse's simulated SecAgg (in-process), Flower's SecAgg+ over Flower messages,
     and no secure aggregation.  Flower's sum is the exact ring sum: the model equals the simulated SecAgg run bit
@@ -95,6 +96,10 @@ def test_secagg_plus_on_flower_equals_simulated_secagg_and_the_plain_run(extra) 
         assert abs(a["global_accuracy"] - c["global_accuracy"]) <= 0.01
         assert a["secagg_clients"] == 6 and a["secagg_nodes"] == 3 and a["replied"] == 6
         assert a.get("dp_epsilon") == b.get("dp_epsilon")
+    if "c" in simulated.state:  # SCAFFOLD: c from the masked Δc sums; each c_i stayed on its node
+        for k, v in simulated.state["c"].items():
+            assert torch.equal(flower.state["c"][k], v) and torch.allclose(plain.state["c"][k], v, atol=1e-5), k
+        assert all(st is None or st == {"c": KEPT} for st in flower.client_states.values())
 
 
 def test_the_server_receives_masked_vectors_and_the_aggregate_only(monkeypatch) -> None:

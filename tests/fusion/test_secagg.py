@@ -166,7 +166,8 @@ def _run(cfg: RunConfig, spy: list | None = None) -> tuple[dict, list[dict]]:
 
 @pytest.mark.parametrize("algorithm,extra", [
     ("fedavg", {}), ("fedadam", {"algorithm_options": {"tau": 1e-3}}),
-    ("fedprox", {"secagg_neighbors": 4, "dropout": 0.2, "clients_per_round": 8})])
+    ("fedprox", {"secagg_neighbors": 4, "dropout": 0.2, "clients_per_round": 8}),
+    ("fedavgm", {}), ("scaffold", {"algorithm_options": {"weighting": "samples"}})])
 def test_a_secagg_run_equals_the_plain_run(tmp_path, algorithm, extra) -> None:
     spy: list = []
     plain, plain_recs = _run(_cfg(tmp_path, "plain", algorithm=algorithm,
@@ -174,7 +175,8 @@ def test_a_secagg_run_equals_the_plain_run(tmp_path, algorithm, extra) -> None:
     secure, recs = _run(_cfg(tmp_path, "secure", algorithm=algorithm, secagg=True, **extra), spy)
     for k in plain:
         assert torch.allclose(plain[k].double(), secure[k].double(), atol=1e-5), k
-    assert len(spy) == 3 and all(set(t) == set(plain) | {"secagg/count"} for t in spy)  # sums, nothing per client
+    extra = {f"dc/{k}" for k in plain} if algorithm == "scaffold" else set()  # SCAFFOLD's Δc sums, masked too
+    assert len(spy) == 3 and all(set(t) == set(plain) | extra | {"secagg/count"} for t in spy)  # sums only
     assert [r["dropped"] for r in recs] == [r["dropped"] for r in plain_recs]
     if "dropout" in extra:
         assert sum(r["secagg_recovered"] for r in recs) == sum(len(r["dropped"]) for r in recs) > 0

@@ -162,6 +162,6 @@ def test_central_dp_config_errors() -> None:
         validate(apply(RunConfig(), {**ok, "sampling": "size-weighted"}))
     with pytest.raises(ConfigError, match="2σ_b > z"):
         validate(apply(RunConfig(), {**ok, "dp_quantile": 0.5, "dp_noise": 1.0, "clients_per_round": 5}))
-    with pytest.raises(ConfigError, match="drop fusion='median'"):
+    with pytest.raises(ConfigError, match="fusion='median' / clip_norm=0 read each client's update; drop them"):
         experiment(apply(RunConfig(), {**ok, "algorithm_options": {"fusion": "median"}, "out": None,
                                        "rounds": 1, "clients": 4, "clients_per_round": 2}))

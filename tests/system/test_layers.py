@@ -52,8 +52,8 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
      ("fedfuse.executors", "fedfuse.executors.*")),
     ("adapters", "LoRA adapters, the character tokenizer, adapter evaluation",
      ("fedfuse.adapters", "fedfuse.adapters.*")),
-    ("contract", "what an algorithm is, and what the LoRA algorithms share",
-     ("fedfuse.algorithms.base", "fedfuse.algorithms.lora_base")),
+    ("contract", "what an algorithm is, and what the LoRA algorithms and the mean-of-deltas algorithms share",
+     ("fedfuse.algorithms.base", "fedfuse.algorithms.lora_base", "fedfuse.algorithms.mean_base")),
     ("algorithms", "one module per algorithm", ("fedfuse.algorithms.*",)),
     ("registry", "every algorithm by name", ("fedfuse.algorithms",)),
     ("flower", "Flower: executor, apps, wire format, simulation, deployment", ("fedfuse.flower", "fedfuse.flower.*")),
@@ -78,7 +78,7 @@ LAYERS: list[tuple[str, str, tuple[str, ...]]] = [
 COMPANIONS: dict[str, str] = {"fedmr_secure": "fedmr"}
 # Modules of fedfuse.algorithms that are not algorithms: every algorithm may import them.  (The package itself is
 # the registry of every algorithm: importing it counts as importing another algorithm.)
-ALGORITHM_COMMONS = {"fedfuse.algorithms.base", "fedfuse.algorithms.lora_base"}
+ALGORITHM_COMMONS = {"fedfuse.algorithms.base", "fedfuse.algorithms.lora_base", "fedfuse.algorithms.mean_base"}
 # The package root resolves its public names lazily (``fedfuse.run`` → ``fedfuse.api.run``) with computed module
 # names; it is the top rank, so whatever it reaches is below it.  ``fedfuse.extras`` imports an optional extra's
 # module by name (third-party only: it refuses a fedfuse module).

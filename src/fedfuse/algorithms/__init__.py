@@ -12,7 +12,7 @@ import pkgutil
 from fedfuse.algorithms.base import Algorithm, RoundInfo, RunContext
 
 #: modules of this package that are not algorithms but what algorithms share (every algorithm may import them)
-COMMONS = ("base", "lora_base")
+COMMONS = ("base", "lora_base", "mean_base")
 
 
 def _discover() -> dict[str, type[Algorithm]]:

@@ -55,6 +55,7 @@ from torch import nn
 
 from fedfuse.engine.client import EvalStats, TrainConfig, TrainStats, evaluate_model, train_flops_per_sample
 from fedfuse.engine.context import ClientState, RoundInfo, RunContext, ServerState, state_of
+from fedfuse.engine.local_dp import check_local_dp
 from fedfuse.engine.personal import StaysLocal, check_requirements
 from fedfuse.engine.program import ClientProgram, LossTerm, run_program
 from fedfuse.types import ClientData, Federation, FitStats, Message, Privacy, TensorDict, privacy_entry
@@ -108,6 +109,8 @@ class Algorithm:
         self.opt = options if options is not None else self.Options()
         if self.requires:
             check_requirements(self.name or type(self).__name__, ctx.model(), self.requires)
+        if ctx is not None and ctx.dp.local:  # dp=local wraps the client step in DP-SGD: Opacus must clip the model's per-sample grads
+            check_local_dp(ctx.model())
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that overrides ``fit`` without declaring its own ``client_program`` has a custom client step:
@@ -179,8 +182,9 @@ class Algorithm:
     # ---- secure aggregation (secagg=true; fedfuse.privacy.secure) -----------------------------------------------
     def secure_contribution(self, sent: Message, reply: Message) -> TensorDict:
         """**Client side** of secure aggregation: what this client adds to the round's masked sum, from the payload
-        it was sent and its own reply (one layout for every client).  Defined by the algorithms whose privacy entry
-        admits ``secagg``; the engine then calls :meth:`aggregate_sum` instead of :meth:`aggregate_fit`."""
+        it was sent and its own reply (one layout for every client).  An algorithm whose update is a mean of deltas
+        gets it from :class:`fedfuse.algorithms.mean_base.DeltaMean` (``server_update``); the engine then calls
+        :meth:`aggregate_sum` instead of :meth:`aggregate_fit`."""
         raise NotImplementedError(f"{self.name} does not admit secure aggregation (see its privacy entry)")
 
     def aggregate_sum(self, state: ServerState, info: RoundInfo, total: TensorDict) -> ServerState:

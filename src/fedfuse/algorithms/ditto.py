@@ -21,11 +21,12 @@ import torch
 
 from fedfuse.algorithms.base import ClientState, evaluate_splits
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.algorithms.mean_base import MeanOfDeltas
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.context import seeded_state
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm, run_program
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, not_built, yes
+from fedfuse.types import ClientData, Message, TensorDict
 
 PERSONAL = "v"  # the client-state entry holding the personal model
 
@@ -46,16 +47,9 @@ class Ditto(FedAvg):
     name = "ditto"
     description = "Ditto: FedAvg's global model plus a personal model per client, pulled to it by λ/2||v - w||^2"
     node_private = (PERSONAL,)
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL,
-                "the global model is FedAvg's (sums suffice); the personal model never leaves the client",
-                central_dp=yes("DP-FedAvg on the global model: every update clipped, Gaussian noise on their sum, "
-                               "fixed denominator m; the personal model is never released"),
-                local_dp=not_built("the personal model trains on the same examples: DP-SGD would need both "
-                                   "trainings' composed accounting; not wired"),
-                secagg=yes("clients mask n_i·Δ_i and n_i of the global model (SecAgg/SecAgg+); the server decodes "
-                           "only the sums")),
-    )
+    server_update = MeanOfDeltas("Δ_i = θ_i − θ of the global model", note="the personal model never leaves the client")
+    local_dp_why = ("the personal model trains on the same examples: DP-SGD would need both trainings' composed "
+                    "accounting; not wired")
 
     @dataclass
     class Options(FedAvg.Options):

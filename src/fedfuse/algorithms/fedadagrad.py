@@ -13,21 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.algorithms.mean_base import MeanOfDeltas
 from fedfuse.fusion.server import ServerAdaptive, ServerOptimizer
 from fedfuse.options import opt
-from fedfuse.types import Privacy, ServerView, yes
 
 
 class FedAdagrad(FedAvg):
     name = "fedadagrad"
     description = "FedAdagrad: FedAvg with an Adagrad server optimiser on the averaged update (Reddi et al. 2021)"
 
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL, "Adagrad steps on the mean update, which needs only FedAvg's sums",
-                central_dp=yes("DP-FedAvg's noised mean, then the Adagrad step (post-processing)"),
-                local_dp=yes("the client step is FedAvg's plain SGD: DP-SGD through Opacus (BN-free models)"),
-                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server steps on the decoded mean")),
-    )
+    server_update = MeanOfDeltas(note="the Adagrad step runs on the mean (post-processing)")
 
     @dataclass
     class Options(FedAvg.FusionOptions):

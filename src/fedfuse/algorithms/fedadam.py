@@ -15,21 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.algorithms.mean_base import MeanOfDeltas
 from fedfuse.fusion.server import ServerAdaptive, ServerOptimizer
 from fedfuse.options import opt
-from fedfuse.types import Privacy, ServerView, yes
 
 
 class FedAdam(FedAvg):
     name = "fedadam"
     description = "FedAdam: FedAvg with an Adam server optimiser on the averaged update (Reddi et al. 2021)"
 
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL, "Adam steps on the mean update, which needs only FedAvg's sums",
-                central_dp=yes("DP-FedAvg's noised mean, then the Adam step (post-processing: DP-FedAdam)"),
-                local_dp=yes("the client step is FedAvg's plain SGD: DP-SGD through Opacus (BN-free models)"),
-                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server steps on the decoded mean")),
-    )
+    server_update = MeanOfDeltas(note="the Adam step runs on the mean (post-processing)")
 
     @dataclass
     class Options(FedAvg.FusionOptions):

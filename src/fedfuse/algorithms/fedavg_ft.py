@@ -10,21 +10,16 @@ import torch
 
 from fedfuse.algorithms.base import ClientState, evaluate_splits
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.algorithms.mean_base import MeanOfDeltas
 from fedfuse.engine.client import train_local
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Privacy, ServerView, yes
+from fedfuse.types import ClientData, Message
 
 
 class FedAvgFT(FedAvg):
     name = "fedavg-ft"
     description = "FedAvg-FT (FedAvg+): FedAvg, then local fine-tuning before personalised evaluation"
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL,
-                "FedAvg's sum; the fine-tuning before evaluation stays on the client",
-                central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
-                local_dp=yes('the client step is plain SGD on the task loss: DP-SGD through Opacus (BN-free models)'),
-                secagg=yes('clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums')),
-    )
+    server_update = MeanOfDeltas(note="the fine-tuning before evaluation stays on the client")
 
     @dataclass
     class Options(FedAvg.Options):

@@ -14,21 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.algorithms.mean_base import MeanOfDeltas
 from fedfuse.fusion.server import ServerOptimizer, ServerSGD
 from fedfuse.options import opt
-from fedfuse.types import Privacy, ServerView, yes
 
 
 class FedAvgM(FedAvg):
     name = "fedavgm"
     description = "FedAvgM: FedAvg with server momentum m = beta m + delta, x += server_lr m (Hsu et al. 2019)"
 
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL, "momentum steps on the mean update: FedAvg's sums suffice",
-                central_dp=yes("DP-FedAvg's noised mean, then the momentum step (post-processing)"),
-                local_dp=yes("the client step is FedAvg's plain SGD: DP-SGD through Opacus (BN-free models)"),
-                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server steps on the decoded mean")),
-    )
+    server_update = MeanOfDeltas(note="server momentum runs on the mean (post-processing)")
 
     @dataclass
     class Options(FedAvg.FusionOptions):

@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfuse.algorithms.base import ClientState, RoundInfo, RunContext, ServerState
+from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
 from fedfuse.algorithms.fedmr_secure import SecureRecombination
-from fedfuse.engine.local_dp import check_local_dp, train_dp_sgd
 from fedfuse.engine.peers import route_peers
 from fedfuse.engine.program import ClientProgram, run_program
 from fedfuse.fusion.average import clone_state, weighted_average
@@ -107,11 +106,6 @@ class FedMR(SecureRecombination):
         secure_min_passes: int = opt(1, "secure exchange: minimum number of exchange passes per round", ge=1)
         int_policy: str = opt("max", "num_batches_tracked in averages (warm-up, global model)",
                               choices=("max", "sum", "first"))
-
-    def __init__(self, ctx: RunContext, options: Any | None = None) -> None:
-        super().__init__(ctx, options)
-        if ctx.dp.local:  # Opacus must be able to clip per-sample gradients of the model
-            check_local_dp(ctx.model())
 
     # ---- helpers -------------------------------------------------------------------------------
     @property
@@ -222,7 +216,7 @@ class FedMR(SecureRecombination):
         """The standard local step; in secure stage 0 the trained model stays with the client (only metadata
         and a fresh public key go up); secure stages 1 and 2 train nothing (``fit`` runs them)."""
         stage = payload.meta.get("secure_stage")
-        if stage not in (None, 0) or self.ctx.dp.local:  # dp=local: fit runs DP-SGD (the executors call it)
+        if stage not in (None, 0):
             return None
         return self._program(payload, client_state, data)
 
@@ -241,13 +235,7 @@ class FedMR(SecureRecombination):
             return self.secure_send(payload, client_state, data.cid)
         if stage == 2:
             return self.secure_assemble(payload, client_state, data.cid)
-        program = self._program(payload, client_state, data)
-        if not self.ctx.dp.local:
-            return run_program(program, data, gen)
-        model = self.ctx.load(program.init, payload.meta)  # dp=local: DP-SGD through Opacus, same finalize
-        trained, stats = train_dp_sgd(model, data.train, program.spec, gen, noise=self.ctx.dp.noise,
-                                      clip=self.ctx.dp.clip)
-        return program.finalize(trained, stats)
+        return run_program(self._program(payload, client_state, data), data, gen)
 
     # ---- diagnostics ---------------------------------------------------------------------------
     def diagnostics(self, state: ServerState, fed: Federation, info: RoundInfo) -> dict[str, Any]:

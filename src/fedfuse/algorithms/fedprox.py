@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.algorithms.mean_base import MeanOfDeltas
 from fedfuse.engine.program import Batch, LossTerm
 from fedfuse.options import opt
-from fedfuse.types import Message, Privacy, ServerView, TensorDict, not_built, yes
+from fedfuse.types import Message, TensorDict
 
 
 def proximal_penalty(params: TensorDict, anchor: TensorDict, mu: float) -> torch.Tensor:
@@ -29,14 +30,9 @@ def proximal_penalty(params: TensorDict, anchor: TensorDict, mu: float) -> torch
 class FedProx(FedAvg):
     name = "fedprox"
     description = "FedProx: FedAvg plus a local proximal term (mu/2)||w - w_global||^2"
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL,
-                "FedAvg's sum; the proximal term is client-side",
-                central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
-                local_dp=not_built('the proximal term is not a per-sample loss: DP-SGD would clip the task '
-                                    'gradients only and add it after'),
-                secagg=yes('clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums')),
-    )
+    server_update = MeanOfDeltas(note="the proximal term is client-side")
+    local_dp_why = ("the proximal term is not a per-sample loss: DP-SGD would clip the task gradients only and add "
+                    "it after")
 
     @dataclass
     class Options(FedAvg.Options):

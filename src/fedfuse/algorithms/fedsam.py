@@ -29,11 +29,12 @@ from torch import nn
 
 from fedfuse.algorithms.base import ClientState
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.algorithms.mean_base import MeanOfDeltas
 from fedfuse.engine.client import TrainConfig, TrainStats, train_local
 from fedfuse.engine.program import ClientProgram
 from fedfuse.engine.sam import sam_step
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Privacy, ServerView, Split, TensorDict, not_built, yes
+from fedfuse.types import ClientData, Message, Split, TensorDict
 
 
 def train_sam(
@@ -53,14 +54,8 @@ def train_sam(
 class FedSAM(FedAvg):
     name = "fedsam"
     description = "FedSAM: FedAvg with local sharpness-aware minimisation (SAM)"
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL,
-                "FedAvg's sum; SAM's ascent step is client-side",
-                central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
-                local_dp=not_built('SAM takes two gradients per step: DP-SGD would need both per-sample '
-                                    'clipped and noised'),
-                secagg=yes('clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums')),
-    )
+    server_update = MeanOfDeltas(note="SAM's ascent step is client-side")
+    local_dp_why = "SAM takes two gradients per step: DP-SGD would need both per-sample clipped and noised"
     adaptive = False
 
     @dataclass
@@ -88,14 +83,8 @@ class FedSAM(FedAvg):
 class FedASAM(FedSAM):
     name = "fedasam"
     description = "FedASAM: FedAvg with local adaptive sharpness-aware minimisation (ASAM)"
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL,
-                "FedAvg's sum; ASAM's ascent step is client-side",
-                central_dp=yes('DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m'),
-                local_dp=not_built('ASAM takes two gradients per step: DP-SGD would need both per-sample '
-                                    'clipped and noised'),
-                secagg=yes('clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums')),
-    )
+    server_update = MeanOfDeltas(note="ASAM's ascent step is client-side")
+    local_dp_why = "ASAM takes two gradients per step: DP-SGD would need both per-sample clipped and noised"
     adaptive = True
 
     @dataclass

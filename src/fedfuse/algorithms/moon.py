@@ -29,11 +29,12 @@ import torch
 
 from fedfuse.algorithms.base import ClientState
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.algorithms.mean_base import MeanOfDeltas
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.engine.representation import FeatureView, contrastive_loss, features_flops_per_sample, frozen_features
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, not_built, yes
+from fedfuse.types import ClientData, Message, TensorDict
 
 GLOB, PREV = "glob/", "prev/"  # the frozen models' tensors in the program's refs
 PREVIOUS = "prev"  # the client-state entry holding the previous local model
@@ -58,14 +59,9 @@ class Moon(FedAvg):
     description = "MOON: FedAvg plus a model-contrastive term (global model positive, previous local model negative)"
     requires = frozenset({"features"})
     node_private = (PREVIOUS,)
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL,
-                "FedAvg's sum; the contrastive term and the previous model are client-side",
-                central_dp=yes("DP-FedAvg: every update clipped, Gaussian noise on their sum, fixed denominator m"),
-                local_dp=not_built("the contrastive term is per-sample but reads two frozen models: DP-SGD through "
-                                   "Opacus would clip the task gradients only"),
-                secagg=yes("clients mask n_i·Δ_i and n_i (SecAgg/SecAgg+); the server decodes only the sums")),
-    )
+    server_update = MeanOfDeltas(note="the contrastive term and the previous model are client-side")
+    local_dp_why = ("the contrastive term is per-sample but reads two frozen models: DP-SGD through Opacus would clip "
+                    "the task gradients only")
 
     @dataclass
     class Options(FedAvg.Options):

@@ -15,9 +15,12 @@ weights by default as in the paper, and c ← c + (1/N) Σ_i Δc_i over the N cl
 trainable parameters only; BatchNorm statistics are averaged like FedAvg's.  K is the client's step count and
 η_l the run's ``lr``; option II assumes plain SGD (with momentum or Adam it is the usual approximation).
 
-Central DP (``dp=central``) goes through the shared mechanism (:mod:`fedfuse.privacy.central`): a client's release
-is the pair (y_i − x, Δc_i), so the mechanism clips that pair as one vector and noises both sums; x steps on the
-noised model mean and c ← c + (Σ Δc_i + noise)/N, post-processing of the same noised sum.
+Privacy: a client's release is the pair (y_i − x, Δc_i) and the server reads only Σ w_i·(y_i − x), Σ w_i and
+Σ Δc_i, so the update is declared a mean of deltas (``server_update``, the Δc entries summed with weight 1) and
+SCAFFOLD wears the shared mechanisms (:class:`fedfuse.algorithms.mean_base.DeltaMean`) on the model part *and* the
+control variates: the base is (x, 0), the mean's denominator D gives back Σ Δc_i = D·mean_Δc, and c ← c + D/N ·
+mean_Δc.  Under central DP the pair is clipped as one vector and both sums are noised (D = m: c ← c + (Σ Δc_i +
+noise)/N); under secure aggregation both sums are masked (the control variates are never sent in the clear).
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import torch
 
 from fedfuse.algorithms.base import ClientState, RoundInfo, ServerState
 from fedfuse.algorithms.fedavg import FedAvg
+from fedfuse.algorithms.mean_base import MeanOfDeltas
 from fedfuse.engine.client import TrainStats
 from fedfuse.engine.program import Batch, ClientProgram, LossTerm
 from fedfuse.options import opt
-from fedfuse.types import ClientData, Message, Privacy, ServerView, TensorDict, not_built, yes
+from fedfuse.types import ClientData, Message, TensorDict
 
 CV, DC = "c/", "dc/"  # server control variate in the payload; control-variate update in the reply
 
@@ -51,14 +55,11 @@ def correction(b: Batch) -> torch.Tensor:
 class Scaffold(FedAvg):
     name = "scaffold"
     description = "SCAFFOLD: control variates c, c_i correct client drift (option II), uniform server average"
-    privacy = (
-        Privacy(ServerView.NOTHING_INDIVIDUAL, "the model's and c's updates are means: sums of y_i and Δc_i suffice",
-                central_dp=yes("the shared mechanism clips (y_i − x, Δc_i) as one vector; both means are noised"),
-                local_dp=not_built("the corrected step is SGD plus a linear term: DP-SGD would clip the task "
-                                   "gradients only"),
-                secagg=not_built("the server reads only the sums of y_i and Δc_i: pairwise masks fit; not wired")),
-    )
+    server_update = MeanOfDeltas("Δ_i = (y_i − x, Δc_i)", unweighted=(DC,),
+                                 note="c ← c + Σ Δc_i / N reads the Δc sum: the control variates are summed too")
+    local_dp_why = ("the corrected step is SGD plus a linear term: DP-SGD would clip the task gradients only")
     accepts_late = False  # a late Δc_i was computed against an older c
+    node_private = ("c",)  # c_i never leaves a Flower node (its changes are the Δc_i that only travel summed)
 
     @dataclass
     class Options(FedAvg.FusionOptions):
@@ -72,8 +73,11 @@ class Scaffold(FedAvg):
         return {**state, "c": {k: torch.zeros_like(v) for k, v in state["global"].items() if k in keys}}
 
     def configure_fit(self, state: ServerState, info: RoundInfo, clients: list[int]) -> dict[int, Message]:
-        msg = Message({**state["global"], **{CV + k: v for k, v in state["c"].items()}})
-        return {cid: msg for cid in clients}
+        """FedAvg's broadcast (with the mechanisms' meta) plus c (``c/<name>``)."""
+        cv = {CV + k: v for k, v in state["c"].items()}
+        shared: dict[int, Message] = {}
+        return {cid: shared.setdefault(id(m), Message({**m.tensors, **cv}, m.meta, m.stats))
+                for cid, m in super().configure_fit(state, info, clients).items()}
 
     def client_program(self, payload: Message, client_state: ClientState, data: ClientData) -> ClientProgram:
         x = {k: v for k, v in payload.tensors.items() if not k.startswith(CV)}
@@ -90,25 +94,31 @@ class Scaffold(FedAvg):
                              terms=(LossTerm("scaffold-correction", correction),),
                              refs={CV + k: c[k] - ci[k] for k in c})
 
-    def aggregate_fit(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
-        if self.ctx.dp.central:
-            return self._dp_aggregate(state, info, results)
+    def fuse(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
+        """The plain rule: FedAvg's on the models, c ← c + Σ Δc_i / N."""
         if not results:
             return state
         models = {cid: Message({k: v for k, v in r.tensors.items() if not k.startswith(DC)}, r.meta, r.stats)
                   for cid, r in results.items()}
-        out = super().aggregate_fit(state, info, models)
+        out = super().fuse(state, info, models)
         n = self.ctx.num_clients
         c = {k: v + sum(r.tensors[DC + k] for r in results.values()) / n for k, v in state["c"].items()}
         return {**out, "c": c}
 
-    def _dp_aggregate(self, state: ServerState, info: RoundInfo, results: dict[int, Message]) -> ServerState:
-        """Central DP: the mechanism's noised mean of (y_i, Δc_i) around (x, 0) with its fixed denominator m; the
-        server step on the model part, and c ← c + m/N · (noised mean of Δc) = c + (Σ Δc_i + noise)/N."""
-        base = {**state["global"], **{DC + k: torch.zeros_like(v) for k, v in state["c"].items()}}
-        avg, record = self.central_dp.mean(state, base, [r.tensors for r in results.values()], info.index,
-                                           info.stage)
-        out = self.dp_step(state, info, {k: v for k, v in avg.items() if not k.startswith(DC)}, record,
-                           len(results))
-        scale = self.ctx.clients_per_round / self.ctx.num_clients
-        return {**out, "c": {k: v + avg[DC + k] * scale for k, v in state["c"].items()}}
+    # ---- the mean the mechanisms form: base (x, 0), the model part stepped by FedAvg, c from Σ Δc_i -----------
+    def delta_base(self, payload: Message) -> TensorDict:
+        x = {k: v for k, v in payload.tensors.items() if not k.startswith(CV)}
+        return {**x, **{DC + k[len(CV):]: torch.zeros_like(v) for k, v in payload.tensors.items()
+                        if k.startswith(CV)}}
+
+    def server_base(self, state: ServerState) -> TensorDict:
+        return {**state["global"], **{DC + k: torch.zeros_like(v) for k, v in state["c"].items()}}
+
+    def step_on_mean(self, state: ServerState, info: RoundInfo, mean: TensorDict, denominator: float,
+                     replies: int | None) -> ServerState:
+        """x steps on the model part of the mean; c ← c + D·mean_Δc / N = c + Σ Δc_i / N (plus the noise's share
+        under central DP)."""
+        out = super().step_on_mean(state, info, {k: v for k, v in mean.items() if not k.startswith(DC)},
+                                   denominator, replies)
+        scale = denominator / self.ctx.num_clients
+        return {**out, "c": {k: v + mean[DC + k].to(v.dtype) * scale for k, v in state["c"].items()}}

@@ -47,6 +47,7 @@ def build_context(cfg: RunConfig, fed: Federation, device: torch.device) -> RunC
         eval_batch_size=cfg.eval_batch_size,
         eval_every=cfg.eval_every,
         dp=DPSettings(**dataclasses.asdict(cfg.privacy.dp)),
+        secagg=bool(cfg.secagg),
     )
 
 

@@ -59,6 +59,7 @@ class RunContext:
     out_dir: Path | None = None  # where the run writes (diagnostic plots); None when not writing
     eval_every: int = 1  # the loop evaluates every this many rounds (and at the last round)
     dp: DPSettings = field(default_factory=DPSettings)  # the run's differential privacy (privacy/dp.py)
+    secagg: bool = False  # the run's server update is computed by secure aggregation (privacy/secure.py)
     _cache: dict[str, nn.Module] = field(default_factory=dict, repr=False)
 
     def build(self, overrides: Mapping[str, Any] | None = None) -> nn.Module:

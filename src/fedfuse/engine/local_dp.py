@@ -16,6 +16,14 @@ Opacus in its secure mode (the noise as the sum of four Gaussian draws halved, a
 with both the noise and the Poisson batches drawn from that generator, whose state comes from ``os.urandom`` and
 is never stored or sent.
 
+**A wrapper of the client step.**  Local DP belongs to no algorithm: under ``dp=local`` the engine runs every
+client step through :class:`LocalDPClient` (:func:`fedfuse.engine.personal.client_side`), which trains the
+algorithm's declared :class:`~fedfuse.engine.program.ClientProgram` with DP-SGD instead of the standard loop and
+builds the reply with the program's own ``finalize``.  So any algorithm whose client step is plain SGD on the task
+loss (no loss term, gradient transform, feature read, SAM pass, parameter subset or substituted samples) admits it
+without code of its own; a program that is more than that is refused (Opacus would clip the task gradients only),
+and an opaque ``fit`` may run only if it trains nothing (FedMR's secure exchange stages).
+
 Layers whose output mixes samples (BatchNorm in training mode) have no per-sample gradient: such a model is
 refused with Opacus's reasons (use a GroupNorm or normalisation-free variant).  Opacus is an optional dependency
 (``pip install fedfuse[dp]``).
@@ -40,9 +48,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedfuse.engine.client import TrainConfig, TrainStats, task_loss
+from fedfuse.engine.program import ClientProgram, cross_entropy
 from fedfuse.errors import UserError
 from fedfuse.extras import import_extra
-from fedfuse.types import Split, TensorDict
+from fedfuse.types import ClientData, Message, Split, TensorDict
 
 
 def _opacus():  # -> module
@@ -185,6 +194,55 @@ def _steps(private: nn.Module, popt: torch.optim.Optimizer, ploader: DataLoader,
             if train.max_steps and stats.steps >= train.max_steps:
                 return stats  # a cap on the steps of the whole client step, as in engine.client
     return stats
+
+
+def beyond_plain_sgd(program: ClientProgram) -> list[str]:
+    """What makes ``program`` more than plain SGD on the task loss (empty: DP-SGD can run it)."""
+    return [what for what, more in (
+        ("loss terms " + ", ".join(t.name for t in program.terms), bool(program.terms)),
+        ("its own loss", program.loss is not cross_entropy), ("a gradient transform", program.transform is not None),
+        ("the model's features", program.features), ("a trained subset", program.trainable is not None),
+        ("substituted samples", program.train is not None),
+        (f"{program.spec.two_pass} two-pass steps", bool(program.spec.two_pass))) if more]
+
+
+class LocalDPClient:
+    """Local DP as a wrapper of the client step (``dp=local``; see the module docstring): what the executors run in
+    place of ``inner`` (an algorithm, or its :class:`~fedfuse.engine.personal.ClientSide`).  It declares no program,
+    so every executor calls :meth:`fit`, which trains the inner program with DP-SGD (noise multiplier ``noise``,
+    clip ``clip``); everything else is the inner client side's."""
+
+    def __init__(self, inner: Any, noise: float, clip: float) -> None:
+        self.inner, self.noise, self.clip = inner, float(noise), float(clip)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not yet set (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def client_program(self, payload: Message, client_state: Any, data: ClientData) -> ClientProgram | None:
+        """None: no executor may run the step's plain loop (they call :meth:`fit`)."""
+        return None
+
+    def fit(self, payload: Message, client_state: Any, data: ClientData,
+            gen: torch.Generator) -> tuple[Message, Any]:
+        """The inner program trained with DP-SGD from its ``init`` on the client's training split, its reply built
+        by the program's ``finalize``.  Raises :class:`~fedfuse.errors.UserError` for a program DP-SGD cannot run
+        as declared, or an opaque step that trained outside DP-SGD."""
+        program = self.inner.client_program(payload, client_state, data)
+        if program is None:  # an opaque step: allowed only when it trains nothing
+            reply, state = self.inner.fit(payload, client_state, data, gen)
+            if reply.stats is not None and reply.stats.steps > 0:
+                raise UserError("dp=local: the client step trained outside DP-SGD (an opaque fit); it admits local DP "
+                                "only as a declared plain program")
+            return reply, state
+        more = beyond_plain_sgd(program)
+        if more:
+            raise UserError(f"dp=local: DP-SGD wraps plain SGD on the task loss; this client step adds "
+                            f"{'; '.join(more)}")
+        program.model.load_state_dict(program.init, strict=True)
+        trained, stats = train_dp_sgd(program.model, data.train, program.spec, gen, noise=self.noise, clip=self.clip)
+        return program.finalize(trained, stats)
 
 
 @lru_cache(maxsize=65536)

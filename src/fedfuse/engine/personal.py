@@ -234,16 +234,27 @@ class ClientSide:
 
 def client_side(algo: Any) -> Any:
     """What executors run for ``algo``: :class:`ClientSide` when it declares entries that stay local, else the
-    algorithm itself."""
+    algorithm itself; under ``dp=local`` either wrapped in :class:`~fedfuse.engine.local_dp.LocalDPClient` (the
+    client step trained with DP-SGD)."""
+    from fedfuse.engine.local_dp import LocalDPClient
+
     declaration = algo.stays_local
-    return algo if declaration is None else ClientSide(algo, declaration)
+    side = algo if declaration is None else ClientSide(algo, declaration)
+    dp = algo.ctx.dp
+    return LocalDPClient(side, dp.noise, dp.clip) if dp.local else side
 
 
 def outgoing(client: Any, payloads: dict[int, Message]) -> dict[int, Message]:
-    """``payloads`` as they travel: without the client's own entries when ``client`` is a :class:`ClientSide` (or
-    wraps one: federated evaluation's :class:`~fedfuse.engine.federated_eval.GlobalEvaluation`)."""
-    client = getattr(client, "wrapped", client)
-    return client.outgoing(payloads) if isinstance(client, ClientSide) else payloads
+    """``payloads`` as they travel: without the client's own entries when ``client`` is a :class:`ClientSide` or
+    wraps one (federated evaluation's :class:`~fedfuse.engine.federated_eval.GlobalEvaluation` through ``wrapped``,
+    local DP's :class:`~fedfuse.engine.local_dp.LocalDPClient` through ``inner``)."""
+    inner = client
+    while not isinstance(inner, ClientSide):
+        nxt = getattr(inner, "wrapped", None) or getattr(inner, "inner", None)
+        if nxt is None:
+            return payloads
+        inner = nxt
+    return inner.outgoing(payloads)
 
 
 __all__ = ["OWN", "REQUIREMENTS", "ClientSide", "StaysLocal", "check_requirements", "client_side", "join_state",

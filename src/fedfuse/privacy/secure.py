@@ -1,11 +1,14 @@
 """Secure aggregation of a round's replies (``secagg=true``): the glue between the clients' replies, the SecAgg
 protocol (:mod:`fedfuse.fusion.secagg`) and an algorithm whose server step is a sum.
 
-An algorithm admits it by declaring ``secagg`` *yes* (:class:`fedfuse.types.Privacy`) and defining two hooks:
+The protocol calls two hooks of the algorithm:
 
 * ``secure_contribution(sent, reply) -> TensorDict`` — **client side**: what the client adds to the sum, computed
   from the payload it received and its own reply (FedAvg: n_i·(θ_i − θ) and n_i);
 * ``aggregate_sum(state, info, total) -> ServerState`` — **server side**: the new state from the decoded sum alone.
+
+An algorithm whose update is a mean of deltas writes neither: it declares ``server_update`` and
+:class:`fedfuse.algorithms.mean_base.DeltaMean` defines both through :class:`fedfuse.privacy.mean.SecureSum`.
 
 The server code never receives a reply: each contribution is flattened in a fixed key order, quantised to the
 ring, masked by the protocol, and only the unmasked *sum* is decoded and handed to ``aggregate_sum``.
