@@ -79,9 +79,6 @@ model_options:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="flaky since absent clients are dropouts: the resumed ServerApp can ask the devices which "
-                         "clients they hold before they have reconnected, lose a round and then hang (1 of 2 CI "
-                         "runs; passes alone); open in #40 item 3 (stale jobs, first-round discovery)")
 def test_superlink_restart_keeps_devices_registered_and_the_run_resumes(tmp_path: Path) -> None:
     """The documented deployment (SuperLink with --database on loopback, gateway, signed app, warm workers): the
     SuperLink (and its ServerApp) is SIGKILLed after round 2 and started again on the same database.  The devices

@@ -35,6 +35,10 @@ from fedfuse.privacy.secure import SecAggAbort, SecAggSettings
 log = logging.getLogger("fedfuse")
 
 RETRY_AFTER = 3  # calls a node that left a message unanswered is skipped before it is tried again
+REQUERY_AFTER = 1.0  # seconds between two discovery attempts while waiting for min_nodes nodes' answers
+#: Flower's own errors for a message that never reached a ClientApp (expired, or its node missed its heartbeats):
+#: MESSAGE_UNAVAILABLE, REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE (flwr.common.constant.ErrorCode)
+UNDELIVERED = frozenset({3, 4, 5})
 #: client hooks that run on the nodes, and the Flower message type each travels as
 METHODS = {"fit": "train", "evaluate": "evaluate"}
 JOB = "fedfuse.job"
@@ -64,6 +68,9 @@ class FlowerExecutor:
         self.lost: dict[int, str] = {}  # the last call's jobs without a usable reply, with the reason
         self.route_log = RouteLog()  # every client training runs on a node (the summary's executor block)
         self._started = False
+        self._discovered = False  # the first round's discovery wait is over (see present)
+        self.answered: set[int] = set()  # nodes whose ClientApp answered the discovery query (a refusal included)
+        self.timed_out = 0  # consecutive training calls that ended at round_timeout with jobs unanswered
         self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
         self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
         self.calls: list[dict[str, Any]] = []  # per grid call: message type, push and last-reply wall times
@@ -88,10 +95,12 @@ class FlowerExecutor:
                 self._started = True
                 return ids
 
-    def discover(self, ids: list[int]) -> None:
+    def discover(self, ids: list[int], wait: float | None = None) -> None:
         """Ask every node not asked yet which clients it serves (a ``query`` message; the ClientApp answers with
         the client ids of its node-local data, or ``"*"`` when it rebuilds the federation from the config and
-        serves any client).  A node that does not answer is asked again on the next call."""
+        serves any client).  A node that does not answer is asked again on the next call.  ``wait``: seconds to
+        wait for the answers (default ``round_timeout``, else 120 s); the queries expire then (their TTL), so a node
+        busy until later never answers a stale one."""
         from flwr.app import ConfigRecord, Message, RecordDict
 
         for n in [n for n in self.served if n not in ids]:  # gone from the SuperLink's list
@@ -99,19 +108,27 @@ class FlowerExecutor:
         new = [n for n in ids if n not in self.served]
         if not new:
             return
+        wait = max(1.0, wait if wait is not None else self.round_timeout or 120.0)
         msgs = [Message(content=RecordDict({JOB: ConfigRecord({"run": self.run_json})}), message_type="query",
-                        dst_node_id=n) for n in new]
+                        dst_node_id=n, ttl=wait) for n in new]
         query = getattr(self.grid, "query", None)  # an in-process grid answers without counting a call
-        saved, self.round_timeout = self.round_timeout, self.round_timeout or 120.0
+        saved, self.round_timeout = self.round_timeout, wait
         try:
             replies = query(msgs) if query is not None else self.send_and_receive(msgs)
         finally:
             self.round_timeout = saved
+        to = {m.metadata.message_id: m.metadata.dst_node_id for m in msgs if m.metadata.message_id}
         for rep in replies:
             node = rep.metadata.src_node_id
             if rep.has_error():
+                if rep.error.code in UNDELIVERED:  # Flower's own: the query never reached the node's ClientApp
+                    log.info("flower: node %s has not answered yet: %s", to.get(rep.metadata.reply_to_message_id,
+                                                                               "?"), rep.error.reason)
+                    continue
+                self.answered.add(node)
                 log.warning("flower: node %d did not say which clients it holds: %s", node, rep.error.reason)
                 continue
+            self.answered.add(node)
             held = json.loads(str(rep.content[CLIENTS]["clients"]))
             if held != "*" and self._claimed_elsewhere(node, [int(c) for c in held], ids):
                 continue
@@ -142,8 +159,26 @@ class FlowerExecutor:
     def present(self) -> set[int] | None:
         """``None``: every client may be sampled, exactly as in process.  A sampled client that no connected node
         holds is absent — a dropout of the round (:meth:`assign`), never replaced by another client — so the sample,
-        and the sampling probability a DP accountant assumes, are the run's own."""
-        self.discover(self.nodes())
+        and the sampling probability a DP accountant assumes, are the run's own.
+
+        Before this ServerApp's first round — a start, or a resume after a SuperLink restart, when the devices may
+        still be reconnecting, marked offline until their next heartbeat, or finishing the killed run's job — it
+        waits up to ``node_wait`` s until ``min_nodes`` nodes have answered the discovery query (a refusal is an
+        answer), asking again every :data:`REQUERY_AFTER` s; only then are the clients of a node still silent
+        absent."""
+        if self._discovered:
+            self.discover(self.nodes())
+        else:
+            self._discovered = True
+            deadline = time.monotonic() + self.node_wait
+            self.discover(self.nodes(), wait=self.node_wait)
+            while len(self.answered) < self.min_nodes and (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(REQUERY_AFTER, left))
+                self.discover(self.nodes(), wait=max(1.0, deadline - time.monotonic()))
+            if len(self.answered) < self.min_nodes:
+                log.warning("flower: only %d of the %d nodes to wait for answered within %.0f s (node_wait); the "
+                            "others' clients are absent until they answer", len(self.answered), self.min_nodes,
+                            self.node_wait)
         return None
 
     def route(self, ids: list[int], strict: bool = False) -> list[int]:
@@ -155,7 +190,11 @@ class FlowerExecutor:
 
     def message(self, method: str, job: Job, node: int, payload: tuple[Any, Any], train: str) -> Any:
         """The Flower message of ``job``: its payload records (encoded once per distinct payload, see
-        :meth:`map`), the client's state and the job record (``train``: the local-training settings as JSON)."""
+        :meth:`map`), the client's state and the job record (``train``: the local-training settings as JSON).
+
+        With a ``round_timeout`` the message's TTL is the round's: a job still queued at the SuperLink when its
+        round ends expires there and is never delivered, so a device that was busy (its first job builds its data
+        and model) finishes at most the job it is running and then takes the next round's, not stale ones."""
         from flwr.app import ConfigRecord, Message
 
         content = wire.pack({"state": job.state})
@@ -164,7 +203,7 @@ class FlowerExecutor:
             "method": method, "cid": int(job.cid), "keys": json.dumps(list(job.keys)), "seed": int(self.seed),
             "run": self.run_json, "train": train,
         })
-        return Message(content=content, message_type=METHODS[method], dst_node_id=node)
+        return Message(content=content, message_type=METHODS[method], dst_node_id=node, ttl=self.round_timeout)
 
     def map(self, fn: ClientFn, jobs: Sequence[Job]) -> dict[int, Any]:
         method = getattr(fn, "__name__", "")
@@ -205,13 +244,46 @@ class FlowerExecutor:
                 continue
             cid = int(rep.content[JOB]["cid"])
             out[cid] = wire.unpack(rep.content)["result"]
+        silent = {}
         for cid, msg in sent.items():
             if cid not in out and cid not in self.lost:
                 self.lost[cid] = "no reply (node gone or round timeout)"
+                silent[cid] = msg.metadata.dst_node_id
                 self._silent[msg.metadata.dst_node_id] = RETRY_AFTER
         for cid, reason in sorted(self.lost.items()):
             log.warning("flower: client %d did not reply: %s", cid, reason)
+        if method == "fit":
+            self._check_timeouts(silent, len(sent), jobs)
         return out
+
+    def _check_timeouts(self, silent: dict[int, int], sent: int, jobs: Sequence[Job]) -> None:
+        """Count training calls that ended at ``round_timeout`` with jobs unanswered (``silent``: client -> its
+        node); from the second in a row on, say on the server's log why the run makes no progress."""
+        if not silent or self.round_timeout is None:
+            self.timed_out = 0
+            return
+        self.timed_out += 1
+        if self.timed_out < 2:
+            return
+        keys = jobs[0].keys if jobs else ()
+        where = f"round {int(keys[1]) + 1}" if len(keys) > 1 and isinstance(keys[1], int) else "this round"
+        nodes = sorted(set(silent.values()))
+        try:
+            connected = set(self.grid.get_node_ids())
+        except Exception:  # the reason is best effort: the round's outcome is already decided
+            connected = set(nodes)
+        gone, busy = [n for n in nodes if n not in connected], [n for n in nodes if n in connected]
+        why = []
+        if busy:
+            why.append(f"nodes {busy} are connected but did not finish their jobs within the round timeout: a device "
+                       "runs its clients one after another and its first job also builds its data and model, so "
+                       "the round timeout must exceed a device's clients-per-round times its job time "
+                       "(docs/deploy.md, 'Round timeout'); raise round-timeout")
+        if gone:
+            why.append(f"nodes {gone} left the federation (the SuperLink no longer lists them)")
+        log.error("flower: %s timed out for the %s time in a row (round-timeout %g s): %d of %d training jobs "
+                  "unanswered (clients %s): %s", where, _ordinal(self.timed_out), self.round_timeout, len(silent),
+                  sent, sorted(silent), "; ".join(why))
 
     def assign(self, jobs: Sequence[Job]) -> dict[int, int]:
         """client id -> the node its job goes to: the connected node holding its data, else one that serves any
@@ -355,3 +427,7 @@ class LocalGrid:
                 self.received.append(message_to_proto(reply).SerializeToString())
             out.append(self._wire(reply))
         return out
+
+
+def _ordinal(n: int) -> str:
+    return {2: "second", 3: "third"}.get(n, f"{n}th")
