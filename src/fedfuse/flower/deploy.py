@@ -229,10 +229,29 @@ def build_fab(app: str | Path) -> bytes:
 CODE_SUFFIXES = (".py", ".pyc", ".pyd", ".pyi", ".so", ".pth", ".dylib", ".dll", ".whl", ".egg", ".zip")
 
 
+def installed_fedfuse() -> str:
+    """The installed fedfuse's version (its package metadata; ``0+unknown`` for a source tree on ``sys.path``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedfuse")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def fedfuse_requirement() -> str:
+    """The app's requirement on fedfuse: this fedfuse's exact version (``fedfuse==0.1.0``), which every device must
+    run — the operator's wheel (docs/deploy.md, *Installing fedfuse on a device*)."""
+    found = installed_fedfuse()
+    return "fedfuse" if found == "0+unknown" else f"fedfuse=={found}"
+
+
 def check_fedfuse_bundle(fab: bytes) -> None:
     """Refuse (``PermissionError``) an app bundle that is not a fedfuse app: its ClientApp must be fedfuse's
-    (``fedfuse.flower.app:...``, run from the installed fedfuse) and it may carry no code (a module of its own, or
-    one that would shadow fedfuse's).  The warm worker checks every bundle before installing it."""
+    (``fedfuse.flower.app:...``, run from the installed fedfuse), it may carry no code (a module of its own, or
+    one that would shadow fedfuse's), and a ``fedfuse==VERSION`` requirement must name the installed version (a
+    device running other fedfuse code would not compute what the operator's run computes).  The warm worker checks
+    every bundle before installing it."""
     import io
     import tomllib
     import zipfile
@@ -240,9 +259,16 @@ def check_fedfuse_bundle(fab: bytes) -> None:
     try:
         with zipfile.ZipFile(io.BytesIO(fab)) as z:
             names = z.namelist()
-            components = tomllib.loads(z.read("pyproject.toml").decode())["tool"]["flwr"]["app"]["components"]
+            project = tomllib.loads(z.read("pyproject.toml").decode())
+            components = project["tool"]["flwr"]["app"]["components"]
     except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise PermissionError(f"not a fedfuse app bundle: {e}") from None
+    for dep in project.get("project", {}).get("dependencies", []):
+        pinned = re.fullmatch(r"\s*fedfuse\s*==\s*([^\s;,]+)\s*", str(dep))
+        if pinned and pinned.group(1) != installed_fedfuse():
+            raise PermissionError(f"the app was built for fedfuse {pinned.group(1)}, and this device runs fedfuse "
+                                  f"{installed_fedfuse()}: install the operator's wheel (pip install "
+                                  f"'fedfuse-{pinned.group(1)}-py3-none-any.whl[flower]')")
     client = str(components.get("clientapp", ""))
     if not client.startswith("fedfuse.flower.app:"):
         raise PermissionError(f"not a fedfuse app: its ClientApp is {client!r}")
@@ -307,7 +333,7 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
               connection: str = DEFAULT_CONNECTION, out: str | Path | None = None, round_timeout: float = 0.0,
               min_nodes: int = 1, name: str = "fedfuse-app", publisher: str = "fedfuse", serverapp: str = SERVERAPP,
               clientapp: str = CLIENTAPP, run_config: Mapping[str, Any] | None = None,
-              dependencies: Sequence[str] = ("fedfuse", FLOWER_REQUIREMENT)) -> Path:
+              dependencies: Sequence[str] | None = None) -> Path:
     """Write a Flower app project into ``dir`` and a SuperLink connection into ``dir/.flwr``; returns ``dir``.
 
     ``pyproject.toml`` names fedfuse's ServerApp and ClientApp and carries ``[tool.flwr.app.config]``:
@@ -316,6 +342,7 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
     round waits for replies; 0 = forever) and ``min-nodes`` (SuperNodes to wait for before round 1), plus
     ``run_config``.  ``config_path=None`` writes no fedfuse config (for other apps).  ``.gitignore`` keeps
     ``.flwr/``, ``certs/`` and an ``out`` inside ``dir`` out of the bundle ``flwr run`` uploads (and out of git).
+    ``dependencies`` default to this fedfuse's exact version (:func:`fedfuse_requirement`) and Flower.
     Submit with ``FLWR_HOME=dir/.flwr flwr run dir <connection>``.
     """
     app = Path(dir).resolve()
@@ -332,6 +359,8 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
     if config_path is not None:  # `flwr run ... --run-config 'resume=true'` continues from the last checkpoint
         cfg["resume"] = False
     cfg.update(run_config or {})
+    if dependencies is None:
+        dependencies = (fedfuse_requirement(), FLOWER_REQUIREMENT)
     deps = ", ".join(json.dumps(d) for d in dependencies)
     text = (
         "# A Flower app running a fedfuse experiment (written by `fedfuse flower-app`).\n"
@@ -426,6 +455,7 @@ def prepare_deployment(dir: str | Path, config: str | Path, superlink: str, *, a
                     **app_options)
     trusted = write_trusted_entities(app / TRUSTED_ENTITIES, [signing_public_key(key)])
     sign_fab(build_fab(app), key, app / "signatures")
+    (app / "state").mkdir(exist_ok=True)  # the SuperLink's --database (kept out of the bundle by .gitignore)
     return Deployment(app, certs, superlink, admin_port, key, trusted, app / "signatures",
                       app / "state" / "superlink.db")
 
