@@ -276,9 +276,8 @@ class FlowerExecutor:
         why = []
         if busy:
             why.append(f"nodes {busy} are connected but did not finish their jobs within the round timeout: a device "
-                       "runs its clients one after another and its first job also builds its data and model, so "
-                       "the round timeout must exceed a device's clients-per-round times its job time "
-                       "(docs/deploy.md, 'Round timeout'); raise round-timeout")
+                       "runs its clients' jobs one after another, so the round timeout must exceed the slowest "
+                       "device's sum of job times (docs/deploy.md, 'Round timeout'); raise round-timeout")
         if gone:
             why.append(f"nodes {gone} left the federation (the SuperLink no longer lists them)")
         log.error("flower: %s timed out for the %s time in a row (round-timeout %g s): %d of %d training jobs "
