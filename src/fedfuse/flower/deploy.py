@@ -47,6 +47,9 @@ CONFIG_COPY = "fedfuse-config.yaml"
 DEFAULT_ADMIN_PORT = 9091  # the SuperLink's own port, on loopback only: the Control API (runs) lives there
 TRUSTED_ENTITIES = "trusted-entities.yaml"
 SIGNING_KEY = "operator-signing"
+#: ``fedfuse flower-app --round-timeout``'s default: about twice the first round measured for docs/deploy.md's study
+#: (283 s on a device with 2 clients of MNIST, default CNN, one thread, on a loaded machine; benchmarks/first_round.py)
+DEFAULT_ROUND_TIMEOUT = 600.0
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -486,8 +489,9 @@ def add_flower_app_parser(sub: Any) -> None:
     p.add_argument("--nodes", type=int, default=0, help="also generate this many SuperNode key pairs here, for a "
                    "trial on one machine (default %(default)s: each device makes its own with ssh-keygen)")
     p.add_argument("--out", default=None, help="output directory of the run on the SuperLink's machine")
-    p.add_argument("--round-timeout", type=float, default=0.0,
-                   help="seconds a round waits for replies before it continues without them (0 = forever)")
+    p.add_argument("--round-timeout", type=float, default=DEFAULT_ROUND_TIMEOUT,
+                   help="seconds a round waits for replies before it continues without them (0 = forever; default "
+                        "%(default)s: twice a device's measured first round, docs/deploy.md 'Round timeout')")
     p.add_argument("--min-nodes", type=int, default=1, help="SuperNodes to wait for before the first round")
     p.set_defaults(func=cmd_flower_app)
 

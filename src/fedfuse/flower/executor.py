@@ -101,32 +101,16 @@ class FlowerExecutor:
         serves any client).  A node that does not answer is asked again on the next call.  ``wait``: seconds to
         wait for the answers (default ``round_timeout``, else 120 s); the queries expire then (their TTL), so a node
         busy until later never answers a stale one."""
-        from flwr.app import ConfigRecord, Message, RecordDict
-
         for n in [n for n in self.served if n not in ids]:  # gone from the SuperLink's list
             del self.served[n]
         new = [n for n in ids if n not in self.served]
         if not new:
             return
-        wait = max(1.0, wait if wait is not None else self.round_timeout or 120.0)
-        msgs = [Message(content=RecordDict({JOB: ConfigRecord({"run": self.run_json})}), message_type="query",
-                        dst_node_id=n, ttl=wait) for n in new]
-        query = getattr(self.grid, "query", None)  # an in-process grid answers without counting a call
-        saved, self.round_timeout = self.round_timeout, wait
-        try:
-            replies = query(msgs) if query is not None else self.send_and_receive(msgs)
-        finally:
-            self.round_timeout = saved
-        to = {m.metadata.message_id: m.metadata.dst_node_id for m in msgs if m.metadata.message_id}
+        replies, to = self._ask(new, self.round_timeout or 120.0 if wait is None else wait)
         for rep in replies:
             node = rep.metadata.src_node_id
             if rep.has_error():
-                if rep.error.code in UNDELIVERED:  # Flower's own: the query never reached the node's ClientApp
-                    log.info("flower: node %s has not answered yet: %s", to.get(rep.metadata.reply_to_message_id,
-                                                                               "?"), rep.error.reason)
-                    continue
-                self.answered.add(node)
-                log.warning("flower: node %d did not say which clients it holds: %s", node, rep.error.reason)
+                self._unanswered_query(rep, to.get(rep.metadata.reply_to_message_id, node))
                 continue
             self.answered.add(node)
             held = json.loads(str(rep.content[CLIENTS]["clients"]))
@@ -134,6 +118,32 @@ class FlowerExecutor:
                 continue
             self.served[node] = None if held == "*" else [int(c) for c in held]
             log.info("flower: node %d serves %s", node, "any client" if held == "*" else f"clients {held}")
+
+    def _ask(self, nodes: list[int], wait: float) -> tuple[list[Any], dict[str, int]]:
+        """Send the discovery query to ``nodes`` (TTL ``wait``, at least 1 s) and collect the replies within that
+        time; returns them and message id -> node (Flower's own error replies come from the SuperLink)."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        wait = max(1.0, wait)
+        msgs = [Message(content=RecordDict({JOB: ConfigRecord({"run": self.run_json})}), message_type="query",
+                        dst_node_id=n, ttl=wait) for n in nodes]
+        query = getattr(self.grid, "query", None)  # an in-process grid answers without counting a call
+        saved, self.round_timeout = self.round_timeout, wait
+        try:
+            replies = query(msgs) if query is not None else self.send_and_receive(msgs)
+        finally:
+            self.round_timeout = saved
+        return list(replies), {m.metadata.message_id: m.metadata.dst_node_id for m in msgs if m.metadata.message_id}
+
+    def _unanswered_query(self, rep: Any, node: int) -> None:
+        """An error in place of a node's answer to the discovery query: Flower's own (:data:`UNDELIVERED`: the
+        query never reached the node's ClientApp — it is still reconnecting, or offline until its next heartbeat) is
+        no answer; an error of the ClientApp (it refused the run: another export's bundle, say) is one."""
+        if rep.error.code in UNDELIVERED:
+            log.info("flower: node %d has not answered yet: %s", node, rep.error.reason)
+            return
+        self.answered.add(node)
+        log.warning("flower: node %d did not say which clients it holds: %s", node, rep.error.reason)
 
     def _claimed_elsewhere(self, node: int, held: list[int], ids: list[int]) -> bool:
         """True (and logged as an error) when a connected node already serves one of the clients ``node`` claims:
@@ -244,17 +254,23 @@ class FlowerExecutor:
                 continue
             cid = int(rep.content[JOB]["cid"])
             out[cid] = wire.unpack(rep.content)["result"]
+        silent = self._no_reply(sent, out)
+        for cid, reason in sorted(self.lost.items()):
+            log.warning("flower: client %d did not reply: %s", cid, reason)
+        if method == "fit":
+            self._check_timeouts(silent, len(sent), jobs)
+        return out
+
+    def _no_reply(self, sent: dict[int, Any], out: dict[int, Any]) -> dict[int, int]:
+        """The sent jobs that got no reply at all (client -> its node), recorded in :attr:`lost`; their nodes are
+        skipped for the next ``RETRY_AFTER`` calls (:meth:`route`)."""
         silent = {}
         for cid, msg in sent.items():
             if cid not in out and cid not in self.lost:
                 self.lost[cid] = "no reply (node gone or round timeout)"
                 silent[cid] = msg.metadata.dst_node_id
                 self._silent[msg.metadata.dst_node_id] = RETRY_AFTER
-        for cid, reason in sorted(self.lost.items()):
-            log.warning("flower: client %d did not reply: %s", cid, reason)
-        if method == "fit":
-            self._check_timeouts(silent, len(sent), jobs)
-        return out
+        return silent
 
     def _check_timeouts(self, silent: dict[int, int], sent: int, jobs: Sequence[Job]) -> None:
         """Count training calls that ended at ``round_timeout`` with jobs unanswered (``silent``: client -> its
