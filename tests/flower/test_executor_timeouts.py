@@ -176,7 +176,7 @@ def test_two_timed_out_rounds_in_a_row_say_why(caplog: pytest.LogCaptureFixture)
         ex.send_jobs("fit", _jobs([0, 1], 1), "{}")
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and ex.timed_out == 2
-    assert errors[0].startswith("flower: round 2 timed out for the second time in a row (round-timeout 0.1 s): 1 of 2 "
+    assert errors[0].startswith("flower: round 2 timed out, 2 training rounds in a row (round-timeout 0.1 s): 1 of 2 "
                                 "training jobs unanswered (clients [1]): nodes [2] are connected but did not finish")
     assert "raise round-timeout" in errors[0]
     ex._silent.clear()

@@ -203,8 +203,8 @@ class FlowerExecutor:
         :meth:`map`), the client's state and the job record (``train``: the local-training settings as JSON).
 
         With a ``round_timeout`` the message's TTL is the round's: a job still queued at the SuperLink when its
-        round ends expires there and is never delivered, so a device that was busy (its first job builds its data
-        and model) finishes at most the job it is running and then takes the next round's, not stale ones."""
+        round ends expires there and is never delivered, so a device that was too slow finishes at most the job it
+        is running and then takes the next round's, not the stale round's other jobs."""
         from flwr.app import ConfigRecord, Message
 
         content = wire.pack({"state": job.state})
@@ -296,9 +296,9 @@ class FlowerExecutor:
                        "device's sum of job times (docs/deploy.md, 'Round timeout'); raise round-timeout")
         if gone:
             why.append(f"nodes {gone} left the federation (the SuperLink no longer lists them)")
-        log.error("flower: %s timed out for the %s time in a row (round-timeout %g s): %d of %d training jobs "
-                  "unanswered (clients %s): %s", where, _ordinal(self.timed_out), self.round_timeout, len(silent),
-                  sent, sorted(silent), "; ".join(why))
+        log.error("flower: %s timed out, %d training rounds in a row (round-timeout %g s): %d of %d training jobs "
+                  "unanswered (clients %s): %s", where, self.timed_out, self.round_timeout, len(silent), sent,
+                  sorted(silent), "; ".join(why))
 
     def assign(self, jobs: Sequence[Job]) -> dict[int, int]:
         """client id -> the node its job goes to: the connected node holding its data, else one that serves any
@@ -443,6 +443,3 @@ class LocalGrid:
             out.append(self._wire(reply))
         return out
 
-
-def _ordinal(n: int) -> str:
-    return {2: "second", 3: "third"}.get(n, f"{n}th")
