@@ -442,4 +442,3 @@ class LocalGrid:
                 self.received.append(message_to_proto(reply).SerializeToString())
             out.append(self._wire(reply))
         return out
-
