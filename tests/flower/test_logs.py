@@ -15,7 +15,7 @@ from flwr.common.logger import FLOWER_LOGGER
 from fedfuse.config import make_config
 from fedfuse.flower.app import client_app
 from fedfuse.flower.executor import FlowerExecutor, LocalGrid
-from fedfuse.flower.logs import RoundLog, flower_logging, round_line
+from fedfuse.flower.logs import RoundLog, flower_logging, forward_to_flower, round_line
 from fedfuse.runner import experiment
 
 
@@ -56,6 +56,19 @@ def test_flower_logging_forwards_fedfuse_info_and_restores_the_logger(flower_lin
     log.info("after")  # no longer forwarded
     assert flower_lines == ["shown 1"]
     assert log.level == level and log.handlers == handlers
+
+
+def test_forward_to_flower_installs_one_handler(flower_lines: list[str]) -> None:
+    log = logging.getLogger("fedfuse")
+    level, handlers = log.level, list(log.handlers)
+    try:
+        first = forward_to_flower()
+        assert forward_to_flower() is first and log.handlers == [*handlers, first]
+        log.info("once")
+        assert flower_lines == ["once"]
+    finally:
+        log.handlers[:] = handlers
+        log.setLevel(level)
 
 
 def test_every_round_of_a_flower_run_reaches_flowers_logger(flower_lines: list[str]) -> None:

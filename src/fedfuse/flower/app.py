@@ -40,7 +40,7 @@ from fedfuse.engine.personal import client_side
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
-from fedfuse.flower.logs import RoundLog, flower_logging
+from fedfuse.flower.logs import RoundLog, forward_to_flower
 from fedfuse.flower.node_data import NODE_KEYS, NodeDataError
 from fedfuse.flower.node_policy import NODE_PATHS, NodeDP, RefusedJob, node_view
 from fedfuse.flower.secure import is_secure_fit, node_fit, secure_mod
@@ -295,14 +295,14 @@ def _main(grid: Grid, context: Context) -> None:
     cfg = make_config(str(rc["fedfuse-config"]), **overrides)
     timeout = float(rc.get("round-timeout", 0) or 0) or None
     executor = FlowerExecutor(grid, cfg, cfg.seed, round_timeout=timeout, min_nodes=int(rc.get("min-nodes", 1)))
+    forward_to_flower()  # fedfuse's INFO log, a line per round included, in `flwr log` (fedfuse.flower.logs)
     exp = Experiment(cfg, get_algorithm(cfg.algorithm), executor=executor, callbacks=[RoundLog()])
-    with flower_logging():  # fedfuse's INFO log, a line per round included, in `flwr log` (fedfuse.flower.logs)
-        summary = exp.run(resume=bool(rc.get("resume", False)))
-        if cfg.out:  # when each call's messages were pushed and their last reply arrived (benchmarks/peers.py --deploy)
-            from pathlib import Path
+    summary = exp.run(resume=bool(rc.get("resume", False)))
+    if cfg.out:  # when each call's messages were pushed and their last reply arrived (benchmarks/peers.py --deploy)
+        from pathlib import Path
 
-            (Path(cfg.out) / "flower_calls.json").write_text(json.dumps(executor.calls))
-        log.info("fedfuse run finished: %s", json.dumps(summary.get("final", {}), default=str)[:500])
+        (Path(cfg.out) / "flower_calls.json").write_text(json.dumps(executor.calls))
+    log.info("fedfuse run finished: %s", json.dumps(summary.get("final", {}), default=str)[:500])
 
 
 relay_app = ServerApp()

@@ -2,8 +2,9 @@
 
 A ServerApp's log reaches the ``flwr`` CLI only through Flower's logger: the ``flwr-serverapp`` process mirrors what
 Flower's console handler writes into the run's log, which the SuperLink keeps and ``flwr log RUN_ID`` shows.  fedfuse
-logs to its own ``fedfuse`` logger, which nothing prints inside ``flwr-serverapp``.  :func:`flower_logging` forwards
-the ``fedfuse`` logger's records at INFO and above to Flower's logger for the duration of the run, and
+logs to its own ``fedfuse`` logger, which nothing prints inside ``flwr-serverapp``.  :func:`forward_to_flower` (the
+ServerApp calls it) forwards the ``fedfuse`` logger's records at INFO and above to Flower's logger for the rest of
+the process (:func:`flower_logging`: for a ``with`` block), and
 :class:`RoundLog` writes one line per round (the round, its replies and dropouts, the training loss and the
 evaluation's loss and accuracy when the round evaluated), e.g.::
 
@@ -75,6 +76,19 @@ class ToFlower(logging.Handler):
             FLOWER_LOGGER.log(record.levelno, "%s", self.format(record))
         except Exception:  # a logging failure must not end the run
             self.handleError(record)
+
+
+def forward_to_flower(level: int = logging.INFO) -> ToFlower:
+    """For the rest of this process (a ``flwr-serverapp`` runs one ServerApp), the ``fedfuse`` logger's records at
+    ``level`` and above also go to Flower's logger; calling it again adds no second handler."""
+    for handler in log.handlers:
+        if isinstance(handler, ToFlower):
+            return handler
+    handler = ToFlower(level)
+    if log.getEffectiveLevel() > level:
+        log.setLevel(level)
+    log.addHandler(handler)
+    return handler
 
 
 @contextlib.contextmanager
