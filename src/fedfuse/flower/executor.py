@@ -69,6 +69,7 @@ class FlowerExecutor:
         self.route_log = RouteLog()  # every client training runs on a node (the summary's executor block)
         self._started = False
         self._discovered = False  # the first round's discovery wait is over (see present)
+        self._discovery_until: float | None = None  # during that wait: when it ends (time.monotonic)
         self.answered: set[int] = set()  # nodes whose ClientApp answered the discovery query (a refusal included)
         self.timed_out = 0  # consecutive training calls that ended at round_timeout with jobs unanswered
         self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
@@ -95,18 +96,19 @@ class FlowerExecutor:
                 self._started = True
                 return ids
 
-    def discover(self, ids: list[int], wait: float | None = None) -> None:
+    def discover(self, ids: list[int]) -> None:
         """Ask every node not asked yet which clients it serves (a ``query`` message; the ClientApp answers with
         the client ids of its node-local data, or ``"*"`` when it rebuilds the federation from the config and
-        serves any client).  A node that does not answer is asked again on the next call.  ``wait``: seconds to
-        wait for the answers (default ``round_timeout``, else 120 s); the queries expire then (their TTL), so a node
-        busy until later never answers a stale one."""
+        serves any client).  A node that does not answer is asked again on the next call.  The answers are waited
+        for ``round_timeout`` (else 120 s; before the first round, until the end of :meth:`present`'s wait); the
+        queries expire then (their TTL), so a node busy until later never answers a stale one."""
         for n in [n for n in self.served if n not in ids]:  # gone from the SuperLink's list
             del self.served[n]
         new = [n for n in ids if n not in self.served]
         if not new:
             return
-        replies, to = self._ask(new, self.round_timeout or 120.0 if wait is None else wait)
+        until = self._discovery_until
+        replies, to = self._ask(new, self.round_timeout or 120.0 if until is None else until - time.monotonic())
         for rep in replies:
             node = rep.metadata.src_node_id
             if rep.has_error():
@@ -180,11 +182,14 @@ class FlowerExecutor:
             self.discover(self.nodes())
         else:
             self._discovered = True
-            deadline = time.monotonic() + self.node_wait
-            self.discover(self.nodes(), wait=self.node_wait)
-            while len(self.answered) < self.min_nodes and (left := deadline - time.monotonic()) > 0:
-                time.sleep(min(REQUERY_AFTER, left))
-                self.discover(self.nodes(), wait=max(1.0, deadline - time.monotonic()))
+            self._discovery_until = deadline = time.monotonic() + self.node_wait
+            try:
+                self.discover(self.nodes())
+                while len(self.answered) < self.min_nodes and (left := deadline - time.monotonic()) > 0:
+                    time.sleep(min(REQUERY_AFTER, left))
+                    self.discover(self.nodes())
+            finally:
+                self._discovery_until = None
             if len(self.answered) < self.min_nodes:
                 log.warning("flower: only %d of the %d nodes to wait for answered within %.0f s (node_wait); the "
                             "others' clients are absent until they answer", len(self.answered), self.min_nodes,
