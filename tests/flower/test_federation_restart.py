@@ -79,14 +79,13 @@ model_options:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="flaky since absent clients are dropouts: the resumed ServerApp can ask the devices which "
-                         "clients they hold before they have reconnected, lose a round and then hang (1 of 2 CI "
-                         "runs; passes alone); open in #40 item 3 (stale jobs, first-round discovery)")
 def test_superlink_restart_keeps_devices_registered_and_the_run_resumes(tmp_path: Path) -> None:
     """The documented deployment (SuperLink with --database on loopback, gateway, signed app, warm workers): the
-    SuperLink (and its ServerApp) is SIGKILLed after round 2 and started again on the same database.  The devices
-    neither exit nor re-register (same processes, same node ids); `flwr run --run-config resume=true` continues
-    from the checkpoint and the run ends equal to the in-process run of the same config."""
+    SuperLink (and its ServerApp) is SIGKILLed once both devices have received their round-3 job (checkpoint after
+    round 2), and started again on the same database.  The devices neither exit nor re-register (same processes,
+    same node ids); `flwr run --run-config resume=true` continues from the checkpoint — its first round waits for
+    both devices' answers, so none of their clients is a dropout — and the run ends equal to the in-process run of
+    the same config.  Both runs' progress (round, loss, accuracy) is in `flwr log`, the killed run's too."""
     import json
     import os
     import time
@@ -116,9 +115,9 @@ def test_superlink_restart_keeps_devices_registered_and_the_run_resumes(tmp_path
                          node_config=[f"data='{b}'" for b in bundles]) as fed:
         first = fed.run(app)
         deadline = time.monotonic() + 600
-        while len(metrics()) < 2:
+        while len(metrics()) < 2 or min(_jobs_received(p.log) for p in fed.nodes if p) < 3:  # round 3 in flight
             assert time.monotonic() < deadline, (fed.logs / f"run-{first}.log").read_text()[-3000:]
-            time.sleep(0.2)
+            time.sleep(0.05)
         nodes, ids = [p.popen.pid for p in fed.nodes if p], list(fed.node_id)
         fed.restart_superlink()  # a crash: SIGKILL, the ServerApp with it
         assert sorted(fed.node_ids()) == sorted(ids)  # still registered and online after the restart
@@ -126,8 +125,19 @@ def test_superlink_restart_keeps_devices_registered_and_the_run_resumes(tmp_path
         assert fed.wait(second, timeout=600) == "finished:completed", (fed.logs / f"run-{second}.log").read_text()
         assert [p.popen.pid for p in fed.nodes if p] == nodes and all(p.popen.poll() is None for p in fed.nodes if p)
         links = (fed.logs / "superlink.log").read_text()
+        shown = fed.flwr("log", str(second), fed.connection, "--show")
+        killed = fed.flwr("log", str(first), fed.connection, "--show")
     got = metrics()
     assert [r["round"] for r in got] == [1, 2, 3, 4]
     ref = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
     assert [strip_timing(r) for r in got] == [strip_timing(r) for r in ref]
     assert "No SuperNode found" not in links and "Invalid run configuration" not in links
+    # `flwr log`: the resumed run's rounds 3 and 4 with their loss and accuracy, as metrics.jsonl has them
+    for r in got[2:]:
+        assert f"fedfuse round {r['round']}/4: 2/2 replied, train_loss {r['train_loss']:.4f}" in shown
+    assert f"global_accuracy {got[3]['global_accuracy']:.4f}" in shown and "fedfuse round 2/4" in killed
+
+
+def _jobs_received(log: Path) -> int:
+    """Training jobs a SuperNode has received so far (its log's ``Receiving: train message`` lines)."""
+    return log.read_text(errors="replace").count("Receiving: train message")

@@ -109,7 +109,7 @@ class Algorithm:
         self.opt = options if options is not None else self.Options()
         if self.requires:
             check_requirements(self.name or type(self).__name__, ctx.model(), self.requires)
-        if ctx is not None and ctx.dp.local:  # dp=local wraps the client step in DP-SGD: Opacus must clip the model's per-sample grads
+        if ctx is not None and ctx.dp.local:  # dp=local: Opacus must clip per-sample grads
             check_local_dp(ctx.model())
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

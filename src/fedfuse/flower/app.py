@@ -44,6 +44,7 @@ from fedfuse.engine.store import RunStore
 from fedfuse.errors import UserError
 from fedfuse.flower import wire
 from fedfuse.flower.executor import CLIENTS, JOB, FlowerExecutor
+from fedfuse.flower.logs import RoundLog, forward_to_flower
 from fedfuse.flower.node_data import NODE_KEYS, NodeDataError
 from fedfuse.flower.node_policy import NODE_PATHS, NodeDP, RefusedJob, node_view
 from fedfuse.flower.secure import is_secure_fit, node_fit, secure_mod
@@ -307,16 +308,18 @@ def _main(grid: Grid, context: Context) -> None:
     cfg = make_config(str(rc["fedfuse-config"]), **overrides)
     timeout = float(rc.get("round-timeout", 0) or 0) or None
     executor = FlowerExecutor(grid, cfg, cfg.seed, round_timeout=timeout, min_nodes=int(rc.get("min-nodes", 1)))
+    forward_to_flower()  # fedfuse's INFO log, a line per round included, in `flwr log` (fedfuse.flower.logs)
     algorithm = get_algorithm(cfg.algorithm)
     if cfg.global_eval == "server":  # the operator gave the server its dataset: the global test set is its own
-        exp = Experiment(cfg, algorithm, executor=executor)
+        exp = Experiment(cfg, algorithm, executor=executor, callbacks=[RoundLog()])
         executor.vet = ClaimCheck(cfg.clients, exp.fed.client_sizes())  # the nodes' sizes must be the same
     else:  # the server holds no data: the clients' sizes come from the nodes (fedfuse.flower.server_data)
         # a fixed reason is refused before waiting for the nodes; one that depends on the options, when the run is built
         need = algorithm.server_data
         if isinstance(need, str):
             raise ConfigError(f"algorithm {cfg.algorithm!r} cannot run on a server without data: {need}")
-        exp = Experiment(cfg, algorithm, executor=executor, fed=learn_federation(executor, cfg))
+        exp = Experiment(cfg, algorithm, executor=executor, fed=learn_federation(executor, cfg),
+                         callbacks=[RoundLog()])
     summary = exp.run(resume=bool(rc.get("resume", False)))
     # when each call's messages were pushed and their last reply arrived (benchmarks/peers.py --deploy)
     RunStore(cfg.out).write_json(FLOWER_CALLS, executor.calls)

@@ -47,6 +47,9 @@ CONFIG_COPY = "fedfuse-config.yaml"
 DEFAULT_ADMIN_PORT = 9091  # the SuperLink's own port, on loopback only: the Control API (runs) lives there
 TRUSTED_ENTITIES = "trusted-entities.yaml"
 SIGNING_KEY = "operator-signing"
+#: ``fedfuse flower-app --round-timeout``'s default: about twice the first round measured for docs/deploy.md's study
+#: (283 s on a device with 2 clients of MNIST, default CNN, one thread, on a loaded machine; benchmarks/first_round.py)
+DEFAULT_ROUND_TIMEOUT = 600.0
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -229,10 +232,29 @@ def build_fab(app: str | Path) -> bytes:
 CODE_SUFFIXES = (".py", ".pyc", ".pyd", ".pyi", ".so", ".pth", ".dylib", ".dll", ".whl", ".egg", ".zip")
 
 
+def installed_fedfuse() -> str:
+    """The installed fedfuse's version (its package metadata; ``0+unknown`` for a source tree on ``sys.path``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedfuse")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def fedfuse_requirement() -> str:
+    """The app's requirement on fedfuse: this fedfuse's exact version (``fedfuse==0.1.0``), which every device must
+    run — the operator's wheel (docs/deploy.md, *Installing fedfuse on a device*)."""
+    found = installed_fedfuse()
+    return "fedfuse" if found == "0+unknown" else f"fedfuse=={found}"
+
+
 def check_fedfuse_bundle(fab: bytes) -> None:
     """Refuse (``PermissionError``) an app bundle that is not a fedfuse app: its ClientApp must be fedfuse's
-    (``fedfuse.flower.app:...``, run from the installed fedfuse) and it may carry no code (a module of its own, or
-    one that would shadow fedfuse's).  The warm worker checks every bundle before installing it."""
+    (``fedfuse.flower.app:...``, run from the installed fedfuse), it may carry no code (a module of its own, or
+    one that would shadow fedfuse's), and a ``fedfuse==VERSION`` requirement must name the installed version (a
+    device running other fedfuse code would not compute what the operator's run computes).  The warm worker checks
+    every bundle before installing it."""
     import io
     import tomllib
     import zipfile
@@ -240,9 +262,16 @@ def check_fedfuse_bundle(fab: bytes) -> None:
     try:
         with zipfile.ZipFile(io.BytesIO(fab)) as z:
             names = z.namelist()
-            components = tomllib.loads(z.read("pyproject.toml").decode())["tool"]["flwr"]["app"]["components"]
+            project = tomllib.loads(z.read("pyproject.toml").decode())
+            components = project["tool"]["flwr"]["app"]["components"]
     except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise PermissionError(f"not a fedfuse app bundle: {e}") from None
+    for dep in project.get("project", {}).get("dependencies", []):
+        pinned = re.fullmatch(r"\s*fedfuse\s*==\s*([^\s;,]+)\s*", str(dep))
+        if pinned and pinned.group(1) != installed_fedfuse():
+            raise PermissionError(f"the app was built for fedfuse {pinned.group(1)}, and this device runs fedfuse "
+                                  f"{installed_fedfuse()}: install the operator's wheel (pip install "
+                                  f"'fedfuse-{pinned.group(1)}-py3-none-any.whl[flower]')")
     client = str(components.get("clientapp", ""))
     if not client.startswith("fedfuse.flower.app:"):
         raise PermissionError(f"not a fedfuse app: its ClientApp is {client!r}")
@@ -307,7 +336,7 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
               connection: str = DEFAULT_CONNECTION, out: str | Path | None = None, round_timeout: float = 0.0,
               min_nodes: int = 1, name: str = "fedfuse-app", publisher: str = "fedfuse", serverapp: str = SERVERAPP,
               clientapp: str = CLIENTAPP, run_config: Mapping[str, Any] | None = None,
-              dependencies: Sequence[str] = ("fedfuse", FLOWER_REQUIREMENT)) -> Path:
+              dependencies: Sequence[str] | None = None) -> Path:
     """Write a Flower app project into ``dir`` and a SuperLink connection into ``dir/.flwr``; returns ``dir``.
 
     ``pyproject.toml`` names fedfuse's ServerApp and ClientApp and carries ``[tool.flwr.app.config]``:
@@ -316,6 +345,7 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
     round waits for replies; 0 = forever) and ``min-nodes`` (SuperNodes to wait for before round 1), plus
     ``run_config``.  ``config_path=None`` writes no fedfuse config (for other apps).  ``.gitignore`` keeps
     ``.flwr/``, ``certs/`` and an ``out`` inside ``dir`` out of the bundle ``flwr run`` uploads (and out of git).
+    ``dependencies`` default to this fedfuse's exact version (:func:`fedfuse_requirement`) and Flower.
     Submit with ``FLWR_HOME=dir/.flwr flwr run dir <connection>``.
     """
     app = Path(dir).resolve()
@@ -332,6 +362,8 @@ def write_app(dir: str | Path, config_path: str | Path | None, *, superlink: str
     if config_path is not None:  # `flwr run ... --run-config 'resume=true'` continues from the last checkpoint
         cfg["resume"] = False
     cfg.update(run_config or {})
+    if dependencies is None:
+        dependencies = (fedfuse_requirement(), FLOWER_REQUIREMENT)
     deps = ", ".join(json.dumps(d) for d in dependencies)
     text = (
         "# A Flower app running a fedfuse experiment (written by `fedfuse flower-app`).\n"
@@ -426,6 +458,7 @@ def prepare_deployment(dir: str | Path, config: str | Path, superlink: str, *, a
                     **app_options)
     trusted = write_trusted_entities(app / TRUSTED_ENTITIES, [signing_public_key(key)])
     sign_fab(build_fab(app), key, app / "signatures")
+    (app / "state").mkdir(exist_ok=True)  # the SuperLink's --database (kept out of the bundle by .gitignore)
     return Deployment(app, certs, superlink, admin_port, key, trusted, app / "signatures",
                       app / "state" / "superlink.db")
 
@@ -456,8 +489,9 @@ def add_flower_app_parser(sub: Any) -> None:
     p.add_argument("--nodes", type=int, default=0, help="also generate this many SuperNode key pairs here, for a "
                    "trial on one machine (default %(default)s: each device makes its own with ssh-keygen)")
     p.add_argument("--out", default=None, help="output directory of the run on the SuperLink's machine")
-    p.add_argument("--round-timeout", type=float, default=0.0,
-                   help="seconds a round waits for replies before it continues without them (0 = forever)")
+    p.add_argument("--round-timeout", type=float, default=DEFAULT_ROUND_TIMEOUT,
+                   help="seconds a round waits for replies before it continues without them (0 = forever; default "
+                        "%(default)s: twice a device's measured first round, docs/deploy.md 'Round timeout')")
     p.add_argument("--min-nodes", type=int, default=1, help="SuperNodes to wait for before the first round")
     p.set_defaults(func=cmd_flower_app)
 

@@ -35,6 +35,10 @@ from fedfuse.privacy.secure import SecAggAbort, SecAggSettings
 log = logging.getLogger("fedfuse")
 
 RETRY_AFTER = 3  # calls a node that left a message unanswered is skipped before it is tried again
+REQUERY_AFTER = 1.0  # seconds between two discovery attempts while waiting for min_nodes nodes' answers
+#: Flower's own errors for a message that never reached a ClientApp (expired, or its node missed its heartbeats):
+#: MESSAGE_UNAVAILABLE, REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE (flwr.common.constant.ErrorCode)
+UNDELIVERED = frozenset({3, 4, 5})
 #: client hooks that run on the nodes, and the Flower message type each travels as
 METHODS = {"fit": "train", "evaluate": "evaluate"}
 JOB = "fedfuse.job"
@@ -64,6 +68,10 @@ class FlowerExecutor:
         self.lost: dict[int, str] = {}  # the last call's jobs without a usable reply, with the reason
         self.route_log = RouteLog()  # every client training runs on a node (the summary's executor block)
         self._started = False
+        self._discovered = False  # the first round's discovery wait is over (see present)
+        self._discovery_until: float | None = None  # during that wait: when it ends (time.monotonic)
+        self.answered: set[int] = set()  # nodes whose ClientApp answered the discovery query (a refusal included)
+        self.timed_out = 0  # consecutive training calls that ended at round_timeout with jobs unanswered
         self._silent: dict[int, int] = {}  # node -> calls left before it is tried again
         self.poll = 0.05  # seconds between two reply checks (see send_and_receive)
         self.calls: list[dict[str, Any]] = []  # per grid call: message type, push and last-reply wall times
@@ -95,27 +103,22 @@ class FlowerExecutor:
     def discover(self, ids: list[int]) -> None:
         """Ask every node not asked yet which clients it serves (a ``query`` message; the ClientApp answers with
         the client ids of its node-local data, or ``"*"`` when it rebuilds the federation from the config and
-        serves any client).  A node that does not answer is asked again on the next call."""
-        from flwr.app import ConfigRecord, Message, RecordDict
-
+        serves any client).  A node that does not answer is asked again on the next call.  The answers are waited
+        for ``round_timeout`` (else 120 s; before the first round, until the end of :meth:`present`'s wait); the
+        queries expire then (their TTL), so a node busy until later never answers a stale one."""
         for n in [n for n in self.served if n not in ids]:  # gone from the SuperLink's list
             del self.served[n]
         new = [n for n in ids if n not in self.served]
         if not new:
             return
-        msgs = [Message(content=RecordDict({JOB: ConfigRecord({"run": self.run_json})}), message_type="query",
-                        dst_node_id=n) for n in new]
-        query = getattr(self.grid, "query", None)  # an in-process grid answers without counting a call
-        saved, self.round_timeout = self.round_timeout, self.round_timeout or 120.0
-        try:
-            replies = query(msgs) if query is not None else self.send_and_receive(msgs)
-        finally:
-            self.round_timeout = saved
+        until = self._discovery_until
+        replies, to = self._ask(new, self.round_timeout or 120.0 if until is None else until - time.monotonic())
         for rep in replies:
             node = rep.metadata.src_node_id
             if rep.has_error():
-                log.warning("flower: node %d did not say which clients it holds: %s", node, rep.error.reason)
+                self._unanswered_query(rep, to.get(rep.metadata.reply_to_message_id, node))
                 continue
+            self.answered.add(node)
             held = json.loads(str(rep.content[CLIENTS]["clients"]))
             if self._refused(node, held, rep.content[CLIENTS]):
                 continue
@@ -133,6 +136,32 @@ class FlowerExecutor:
         if why:
             log.error("flower: node %d refused: %s", node, why)
         return bool(why)
+
+    def _ask(self, nodes: list[int], wait: float) -> tuple[list[Any], dict[str, int]]:
+        """Send the discovery query to ``nodes`` (TTL ``wait``, at least 1 s) and collect the replies within that
+        time; returns them and message id -> node (Flower's own error replies come from the SuperLink)."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        wait = max(1.0, wait)
+        msgs = [Message(content=RecordDict({JOB: ConfigRecord({"run": self.run_json})}), message_type="query",
+                        dst_node_id=n, ttl=wait) for n in nodes]
+        query = getattr(self.grid, "query", None)  # an in-process grid answers without counting a call
+        saved, self.round_timeout = self.round_timeout, wait
+        try:
+            replies = query(msgs) if query is not None else self.send_and_receive(msgs)
+        finally:
+            self.round_timeout = saved
+        return list(replies), {m.metadata.message_id: m.metadata.dst_node_id for m in msgs if m.metadata.message_id}
+
+    def _unanswered_query(self, rep: Any, node: int) -> None:
+        """An error in place of a node's answer to the discovery query: Flower's own (:data:`UNDELIVERED`: the
+        query never reached the node's ClientApp — it is still reconnecting, or offline until its next heartbeat) is
+        no answer; an error of the ClientApp (it refused the run: another export's bundle, say) is one."""
+        if rep.error.code in UNDELIVERED:
+            log.info("flower: node %d has not answered yet: %s", node, rep.error.reason)
+            return
+        self.answered.add(node)
+        log.warning("flower: node %d did not say which clients it holds: %s", node, rep.error.reason)
 
     def _claimed_elsewhere(self, node: int, held: list[int], ids: list[int]) -> bool:
         """True (and logged as an error) when a connected node already serves one of the clients ``node`` claims:
@@ -158,8 +187,29 @@ class FlowerExecutor:
     def present(self) -> set[int] | None:
         """``None``: every client may be sampled, exactly as in process.  A sampled client that no connected node
         holds is absent — a dropout of the round (:meth:`assign`), never replaced by another client — so the sample,
-        and the sampling probability a DP accountant assumes, are the run's own."""
-        self.discover(self.nodes())
+        and the sampling probability a DP accountant assumes, are the run's own.
+
+        Before this ServerApp's first round — a start, or a resume after a SuperLink restart, when the devices may
+        still be reconnecting, marked offline until their next heartbeat, or finishing the killed run's job — it
+        waits up to ``node_wait`` s until ``min_nodes`` nodes have answered the discovery query (a refusal is an
+        answer), asking again every :data:`REQUERY_AFTER` s; only then are the clients of a node still silent
+        absent."""
+        if self._discovered:
+            self.discover(self.nodes())
+        else:
+            self._discovered = True
+            self._discovery_until = deadline = time.monotonic() + self.node_wait
+            try:
+                self.discover(self.nodes())
+                while len(self.answered) < self.min_nodes and (left := deadline - time.monotonic()) > 0:
+                    time.sleep(min(REQUERY_AFTER, left))
+                    self.discover(self.nodes())
+            finally:
+                self._discovery_until = None
+            if len(self.answered) < self.min_nodes:
+                log.warning("flower: only %d of the %d nodes to wait for answered within %.0f s (node_wait); the "
+                            "others' clients are absent until they answer", len(self.answered), self.min_nodes,
+                            self.node_wait)
         return None
 
     def route(self, ids: list[int], strict: bool = False) -> list[int]:
@@ -171,7 +221,11 @@ class FlowerExecutor:
 
     def message(self, method: str, job: Job, node: int, payload: tuple[Any, Any], train: str) -> Any:
         """The Flower message of ``job``: its payload records (encoded once per distinct payload, see
-        :meth:`map`), the client's state and the job record (``train``: the local-training settings as JSON)."""
+        :meth:`map`), the client's state and the job record (``train``: the local-training settings as JSON).
+
+        With a ``round_timeout`` the message's TTL is the round's: a job still queued at the SuperLink when its
+        round ends expires there and is never delivered, so a device that was too slow finishes at most the job it
+        is running and then takes the next round's, not the stale round's other jobs."""
         from flwr.app import ConfigRecord, Message
 
         content = wire.pack({"state": job.state})
@@ -180,7 +234,7 @@ class FlowerExecutor:
             "method": method, "cid": int(job.cid), "keys": json.dumps(list(job.keys)), "seed": int(self.seed),
             "run": self.run_json, "train": train,
         })
-        return Message(content=content, message_type=METHODS[method], dst_node_id=node)
+        return Message(content=content, message_type=METHODS[method], dst_node_id=node, ttl=self.round_timeout)
 
     def map(self, fn: ClientFn, jobs: Sequence[Job]) -> dict[int, Any]:
         method = getattr(fn, "__name__", "")
@@ -221,13 +275,51 @@ class FlowerExecutor:
                 continue
             cid = int(rep.content[JOB]["cid"])
             out[cid] = wire.unpack(rep.content)["result"]
+        silent = self._no_reply(sent, out)
+        for cid, reason in sorted(self.lost.items()):
+            log.warning("flower: client %d did not reply: %s", cid, reason)
+        if method == "fit":
+            self._check_timeouts(silent, len(sent), jobs)
+        return out
+
+    def _no_reply(self, sent: dict[int, Any], out: dict[int, Any]) -> dict[int, int]:
+        """The sent jobs that got no reply at all (client -> its node), recorded in :attr:`lost`; their nodes are
+        skipped for the next ``RETRY_AFTER`` calls (:meth:`route`)."""
+        silent = {}
         for cid, msg in sent.items():
             if cid not in out and cid not in self.lost:
                 self.lost[cid] = "no reply (node gone or round timeout)"
+                silent[cid] = msg.metadata.dst_node_id
                 self._silent[msg.metadata.dst_node_id] = RETRY_AFTER
-        for cid, reason in sorted(self.lost.items()):
-            log.warning("flower: client %d did not reply: %s", cid, reason)
-        return out
+        return silent
+
+    def _check_timeouts(self, silent: dict[int, int], sent: int, jobs: Sequence[Job]) -> None:
+        """Count training calls that ended at ``round_timeout`` with jobs unanswered (``silent``: client -> its
+        node); from the second in a row on, say on the server's log why the run makes no progress."""
+        if not silent or self.round_timeout is None:
+            self.timed_out = 0
+            return
+        self.timed_out += 1
+        if self.timed_out < 2:
+            return
+        keys = jobs[0].keys if jobs else ()
+        where = f"round {int(keys[1]) + 1}" if len(keys) > 1 and isinstance(keys[1], int) else "this round"
+        nodes = sorted(set(silent.values()))
+        try:
+            connected = set(self.grid.get_node_ids())
+        except Exception:  # the reason is best effort: the round's outcome is already decided
+            connected = set(nodes)
+        gone, busy = [n for n in nodes if n not in connected], [n for n in nodes if n in connected]
+        why = []
+        if busy:
+            why.append(f"nodes {busy} are connected but did not finish their jobs within the round timeout: a device "
+                       "runs its clients' jobs one after another, so the round timeout must exceed the slowest "
+                       "device's sum of job times (docs/deploy.md, 'Round timeout'); raise round-timeout")
+        if gone:
+            why.append(f"nodes {gone} left the federation (the SuperLink no longer lists them)")
+        log.error("flower: %s timed out, %d training rounds in a row (round-timeout %g s): %d of %d training jobs "
+                  "unanswered (clients %s): %s", where, self.timed_out, self.round_timeout, len(silent), sent,
+                  sorted(silent), "; ".join(why))
 
     def assign(self, jobs: Sequence[Job]) -> dict[int, int]:
         """client id -> the node its job goes to: the connected node holding its data, else one that serves any

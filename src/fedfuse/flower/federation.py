@@ -99,14 +99,17 @@ class LocalFederation:
     (:mod:`fedfuse.flower.gateway`) at :attr:`address`; ``signed=True`` also gives the operator a signing key,
     starts the SuperNodes with ``--trusted-entities`` (that key only) and signs every app :meth:`run` submits
     (``sign=False`` submits it unsigned); ``database=True`` keeps the SuperLink's state in ``dir/superlink.db``
-    across :meth:`restart_superlink`.  Warm workers serve only fedfuse's app unless ``any_app=True``.
+    across :meth:`restart_superlink`.  Warm workers serve only fedfuse's app unless ``any_app=True``;
+    ``worker_thread=True`` runs each in its SuperNode's process (``python -m fedfuse.flower.supernode
+    --worker-thread``: one process per device).
     """
 
     def __init__(self, dir: str | Path, nodes: int = 2, *, auth: bool = True, env: Mapping[str, str] | None = None,
                  connection: str = DEFAULT_CONNECTION, node_config: Sequence[str] | None = None,
                  startup_timeout: float = 60.0, warm: bool = False, worker_poll: float | None = None,
                  node_poll: float | None = None, audit_open: bool = False, simulation: bool = False,
-                 gateway: bool = False, signed: bool = False, database: bool = False, any_app: bool = False) -> None:
+                 gateway: bool = False, signed: bool = False, database: bool = False, any_app: bool = False,
+                 worker_thread: bool = False) -> None:
         self.dir = Path(dir).resolve()
         self.num_nodes = nodes
         self.auth = auth
@@ -115,6 +118,7 @@ class LocalFederation:
             f"partition-id={i} num-partitions={nodes}" for i in range(nodes)]
         self.startup_timeout = startup_timeout
         self.warm = warm
+        self.worker_thread = worker_thread  # warm workers as threads of their SuperNode's process (one per device)
         self.worker_poll = worker_poll
         self.node_poll = node_poll  # SuperNode idle poll (fedfuse.flower.supernode); None: Flower's 3 s
         self.audit_open = audit_open  # warm workers record every file they open (logs/worker-I.opened)
@@ -256,8 +260,14 @@ class LocalFederation:
 
     def _start_node(self, i: int) -> _Proc:
         assert self.certs is not None
-        launcher = [_tool("flower-supernode")] if self.node_poll is None else [
-            sys.executable, "-m", "fedfuse.flower.supernode", "--idle-poll", str(self.node_poll)]
+        launcher = [_tool("flower-supernode")] if self.node_poll is None and not self.worker_thread else [
+            sys.executable, "-m", "fedfuse.flower.supernode", "--idle-poll", str(self.node_poll or 3.0)]
+        if self.warm and self.worker_thread:
+            launcher.append("--worker-thread")
+            if self.worker_poll is not None:
+                launcher += ["--worker-poll", str(self.worker_poll)]
+            if self.any_app:
+                launcher.append("--worker-any-app")
         cmd = [*launcher, "--superlink", self.address, "--root-certificates", str(self.certs.ca_cert),
                "--host", "127.0.0.1", "--port", str(free_port())]
         if self.auth:
@@ -270,7 +280,7 @@ class LocalFederation:
         if self.warm:
             cmd += ["--isolation", "process"]
         proc = self._spawn(f"supernode-{i}", cmd, self.dir / f"supernode-{i}-home")
-        if self.warm:  # the SuperNode launches no ClientApp process: a warm worker claims its tasks
+        if self.warm and not self.worker_thread:  # the SuperNode launches no ClientApp process: a worker claims tasks
             worker = [sys.executable, "-m", "fedfuse.flower.worker", "--runtime-api-address", f"127.0.0.1:{runtime}",
                       "--parent-pid", str(proc.popen.pid)]
             if self.worker_poll is not None:

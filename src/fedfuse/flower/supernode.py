@@ -13,6 +13,9 @@ requests: one per node every ``--idle-poll`` seconds while idle.
 ``--worker`` (with ``--isolation process``) also starts the SuperNode's warm ClientApp worker
 (:mod:`fedfuse.flower.worker`) on its Runtime API (``--port``), as a child that exits with the SuperNode — also
 when the SuperNode is killed (the worker watches its parent's pid): one command per device, no orphaned worker.
+``--worker-thread`` runs that worker as a thread of the SuperNode's own process instead: one process per device
+(Flower itself has no in-process ClientApp for a deployed SuperNode; the worker talks to the SuperNode's Runtime
+API over loopback HTTP as it does from its own process, and dies with the process).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import atexit
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -61,14 +65,52 @@ def start_worker(flower_args: Sequence[str], poll: float | None = None,
     return worker
 
 
+def start_worker_thread(flower_args: Sequence[str], poll: float | None = None,
+                        any_app: bool = False) -> threading.Thread:
+    """Run the warm ClientApp worker of the SuperNode that ``flower_args`` describe in a daemon thread of this
+    process (one process per device); its log lines go to this process's stderr."""
+    import logging
+
+    from fedfuse.flower.worker import DEFAULT_POLL, WarmWorker
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--port", default="9094")
+    p.add_argument("--isolation", default="subprocess")
+    known, _ = p.parse_known_args(list(flower_args))
+    if known.isolation != "process":
+        raise SystemExit("--worker-thread needs --isolation process (the worker runs the ClientApp tasks)")
+    log = logging.getLogger("fedfuse")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+    def serve() -> None:
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("FEDFUSE_THREADS", "1")))
+        worker = WarmWorker(f"127.0.0.1:{known.port}", poll=DEFAULT_POLL if poll is None else poll, any_app=any_app)
+        log.info("warm ClientApp worker serving 127.0.0.1:%s in the SuperNode's process (pid %d)", known.port,
+                 os.getpid())
+        worker.serve()
+
+    thread = threading.Thread(target=serve, name="fedfuse-worker", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--idle-poll", type=float, default=3.0)
     p.add_argument("--worker", action="store_true")
+    p.add_argument("--worker-thread", action="store_true")  # the worker in this process: one process per device
     p.add_argument("--worker-poll", type=float, default=None)
     p.add_argument("--worker-any-app", action="store_true")  # the worker serves any Flower app, not only fedfuse's
     args, rest = p.parse_known_args(argv)
-    if args.worker:
+    if args.worker_thread:
+        start_worker_thread(rest, args.worker_poll, args.worker_any_app)
+    elif args.worker:
         start_worker(rest, args.worker_poll, args.worker_any_app)
     import flwr.supernode.start_client_internal as loop
     from flwr.supernode.cli import flower_supernode
