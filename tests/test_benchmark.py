@@ -31,6 +31,9 @@ def test_one_table_per_regime_and_track_with_every_registered_method_fedavg_firs
     assert [t.id for t in single] == [f"mnist-{g}" for g in b.SCALES["mnist"].regimes]
     assert [t.id for t in width] == [f"mnist-{g}-width" for g in b.SCALES["mnist"].regimes]
     registered = [m for m in b.SINGLE if m in ALGORITHMS]
+    unfit = b.unfit_methods(b.SCALES["mnist"], registered)  # FedBN: the MLP has no BatchNorm
+    unfit.update(dict(b.SCALES["mnist"].left_out))  # FedMA: its cost at this scale
+    registered = [m for m in registered if m not in unfit]
     for t in single:
         assert next(iter(t.rows)) == "fedavg" and sorted(t.rows) == sorted(registered)
     assert all(next(iter(t.rows)) == "heterofl" and sorted(t.rows) == sorted(b.WIDTH) for t in width)
@@ -120,3 +123,25 @@ def test_quick_runs_end_to_end_resumes_from_its_cache_and_records(tmp_path, caps
     assert all(r["costs"] and "personal_accuracy_worst10" in r["metrics"] for r in recs)
     ok, rows = verify(recs[0])  # a recorded cell re-runs to the same numbers, worst-10 % clients included
     assert ok and "personal_accuracy_worst10" in [r[0] for r in rows]
+
+
+def test_a_method_the_scales_model_cannot_serve_is_left_out_with_its_reason(capsys):
+    """FedBN declares it needs BatchNorm layers; the MNIST scale's MLP has none, so FedBN (whose rule would then
+    average everything, i.e. be FedAvg) is left out of that matrix with the reason, and the other methods stay."""
+    scale = b.SCALES["mnist"]
+    assert b.unfit_methods(scale, ["fedavg", "fedbn", "fedper"]) == {
+        "fedbn": "it needs a model with BatchNorm layers; mlp has none"}
+    capsys.readouterr()
+    t = b.tables(args(regimes="iid", methods="fedavg,fedbn,fedper"))
+    assert list(t[0].rows) == ["fedavg", "fedper"]
+    assert "fedbn left out of the mnist matrix: it needs a model with BatchNorm layers" in capsys.readouterr().out
+    # a model with BatchNorm serves it: the rule is the declaration, not a list of names
+    bn = b.Scale("cifar10", "vgg16-bn", ("iid",), 4, 2, 1, 1, {}, {}, input_shape=(3, 32, 32))
+    assert b.unfit_methods(bn, ["fedbn"]) == {}
+
+
+def test_a_scales_exclusion_applies_to_the_default_plan_only(capsys):
+    """FedMA is left out of the MNIST scale's default plan with its measured reason, and runs when named."""
+    assert "fedma" not in b.tables(args(regimes="iid"))[0].rows
+    assert "fedma left out of the mnist matrix: its matching costs" in capsys.readouterr().out
+    assert list(b.tables(args(regimes="iid", methods="fedavg,fedma"))[0].rows) == ["fedavg", "fedma"]

@@ -70,8 +70,15 @@ class Scale:
     methods: tuple[str, ...] = ()  # () = every registered method of both tracks
     seeds: int = 3
     window: int = 5  # the headline: mean of the last `window` evaluations
+    input_shape: tuple[int, ...] = (1, 28, 28)  # the dataset's inputs and classes: what the model is built for
+    num_classes: int = 10
+    left_out: tuple[tuple[str, str], ...] = ()  # (method, why): left out of this scale's default plan
 
 
+#: FedMA's layer-wise matching costs ~20 CPU-seconds a round at the MNIST scale (FedAvg: ~0.6; docs/benchmark.md
+#: "Cost"), ~10 CPU-hours for its 18 runs: more than the rest of the matrix.  It is run on request (--methods).
+_FEDMA_COST = (("fedma", "its matching costs ~30x FedAvg's round at this scale (docs/benchmark.md, Cost); "
+                         "run it with --methods fedma"),)
 _SGD = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0, "batch_size": 32, "local_epochs": 2,
         "val_fraction": 0.1}
 _IMAGE_REGIMES = ("iid", "dir0.5", "dir0.1", "shards2", "clusters", "rotated")
@@ -79,12 +86,13 @@ _IMAGE_REGIMES = ("iid", "dir0.5", "dir0.1", "shards2", "clusters", "rotated")
 #: The scales of ``--scale``; ``quick`` is ``--quick`` (3 methods × 2 regimes × 2 seeds on the bundled digits).
 SCALES: dict[str, Scale] = {
     "mnist": Scale("mnist", "mlp", _IMAGE_REGIMES, 50, 10, 100, 5, _SGD,
-                   {"train_limit": 10000, "test_limit": 2000}),
+                   {"train_limit": 10000, "test_limit": 2000}, left_out=_FEDMA_COST),
     "cifar10": Scale("cifar10", "cnn-cifar", _IMAGE_REGIMES, 50, 10, 100, 5, {**_SGD, "lr": 0.02},
-                     {"train_limit": 10000, "test_limit": 2000}),
-    "femnist": Scale("femnist", "cnn-femnist", ("natural",), 105, 10, 100, 5, {**_SGD, "lr": 0.02}, {}),
+                     {"train_limit": 10000, "test_limit": 2000}, input_shape=(3, 32, 32), left_out=_FEDMA_COST),
+    "femnist": Scale("femnist", "cnn-femnist", ("natural",), 105, 10, 100, 5, {**_SGD, "lr": 0.02}, {},
+                     num_classes=62, left_out=_FEDMA_COST),
     "quick": Scale("digits", "mlp", ("iid", "dir0.1"), 10, 5, 4, 2, {**_SGD, "local_epochs": 1}, {},
-                   methods=("fedavg", "scaffold", "local"), seeds=2, window=2),
+                   methods=("fedavg", "scaffold", "local"), seeds=2, window=2, input_shape=(1, 8, 8)),
 }
 
 
@@ -99,6 +107,23 @@ def plan_methods(wanted: Sequence[str] = (), track: str = "single") -> tuple[lis
         raise SystemExit(f"--methods: unknown {unknown}; choose from {', '.join((*SINGLE, *WIDTH))}")
     chosen = [n for n in names if not wanted or n in wanted]
     return [n for n in chosen if n in ALGORITHMS], [n for n in chosen if n not in ALGORITHMS]
+
+
+def unfit_methods(scale: Scale, methods: Sequence[str]) -> dict[str, str]:
+    """method -> why the scale's model cannot run it: what the algorithm declares it needs of a model
+    (``requires``, e.g. FedBN's BatchNorm layers) that the scale's model lacks.  Such a method is left out of the
+    scale's matrix with that reason rather than run on a model where its rule does nothing."""
+    from fedfuse.algorithms import ALGORITHMS
+    from fedfuse.engine.personal import REQUIREMENTS, unmet_requirements
+    from fedfuse.models.registry import build_model
+
+    model = build_model(scale.model, scale.input_shape, scale.num_classes)
+    out = {}
+    for m in methods:
+        unmet = unmet_requirements(model, getattr(ALGORITHMS[m], "requires", ()) or ())
+        if unmet:
+            out[m] = f"it needs a model with {' and '.join(REQUIREMENTS[n] for n in unmet)}; {scale.model} has none"
+    return out
 
 
 def cell_config(scale: Scale, regime: str, method: str, data_dir: str, threads: int = 1) -> dict[str, Any]:
@@ -142,6 +167,12 @@ def tables(args: Any) -> list[Table]:
         methods, missing = plan_methods(wanted, track)
         if missing:
             print(f"fedfuse bench: not registered, left out: {', '.join(missing)}")
+        unfit = unfit_methods(scale, methods)
+        if not wanted:  # the scale's own exclusions apply to the default plan; --methods names them explicitly
+            unfit.update({m: why for m, why in scale.left_out if m in methods})
+        for m, why in unfit.items():
+            print(f"fedfuse bench: {m} left out of the {scale.dataset} matrix: {why}")
+        methods = [m for m in methods if m not in unfit]
         if not methods:
             continue
         methods = sorted(methods, key=lambda m: m != baseline(track))
