@@ -98,13 +98,26 @@ def test_a_dp_record_is_not_rerun_but_its_hash_and_epsilon_are_checked_exactly(r
     assert res.outcome == "differs" and [ok for *_, ok in res.rows] == [False, False]
 
 
+def test_epsilon_is_not_recomputed_when_the_config_does_not_fix_the_federation_size(recs):
+    """A ``natural`` partition of every user: the number of clients ε depends on comes from the data, so the
+    check says so (unchecked) instead of comparing with a guess; the config hash is still checked."""
+    from fedfuse.config import RunConfig, apply, config_hash
+
+    cfg = {**recs["dp"]["config"], "partition": "natural", "clients": 0, "partition_options": {}}
+    rec = {**recs["dp"], "config": cfg, "config_hash": config_hash(apply(RunConfig(), {**cfg, "out": None}))}
+    res = verification.assess(rec)
+    assert res.outcome == "not re-runnable" and res.exit_status == 3
+    assert [ok for *_, ok in res.rows] == [True, None] and "not recomputed" in res.rows[1][2]
+    assert res.message.endswith("checked exactly instead: config hash (equal)")
+
+
 def test_a_clipping_only_record_is_not_rerunnable_and_its_infinite_epsilon_checks(recs):
     clip = recs["clip"]
     assert clip["metrics"]["dp_guarantee"] is False
     res = verification.assess(clip)
     assert res.outcome == "not re-runnable" and all(ok for *_, ok in res.rows)
     eps = [r for r in res.rows if r[0].startswith("dp_epsilon")]
-    assert eps == [] or (eps[0][1] is None and eps[0][2] is None)  # ε = ∞ is recorded as None
+    assert len(eps) == 1 and eps[0][1] is None and eps[0][2] is None  # ε = ∞ is recorded as None
 
 
 def test_kernels_differ_by_hand():

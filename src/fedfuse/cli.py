@@ -484,7 +484,8 @@ def _verify_one(args: argparse.Namespace, root: Path) -> int:
     res = verify.assess(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
     if verify.not_rerunnable(rec) is not None:  # its exact checks: (check, recorded, now, equal)
         for name, a, b, ok in res.rows:
-            print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  {'equal' if ok else 'DIFFERS'}")
+            said = "unchecked" if ok is None else "equal" if ok else "DIFFERS"
+            print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  {said}")
     else:
         wanted = [r for r in res.rows if verify.is_table_metric(r[0])]
         for name, a, b, d in (res.rows if args.all_metrics else wanted):

@@ -147,28 +147,32 @@ def not_rerunnable(rec: dict[str, Any]) -> str | None:
     return None
 
 
-def check_not_rerunnable(rec: dict[str, Any]) -> list[tuple[str, Any, Any, bool]]:
+def check_not_rerunnable(rec: dict[str, Any]) -> list[tuple[str, Any, Any, bool | None]]:
     """What can be checked exactly of a record that cannot be re-run (:func:`not_rerunnable`), without training:
     (check, recorded, now, equal) for the config hash (today's code hashes the recorded config the same) and,
     when the record reports one, ε at its δ after its rounds as the accountant computes it from the config
     (:func:`fedfuse.privacy.dp.central_epsilon`: noise multiplier, clients, clients per round, sampling, δ,
-    accountant)."""
+    accountant).  When the config does not fix the federation's size (a ``natural`` partition of every user, a
+    federation the record describes) ε is not recomputed: its row says why, and ``equal`` is None."""
     from fedfuse.config import RunConfig, apply, config_hash
     from fedfuse.privacy.dp import central_epsilon
 
     cfg = apply(RunConfig(), {**rec["config"], "out": None})
-    rows: list[tuple[str, Any, Any, bool]] = [
+    rows: list[tuple[str, Any, Any, bool | None]] = [
         ("config hash", rec["config_hash"], config_hash(cfg), rec["config_hash"] == config_hash(cfg))]
     metrics = rec.get("metrics") or {}
-    if "dp_epsilon" in metrics and cfg.dp == "central":
-        rounds = int(metrics.get("round") or cfg.rounds)
-        delta = float(metrics.get("dp_delta") or cfg.dp_delta)
-        eps = central_epsilon(float(cfg.dp_noise), int(cfg.clients), int(cfg.clients_per_round),
-                              str(cfg.sampling), rounds, delta, str(cfg.dp_accountant))
-        now = eps if math.isfinite(eps) else None  # the run records an infinite ε (no noise) as None
-        rows.append((f"dp_epsilon (δ = {delta:g}, {rounds} rounds)", metrics["dp_epsilon"], now,
-                     metrics["dp_epsilon"] == now))
-    return rows
+    if "dp_epsilon" not in metrics or cfg.dp != "central":
+        return rows
+    rounds = int(metrics.get("round") or cfg.rounds)
+    delta = float(metrics.get("dp_delta") or cfg.dp_delta)
+    name = f"dp_epsilon (δ = {delta:g}, {rounds} rounds)"
+    if rec.get("federation") or (cfg.partition == "natural" and not cfg.clients):
+        return [*rows, (name, metrics["dp_epsilon"], "not recomputed: the config does not fix the number of "
+                        "clients (it depends on the data)", None)]
+    eps = central_epsilon(float(cfg.dp_noise), int(cfg.clients), int(cfg.clients_per_round), str(cfg.sampling),
+                          rounds, delta, str(cfg.dp_accountant))
+    now = eps if math.isfinite(eps) else None  # the run records an infinite ε (no noise) as None
+    return [*rows, (name, metrics["dp_epsilon"], now, metrics["dp_epsilon"] == now)]
 
 
 def kernels_differ(rec: dict[str, Any], here: dict[str, Any] | None = None) -> str | None:
@@ -209,10 +213,11 @@ def assess(rec: dict[str, Any], data_dir: str | None = None, tol: float = 0.0, o
     why = not_rerunnable(rec)
     if why is not None:
         checks = check_not_rerunnable(rec)
-        if all(ok for *_, ok in checks):
+        if all(ok is not False for *_, ok in checks):
+            equal = ", ".join(c for c, _, _, ok in checks if ok)
             return Outcome("not re-runnable", f"not re-runnable bit for bit: {why}; checked exactly instead: "
-                           f"{', '.join(c for c, *_ in checks)} (equal)", checks)
-        bad = ", ".join(c for c, _, _, ok in checks if not ok)
+                           f"{equal} (equal)", checks)
+        bad = ", ".join(c for c, _, _, ok in checks if ok is False)
         return Outcome("differs", f"NOT verified: {why}, and what can be checked differs: {bad}", checks)
     ok, rows = verify(rec, data_dir, tol, out)
     diffs = [d for name, _, _, d in rows if is_table_metric(name)]
