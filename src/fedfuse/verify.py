@@ -10,8 +10,9 @@ that built it.
 
 * ``bit for bit`` (0) — every table metric equal to the last bit; ``within tolerance`` (0) — every difference at
   most a ``tol`` the caller chose above 0 (the default is 0: a re-run either repeats or it does not);
-* ``differs`` (1) — a difference on the float kernels the record was made with: today's code computes something
-  else; also a record that is not re-runnable whose config hash or ε no longer checks out;
+* ``differs`` (1) — a difference on the float kernels the record was made with, or other evaluated rounds on any:
+  today's code computes something else; also a record that is not re-runnable whose config hash or ε no longer
+  checks out;
 * ``not re-runnable`` (3) — a central-DP record (``dp=central`` without ``dp_reproducible``, or one that says
   ``dp_guarantee``): its noise and client sampling come from OS randomness by design, so its metrics cannot
   repeat; what can be checked exactly is checked instead (the config hash, the ε the accountant gives for the
@@ -205,11 +206,11 @@ class Outcome:
 
 
 def assess(rec: dict[str, Any], data_dir: str | None = None, tol: float = 0.0, out: str | None = None,
-           here: dict[str, str] | None = None) -> Outcome:
+           here: dict[str, Any] | None = None) -> Outcome:
     """Verify ``rec``: a record that cannot repeat (:func:`not_rerunnable`) gets its exact checks
     (:func:`check_not_rerunnable`), every other one is re-run and compared (:func:`verify`); a difference is
     ``other kernels`` when the record's float kernels differ from ``here``'s or are unknown
-    (:func:`kernels_differ`), else ``differs``."""
+    (:func:`kernels_differ`), else (and whenever the evaluated rounds differ) ``differs``."""
     why = not_rerunnable(rec)
     if why is not None:
         checks = check_not_rerunnable(rec)
@@ -227,8 +228,9 @@ def assess(rec: dict[str, Any], data_dir: str | None = None, tol: float = 0.0, o
     if ok:
         return Outcome("within tolerance", f"reproduced within tolerance {tol:g}, not bit for bit (largest "
                        f"difference {largest:+.3g})", rows)
-    what = ("the evaluated rounds differ" if any(d is None for d in diffs)
-            else f"largest table-metric difference {largest:+.3g}")
+    if any(d is None for d in diffs):  # which rounds are evaluated does not depend on how floats round
+        return Outcome("differs", "NOT reproduced: the evaluated rounds differ", rows)
+    what = f"largest table-metric difference {largest:+.3g}"
     kernels = kernels_differ(rec, here)
     if kernels is not None:
         return Outcome("other kernels", f"differs ({what}), and {kernels}: exact re-runs need the same kernels, so "
