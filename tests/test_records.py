@@ -32,6 +32,9 @@ def test_every_record_matches_its_spec_and_hashes_its_config():
         assert rec["schema"] == records.SCHEMA and len(rec["commit"]) >= 7, path
         cfg = apply(RunConfig(), {**rec["config"], "out": None})  # today's code still accepts the recorded config
         assert config_hash(cfg) == rec["config_hash"], f"{path}: config and hash disagree"
+        made = rec.get("made_on")  # where it was made: optional, records made before it stay valid
+        assert made is None or ({"torch", "cpu_capability", "machine", "cpu", "kernel_env"} <= set(made)
+                                and isinstance(made["kernel_env"], dict)), path
 
 
 def test_stability_by_hand():

@@ -446,21 +446,53 @@ def _results_list(root: Path) -> int:
 
 
 def _results_verify(args: argparse.Namespace, root: Path) -> int:
-    """``results verify``: re-run one record and print recorded against now; 1 when not reproduced."""
+    """``results verify``: re-run one record (or check what can be checked of one that cannot be re-run) and print
+    recorded against now; the exit status names the outcome (:data:`fedfuse.verify.EXIT`), 2 a refusal (no
+    matching record, a LoRA record without its base's digest: one ``fedfuse: error:`` line)."""
+    try:
+        return _verify_one(args, root)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        msg = e.code.removeprefix("fedfuse results verify: ").removeprefix("fedfuse results: ")
+        print(f"fedfuse: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def _verify_one(args: argparse.Namespace, root: Path) -> int:
+    import random
+
     from fedfuse import records, verify
 
-    pick = args.random if args.random is not None else None
-    path, rec = records.choose(root, args.table, _cell_arg(args.cell or ""), args.seed, pick)
+    found = records.matching(root, args.table, _cell_arg(args.cell or ""), args.seed)
+    if args.random is None:
+        path, rec = found[0]
+    else:
+        eligible = [(p, r) for p, r in found if verify.not_rerunnable(r) is None]
+        skipped = len(found) - len(eligible)
+        print(f"picking at random among {len(eligible)} re-runnable record{'s' if len(eligible) != 1 else ''} "
+              f"of {len(found)} matching" + (f"; {skipped} not eligible: central DP, whose noise and client "
+                                             "sampling are OS randomness by design" if skipped else ""))
+        if not eligible:
+            print("nothing to re-run: pick one of them explicitly (--table/--cell/--seed without --random) to "
+                  "check its config hash and ε")
+            return verify.EXIT["not re-runnable"]
+        path, rec = random.Random(args.random).choice(eligible)
     stale = records.stale_reason(rec)
     print(f"verifying {path} (table {rec['table']}, cell {rec['cell']}, seed {rec['seed']}, recorded on commit "
           f"{rec['commit'][:12]}{'; ' + stale if stale else ''})", flush=True)
-    ok, rows = verify.verify(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
-    wanted = [r for r in rows if verify.is_table_metric(r[0])]
-    for name, a, b, d in (rows if args.all_metrics else wanted):
-        diff = "—" if d is None else f"{d:+.3g}"
-        print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  difference {diff}")
-    print("reproduced" if ok else f"NOT reproduced (tolerance {args.tol})")
-    return 0 if ok else 1
+    res = verify.assess(rec, args.data_dir or os.environ.get("FEDFUSE_DATA"), args.tol)
+    if verify.not_rerunnable(rec) is not None:  # its exact checks: (check, recorded, now, equal)
+        for name, a, b, ok in res.rows:
+            said = "unchecked" if ok is None else "equal" if ok else "DIFFERS"
+            print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  {said}")
+    else:
+        wanted = [r for r in res.rows if verify.is_table_metric(r[0])]
+        for name, a, b, d in (res.rows if args.all_metrics else wanted):
+            diff = "—" if d is None else f"{d:+.3g}"
+            print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  difference {diff}")
+    print(res.message)
+    return res.exit_status
 
 
 def _add_results(sub) -> None:
@@ -482,14 +514,31 @@ def _add_results(sub) -> None:
     rec.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (one per seed)")
     li = acts.add_parser("list", help="tables with their record and stale counts")
     li.set_defaults()
-    v = acts.add_parser("verify", help="re-run one record at its recorded config and report the difference")
+    v = acts.add_parser("verify", help="re-run one record at its recorded config and report the difference",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Re-run one record at its recorded config with today's code and compare every "
+                                    "table metric with what it recorded.",
+                        epilog="exit status:\n"
+                               "  0  reproduced bit for bit (or within a --tol above 0)\n"
+                               "  1  NOT reproduced: a difference on the float kernels the record was made with; "
+                               "or a\n     record that cannot be re-run whose config hash or ε no longer "
+                               "checks out\n"
+                               "  2  refused or usage error (no matching record, a LoRA record without its base's "
+                               "digest)\n"
+                               "  3  not re-runnable bit for bit: central DP draws its noise and client sampling "
+                               "from\n     OS randomness by design; its config hash and ε were checked and are "
+                               "equal\n"
+                               "  4  differs, on a record made with other float kernels (torch version, CPU "
+                               "capability,\n     machine) or unknown ones: exact re-runs need the same kernels\n")
     v.add_argument("--table", default=None, help="only records of this table")
     v.add_argument("--cell", default=None, help="only records whose cell has these values, e.g. method=msfusion")
     v.add_argument("--seed", type=int, default=None, help="only this seed")
     v.add_argument("--random", type=int, default=None, metavar="PICK",
-                   help="pick a random matching record (PICK seeds the choice)")
+                   help="pick a random matching record that can be re-run bit for bit (PICK seeds the choice; "
+                        "central-DP records are skipped and counted)")
     v.add_argument("--data-dir", default=None, help="where the datasets are (default: $FEDFUSE_DATA)")
-    v.add_argument("--tol", type=float, default=1e-9, help="largest accepted difference of a table metric")
+    v.add_argument("--tol", type=float, default=0.0,
+                   help="largest accepted difference of a table metric (default 0: bit for bit)")
     v.add_argument("--all-metrics", action="store_true", help="print every recorded metric, not only the table's")
     rs.set_defaults(func=cmd_results)
 

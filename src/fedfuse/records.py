@@ -4,10 +4,12 @@ A **record** is one run of one table cell (one seed): a small JSON file under ``
 the resolved config, its hash (:func:`fedfuse.config.config_hash`), the fedfuse commit it ran on, the *behaviour
 versions* of the code it ran on (:data:`BEHAVIOUR`), the final metrics, the per-round global accuracy (the
 personalised accuracy for methods without a global model: ``curve_metric``) and the stability statistics
-(last-10 mean, best 10-round mean).  A **table spec** (``results/tables/<table>.json``)
-says which records form which rows and columns.  The Markdown tables in ``README.md`` and ``docs/`` that are
-delimited by ``<!-- results: <table> -->`` … ``<!-- /results -->`` are generated from the records by
-``fedfuse results render`` (``--check``: report, do not write; ``tests/test_records.py`` runs it).
+(last-10 mean, best 10-round mean), and where it was made (``made_on``: :func:`made_on`, the float kernels a
+bit-for-bit re-run needs; records made before it was stored lack it).  A **table spec**
+(``results/tables/<table>.json``) says which records form which rows and columns.  The Markdown tables in
+``README.md`` and ``docs/`` that are delimited by ``<!-- results: <table> -->`` … ``<!-- /results -->`` are
+generated from the records by ``fedfuse results render`` (``--check``: report, do
+not write; ``tests/test_records.py`` runs it).
 
 **Stale records.**  A commit that changes what an algorithm (or the engine, ``"*"``) computes bumps its entry
 in :data:`BEHAVIOUR` and says so in its message.  A record made on older code (a lower version for its
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import platform
 import random
 import re
 import subprocess
@@ -59,6 +62,31 @@ def current_commit(where: Path | None = None) -> str:
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+#: environment variables that choose the float kernels torch runs (ATen's dispatch, MKL's code path, oneDNN's ISA)
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def made_on() -> dict[str, Any]:
+    """Where this process computes: the torch version, the CPU capability torch dispatches its kernels for
+    (``torch.backends.cpu.get_cpu_capability()``, e.g. ``AVX512``), the machine (``platform.machine()``), the CPU
+    model (Linux's ``/proc/cpuinfo``, else ``platform.processor()``; MKL picks its code path by it) and those of
+    :data:`KERNEL_ENV` that are set.  Float results repeat bit for bit only on the same kernels: the same seed on
+    another CPU or torch version may round differently."""
+    import os
+
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"torch": str(torch.__version__), "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+            "machine": platform.machine(), "cpu": cpu,
+            "kernel_env": {k: os.environ[k] for k in KERNEL_ENV if os.environ.get(k)}}
 
 
 # ---- records -------------------------------------------------------------------------------------------------
@@ -136,6 +164,7 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
         "metrics": {**scalar_metrics(last_evaluation(res.summary)), **stability_metrics(hist)},
         "curve": curve,
         "costs": costs(hist),
+        "made_on": made_on(),
         **({} if curve_metric == "global_accuracy" else {"curve_metric": curve_metric}),
     }
 
@@ -500,16 +529,25 @@ def all_records(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     return [(p, json.loads(p.read_text())) for p in sorted(base.glob("*/*.json"))] if base.is_dir() else []
 
 
-def choose(root: Path, table: str | None = None, cell: dict[str, str] | None = None, seed: int | None = None,
-           pick: int | None = None) -> tuple[Path, dict[str, Any]]:
-    """One record: filtered by table / cell values / seed; the first match, or a random one with ``pick`` (its
-    seed)."""
+def matching(root: Path, table: str | None = None, cell: dict[str, str] | None = None,
+             seed: int | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """Every record of ``table`` whose cell has the values ``cell`` and whose seed is ``seed`` (None: any), by
+    path; ``SystemExit`` when none does."""
     found = [(p, r) for p, r in all_records(root)
              if (table is None or r["table"] == table) and (seed is None or r["seed"] == seed)
              and all(str(r["cell"].get(k)) == v for k, v in (cell or {}).items())]
     if not found:
         raise SystemExit(f"fedfuse results: no record matches table={table} cell={cell} seed={seed}")
+    return found
+
+
+def choose(root: Path, table: str | None = None, cell: dict[str, str] | None = None, seed: int | None = None,
+           pick: int | None = None) -> tuple[Path, dict[str, Any]]:
+    """One record: filtered by table / cell values / seed (:func:`matching`); the first match, or a random one
+    with ``pick`` (its seed)."""
+    found = matching(root, table, cell, seed)
     return random.Random(pick).choice(found) if pick is not None else found[0]
 
 
-__all__ = ["BEHAVIOUR", "choose", "make_record", "render", "render_table", "stability", "stale_reason"]
+__all__ = ["BEHAVIOUR", "choose", "made_on", "make_record", "matching", "render", "render_table", "stability",
+           "stale_reason"]
