@@ -87,7 +87,7 @@ _IMAGE_REGIMES = ("iid", "dir0.5", "dir0.1", "shards2", "clusters", "rotated")
 SCALES: dict[str, Scale] = {
     "mnist": Scale("mnist", "mlp", _IMAGE_REGIMES, 50, 10, 100, 5, _SGD,
                    {"train_limit": 10000, "test_limit": 2000}, left_out=_FEDMA_COST),
-    "cifar10": Scale("cifar10", "cnn-cifar", _IMAGE_REGIMES, 50, 10, 100, 5, {**_SGD, "lr": 0.02},
+    "cifar10": Scale("cifar10", "cnn-cifar", ("dir0.5", "dir0.1"), 50, 10, 100, 5, {**_SGD, "lr": 0.02},
                      {"train_limit": 10000, "test_limit": 2000}, input_shape=(3, 32, 32), left_out=_FEDMA_COST),
     "femnist": Scale("femnist", "cnn-femnist", ("natural",), 105, 10, 100, 5, {**_SGD, "lr": 0.02}, {},
                      num_classes=62, left_out=_FEDMA_COST),
@@ -202,13 +202,23 @@ FAMILY = Family("the benchmark matrix: methods × heterogeneity regimes × seeds
                 add_arguments, docs="benchmark", seeds="3", quick_seeds="2")
 
 
+def planned(scale: Scale, track: str) -> list[str]:
+    """The methods of ``track`` a scale's default plan runs: the track's names without the scale's exclusions and
+    the methods its model cannot serve (:func:`unfit_methods`)."""
+    names = [m for m in (SINGLE if track == "single" else WIDTH) if m not in dict(scale.left_out)]
+    from fedfuse.algorithms import ALGORITHMS
+
+    unfit = unfit_methods(scale, [m for m in names if m in ALGORITHMS])
+    return [m for m in names if m not in unfit]
+
+
 def spec(scale_name: str, track: str = "single", target: float = 0.9) -> dict[str, Any]:
     """The benchmark table spec of a scale and track (``results/tables/bench-<dataset>[-width].json`` holds
     it; :mod:`fedfuse.bench_report` renders it)."""
     scale = SCALES[scale_name]
     sid = f"bench-{scale.dataset}" + ("-width" if track == "width" else "")
     return {"id": sid, "kind": "benchmark", "track": track, "window": scale.window, "baseline": baseline(track),
-            "target": target, "regimes": list(scale.regimes), "methods": list(SINGLE if track == "single" else WIDTH),
+            "target": target, "regimes": list(scale.regimes), "methods": planned(scale, track),
             "regime_text": {g: REGIMES[g][3] for g in scale.regimes}, "figures": f"docs/img/{sid}",
             "command": ("--quick" if scale_name == "quick" else f"--scale {scale_name}")
             + f" --record bench-{scale.dataset}", "records": [f"bench-{scale.dataset}"]}
