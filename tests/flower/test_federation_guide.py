@@ -1,6 +1,11 @@
 """docs/deploy.md, executed: its numbered steps' commands, read from the page itself, run on loopback with three
-devices — each its own directory holding only what the guide copies to it — through a SuperLink crash and a device
-restart, and the deployed run must equal the in-process run round for round.
+devices — each its own directory holding only what the guide copies to it — and a server that holds no dataset,
+through a SuperLink crash in the middle of a round and a device restart; the deployed run must equal the in-process
+run with the same federated evaluation round for round.
+
+The machines: ``D`` holds the dataset and splits it into the devices' bundles (``export-partitions``), ``A`` is
+the server (SuperLink, gateway, ServerApp, ``flwr run``) with an empty ``FEDFUSE_DATA`` and an audit hook recording
+every file its ServerApp opens, ``device-i`` a device (its warm worker records the files it opens).
 
 Only what a single machine forces is changed, by the explicit rules of :func:`localise`: the server's and the
 devices' addresses become loopback, the fixed ports free ones, ``/srv``/``/data`` paths temporary directories,
@@ -35,8 +40,8 @@ DEVICES = 3
 STUDY: dict[str, Any] = {"algorithm": "fedavg", "dataset": "digits", "clients": 3, "clients_per_round": 3,
                          "rounds": 4, "eval_every": 2, "threads": 1, "plots": False, "seed": 5,
                          "model_options": {"widths": [16]}}
-#: The server holds no dataset once federated evaluation lands (#40 item 2): merge its settings here, one line.
-NO_SERVER_DATA: dict[str, Any] = {}
+#: The server holds no dataset: the devices evaluate the global model (docs/deploy.md's study.yaml says the same).
+NO_SERVER_DATA: dict[str, Any] = {"global_eval": "federated"}
 
 
 def guide() -> dict[int, list[str]]:
@@ -64,7 +69,7 @@ def localise(cmd: str, ports: dict[str, int], tmp: Path, device: int = 0) -> str
         (r"\b9094\b", str(ports[f"runtime-{device}"])),
         (r"/srv/fedfuse/study\b", str(tmp / "out")),
         (r"/srv/data\b", str(tmp / "data")),
-        (r"/data/node-0\b", str(tmp / "A" / "parts" / f"node-{device}")),
+        (r"/data/node-0\b", str(tmp / "D" / "parts" / f"node-{device}")),
         (r"\bnode-0\b", f"node-{device}"),
         (r"--nodes 5\b", f"--nodes {DEVICES}"),
         (r"--min-nodes 5\b", f"--min-nodes {DEVICES}"),
@@ -122,6 +127,12 @@ def _wait_for(what: str, check: Any, timeout: float, log: Path | None = None) ->
         time.sleep(0.2)
 
 
+def _opened(path: Path) -> list[Path]:
+    """The files an audit hook (``FEDFUSE_AUDIT_OPEN``) recorded, resolved."""
+    text = path.read_text() if path.exists() else ""
+    return [Path(p).resolve() for p in text.splitlines() if p and not p.isdigit()]
+
+
 def _listening(port: int) -> bool:
     import socket
 
@@ -154,6 +165,7 @@ def _start_device(machine: Machine, cmd: str, timeout: float = 180) -> int:
 
 @pytest.mark.slow
 def test_the_deployment_guide_runs_as_written_through_a_superlink_crash_and_a_device_restart(tmp_path: Path) -> None:
+    import sklearn
     import yaml
 
     import fedfuse
@@ -166,16 +178,31 @@ def test_the_deployment_guide_runs_as_written_through_a_superlink_crash_and_a_de
     src = str(Path(fedfuse.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p),
                FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1", COLUMNS="200", NO_COLOR="1")
+    env.pop("FEDFUSE_AUDIT_OPEN", None)
     ports = {"gateway": free_port(), "admin": free_port(), **{f"runtime-{i}": free_port() for i in range(DEVICES)}}
     (tmp_path / "data").mkdir()
-    server = Machine(tmp_path / "A", dict(env, FLWR_HOME=str(tmp_path / "A" / ".flwr-home")))
-    devices = [Machine(tmp_path / f"device-{i}", dict(env, FLWR_HOME=str(tmp_path / f"device-{i}" / ".flwr")))
+    server_data = tmp_path / "server-data"  # the server's FEDFUSE_DATA: empty, and it must stay so
+    server_data.mkdir()
+    data = Machine(tmp_path / "D", env)
+    server = Machine(tmp_path / "A", dict(env, FLWR_HOME=str(tmp_path / "A" / ".flwr-home"),
+                                          FEDFUSE_DATA=str(server_data),
+                                          FEDFUSE_AUDIT_OPEN=str(tmp_path / "A" / "serverapp.opened")))
+    devices = [Machine(tmp_path / f"device-{i}", dict(env, FLWR_HOME=str(tmp_path / f"device-{i}" / ".flwr"),
+                                                      FEDFUSE_AUDIT_OPEN=str(tmp_path / f"device-{i}" / "opened")))
                for i in range(DEVICES)]
-    (server.dir / "study.yaml").write_text(yaml.safe_dump({**STUDY, **NO_SERVER_DATA}))
+    study = {**STUDY, **NO_SERVER_DATA}
+    assert yaml.safe_load(re.search(r"```yaml\n(.*?)```", GUIDE.read_text(), re.S).group(1))["global_eval"] \
+        == study["global_eval"]  # the guide's study evaluates as this one does
+    for m in (data, server):
+        (m.dir / "study.yaml").write_text(yaml.safe_dump(study))
     experiment(make_config(str(server.dir / "study.yaml"), out=str(tmp_path / "ref"), executor="sequential")).run()
 
-    # 1. Prepare (machine A)
-    for cmd in steps[1]:
+    # 1. Prepare: the data's machine splits the dataset into the devices' bundles; the server writes the app
+    export, *prepare = steps[1]
+    assert export.startswith("fedfuse export-partitions") and not any("export-partitions" in c for c in prepare)
+    data.run(localise(export, ports, tmp_path))
+    for cmd in prepare:
+        assert "--data-dir" not in cmd and "parts" not in cmd, cmd  # the server is given no data
         server.run(localise(cmd, ports, tmp_path))
     # 2. the server: SuperLink and gateway; 3. each device makes its key, the operator registers its public key
     superlink_cmd, gateway_cmd, register_cmd = (localise(c, ports, tmp_path) for c in steps[2])
@@ -186,6 +213,7 @@ def test_the_deployment_guide_runs_as_written_through_a_superlink_crash_and_a_de
     _wait_for("the gateway", lambda: _listening(ports["gateway"]), 120, server.dir / "gateway.log")
     keygen, supernode = steps[3]
     device_cmds = []
+    bundles = [(data.dir / "parts" / f"node-{i}").resolve() for i in range(DEVICES)]
     for i, device in enumerate(devices):  # what the operator hands each device: ca.crt, trusted entities, its data
         shutil.copy(server.dir / "study-app" / "certs" / "ca.crt", device.dir)
         shutil.copy(server.dir / "study-app" / "trusted-entities.yaml", device.dir)
@@ -193,7 +221,7 @@ def test_the_deployment_guide_runs_as_written_through_a_superlink_crash_and_a_de
         shutil.copy(device.dir / f"node-{i}.pub", server.dir)  # only the public key leaves the device
         server.run(localise(register_cmd, ports, tmp_path, i))
         device_cmds.append(localise(supernode, ports, tmp_path, i))
-        assert f"data='{tmp_path / 'A' / 'parts' / f'node-{i}'}'" in device_cmds[-1]
+        assert f"data='{bundles[i]}'" in device_cmds[-1]
     try:
         node_ids = [_start_device(d, c) for d, c in zip(devices, device_cmds, strict=True)]
         # 4. Run
@@ -204,8 +232,14 @@ def test_the_deployment_guide_runs_as_written_through_a_superlink_crash_and_a_de
         def rounds() -> list[dict[str, Any]]:
             return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
+        def in_round_3() -> bool:  # round 2 written and every device has its round-3 job: a crash mid-round
+            jobs = [(d.dir / "device.log").read_text(errors="replace").count("Receiving: train message")
+                    for d in devices]
+            return len(rounds()) >= 2 and min(jobs) >= 3
+
         first = server.start("run-1", run_cmd)
-        _wait_for("round 2", lambda: len(rounds()) >= 2, 600, first)
+        _wait_for("round 3's jobs", in_round_3, 600, first)
+        pids = [d.procs["device"].pid for d in devices]
         server.kill("superlink")  # the server crashes (its ServerApp with it) ...
         devices[1].kill("device")  # ... and device 1 restarts meanwhile
         server.start("superlink", superlink_cmd)
@@ -214,13 +248,36 @@ def test_the_deployment_guide_runs_as_written_through_a_superlink_crash_and_a_de
         server.procs.pop("run-1").wait(timeout=60)  # its stream ended with the SuperLink
         second = server.start("run-2", resume_cmd)
         _wait_for("the resumed run", lambda: server.procs["run-2"].poll() is not None, 900, second)
-        assert all(d.procs["device"].poll() is None for d in devices)  # every device still up
+        # the other devices neither exited nor re-registered through the crash: the same processes throughout
+        assert [d.procs["device"].pid for d in devices[::2]] == pids[::2]
+        assert all(d.procs["device"].poll() is None for d in devices)
         got = rounds()
         ref = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
         assert [r["round"] for r in got] == list(range(1, STUDY["rounds"] + 1)), second.read_text()[-3000:]
         assert [strip_timing(r) for r in got] == [strip_timing(r) for r in ref]
+        assert got[-1]["global_eval_clients"] == STUDY["clients"]  # evaluated on the devices, every client
         log = second.read_text(errors="replace")
-        assert f"fedfuse round {STUDY['rounds']}/{STUDY['rounds']}: {DEVICES}/{DEVICES} replied" in log
+        for r in got[2:]:  # the resumed run's rounds in Flower's own log, as metrics.jsonl has them
+            assert (f"fedfuse round {r['round']}/{STUDY['rounds']}: {DEVICES}/{DEVICES} replied, "
+                    f"train_loss {r['train_loss']:.4f}") in log, log[-3000:]
+        assert f"global_accuracy {got[-1]['global_accuracy']:.4f}" in log
+        # the killed run's log too, kept in the SuperLink's --database ("Watching a run": flwr log RUN_ID --show)
+        killed = re.search(r"Successfully started run (\d+)", first.read_text(errors="replace"))
+        assert killed, first.read_text(errors="replace")[-3000:]
+        shown = server.run(f"FLWR_HOME=study-app/.flwr COLUMNS=200 flwr log {killed.group(1)} fedfuse --show")
+        assert f"fedfuse round 2/{STUDY['rounds']}: {DEVICES}/{DEVICES} replied" in shown, shown[-3000:]
+        links = (server.dir / "superlink.log").read_text(errors="replace")
+        assert "Invalid run configuration" not in links and "No SuperNode found" not in links
     finally:
         for m in (*devices, server):
             m.stop()
+    # no data reached the server: its FEDFUSE_DATA untouched, and its ServerApps opened no dataset file or bundle
+    assert list(server_data.iterdir()) == [] and not (server.dir / "parts").exists()
+    opened = _opened(server.dir / "serverapp.opened")
+    assert any(p.name == "fedfuse-config.yaml" for p in opened)  # the hook ran in the ServerApp's process
+    held = [Path(sklearn.__file__).parent / "datasets" / "data", server_data.resolve(), *bundles]
+    assert not [p for p in opened if any(p.is_relative_to(d) for d in held)]
+    for i in range(DEVICES):  # each device's worker opened its own bundle, no other device's
+        seen = _opened(devices[i].dir / "opened")
+        assert any(p.is_relative_to(bundles[i]) for p in seen)
+        assert not [p for p in seen if any(p.is_relative_to(b) for j, b in enumerate(bundles) if j != i)]

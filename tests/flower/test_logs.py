@@ -1,6 +1,6 @@
 """A deployed run's progress reaches Flower's logger (what ``flwr log`` shows): one line per round with the numbers
 of ``metrics.jsonl``, and fedfuse's other INFO lines; the ``fedfuse`` logger is left as it was afterwards.  The
-deployed path (``flwr log --show`` of a real run) is checked in ``test_federation_restart.py``."""
+deployed path (``flwr log --show`` of a real run) is checked in ``test_federation_guide.py``."""
 
 from __future__ import annotations
 

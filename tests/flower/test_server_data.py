@@ -2,8 +2,8 @@
 dataset file, and its run (federated evaluation) equals the in-process run that evaluates the same way.
 
 The ServerApp's own entry point (``fedfuse.flower.app._main``) runs here over :class:`LocalGrid` (every message
-through Flower's protobuf both ways, the ClientApp in this process); the real deployment is
-``test_server_data_deployment.py``."""
+through Flower's protobuf both ways, the ClientApp in this process); the real deployment without server data is
+the executed guide, ``test_federation_guide.py``."""
 
 from __future__ import annotations
 
