@@ -34,13 +34,19 @@ from typing import Any
 log = logging.getLogger("fedfuse")
 
 DEFAULT_POLL = 0.02  # seconds between two AcquireTask calls while idle (a loopback HTTP request: cheap)
+#: Seconds a task may spend pulling its message's objects before it fails.  Flower's own default (2 hours, 500
+#: tries per object) is for a ``flwr-clientapp`` process the SuperNode kills when its run ends; a warm worker is
+#: never killed, so a task whose run died under it (a SuperLink crash mid-round: the objects never become
+#: available, the SuperLink answers "Run is finished") would keep it from every later task for that long.
+DEFAULT_PULL_TIMEOUT = 60.0
 
 
 class WarmWorker:
     """Claims the ClientApp tasks of one SuperNode's Runtime API and runs them in this process."""
 
     def __init__(self, runtime_api_address: str, *, insecure: bool = True, root_certificates: bytes | None = None,
-                 poll: float = DEFAULT_POLL, any_app: bool = False) -> None:
+                 poll: float = DEFAULT_POLL, any_app: bool = False,
+                 pull_timeout: float = DEFAULT_PULL_TIMEOUT) -> None:
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
         from flwr.supercore.retry import make_simple_http_retry_invoker
         from flwr.supercore.runtime import RuntimeHttpClient
@@ -49,6 +55,7 @@ class WarmWorker:
         self.insecure = insecure
         self.root_certificates = root_certificates
         self.poll = poll
+        self.pull_timeout = pull_timeout
         self.any_app = any_app  # False: only fedfuse's app bundles (fedfuse.flower.deploy.check_fedfuse_bundle)
         self.apps: dict[str, Any] = {}  # fab hash -> loaded ClientApp
         self.tasks = 0
@@ -91,7 +98,7 @@ class WarmWorker:
         from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
         from flwr.supercore.retry import make_simple_http_retry_invoker
         from flwr.supercore.runtime import RuntimeHttpClient
-        from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
         client = RuntimeHttpClient.from_server_address(
             server_address=self.address, insecure=self.insecure, root_certificates=self.root_certificates,
@@ -105,7 +112,7 @@ class WarmWorker:
         t0 = time.perf_counter()
         t1 = t2 = t0
         try:
-            message, context, run, fab = pull_task_input(client)
+            message, context, run, fab = pull_task_input(client, self.pull_timeout)
             app = self.client_app(fab, run)
             t1 = time.perf_counter()
             reply = app(message=message, context=context)
@@ -150,6 +157,31 @@ class WarmWorker:
         return self.tasks
 
 
+def pull_task_input(client: Any, max_time: float) -> tuple[Any, Any, Any, Any]:
+    """Flower's ``run_clientapp.pull_task_input`` (flwr 1.40-1.41: context, run and bundle, then the message's
+    objects) with the objects' pull bounded by ``max_time`` seconds: past it the task fails
+    (:class:`~flwr.supercore.inflatable.inflatable_utils.ObjectPullError` or a timeout) and the worker serves the
+    next one."""
+    from flwr.supernode.runtime import run_clientapp as rc  # Flower's own building blocks of the same function
+
+    res = client.PullTaskInput(rc.PullTaskInputRequest())
+    identity = getattr(rc, "TaskIdentity", None)
+    if identity is not None:  # what Flower's own log lines of the task report
+        identity.task_id, identity.run_id, identity.node_id = res.task_id, res.run.run_id, res.context.node_id
+    context, run, fab = rc.context_from_proto(res.context), rc.run_from_proto(res.run), rc.fab_from_proto(res.fab)
+    msgs = client.PullMessages(rc.PullAppMessagesRequest())
+    if not msgs.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node = rc.Node(node_id=context.node_id)
+    tree = msgs.message_object_trees[0]
+    message = rc.pull_and_inflate_object_from_tree(
+        tree, rc.make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        rc.make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=rc.Message, max_time=max_time)
+    message.metadata.__dict__["_message_id"] = tree.object_id  # the deflated message lacks its own id
+    return message, context, run, fab
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedfuse.flower.worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--runtime-api-address", default="127.0.0.1:9094",
@@ -159,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--poll", type=float, default=DEFAULT_POLL, help="seconds between task polls while idle")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the SuperNode) exits")
     p.add_argument("--any-app", action="store_true", help="run any Flower app's ClientApp (default: fedfuse's only)")
+    p.add_argument("--pull-timeout", type=float, default=DEFAULT_PULL_TIMEOUT,
+                   help="seconds a task may spend pulling its message before it fails (default %(default)s)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     audit = os.environ.get("FEDFUSE_AUDIT_OPEN")
@@ -182,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(int(os.environ.get("FEDFUSE_THREADS", "1")))
     worker = WarmWorker(args.runtime_api_address, insecure=certs is None, root_certificates=certs, poll=args.poll,
-                         any_app=args.any_app)
+                         any_app=args.any_app, pull_timeout=args.pull_timeout)
     log.info("warm ClientApp worker serving %s (pid %d)", args.runtime_api_address, os.getpid())
     worker.serve()
     return 0
