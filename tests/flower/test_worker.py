@@ -18,19 +18,19 @@ class NeverAvailable:
     def __init__(self) -> None:
         self.pulls = 0
 
-    def PullTaskInput(self, request):  # noqa: N802 (Flower's RPC names)
+    def PullTaskInput(self, request):
         return SimpleNamespace(task_id=7, run=SimpleNamespace(run_id=3), context=SimpleNamespace(node_id=5),
                                fab=None)
 
-    def PullMessages(self, request):  # noqa: N802
+    def PullMessages(self, request):
         return SimpleNamespace(messages_list=[object()], message_object_trees=[SimpleNamespace(object_id="a" * 64,
                                                                                                children=[])])
 
-    def PullObject(self, request):  # noqa: N802
+    def PullObject(self, request):
         self.pulls += 1
         return SimpleNamespace(object_found=True, object_available=False, object_content=b"")
 
-    def ConfirmMessageReceived(self, request):  # noqa: N802
+    def ConfirmMessageReceived(self, request):
         raise AssertionError("nothing was received")
 
 
