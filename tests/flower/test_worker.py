@@ -4,6 +4,7 @@ within the worker's ``pull_timeout`` instead of holding the worker for Flower's 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -58,4 +59,4 @@ def test_the_worker_and_its_flag_carry_the_pull_timeout():
     w = worker.WarmWorker.__new__(worker.WarmWorker)
     worker.WarmWorker.__init__(w, "127.0.0.1:1", pull_timeout=5.0)
     assert w.pull_timeout == 5.0
-    assert "--pull-timeout" in open(worker.__file__).read()
+    assert "--pull-timeout" in Path(worker.__file__).read_text()
