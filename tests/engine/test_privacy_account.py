@@ -54,6 +54,9 @@ def test_without_dp_nothing_is_spent_or_withheld():
 
 
 def test_local_dp_counts_every_clients_steps():
+    from support import needs_extra
+
+    needs_extra("dp")  # local DP's ε is Opacus's RDP accountant
     acc = PrivacyAccount(ctx(mode="local", noise=1.1), "uniform", "fedavg")
     assert acc.record(None) == {"dp_epsilon": 0.0, "dp_delta": 1e-5}
     acc.count_steps({0: (Message({}, {}, FitStats(steps=4)), None), 15: (Message({}, {}, None), None)})
