@@ -497,7 +497,8 @@ def _write_figures(root: Path, text: str) -> None:
         if spec.get("kind") == "benchmark" and spec.get("figures"):
             from fedfuse.bench_report import write_figures
 
-            recs = [{**r, "stale": stale_reason(r)} for r in load_records(root, spec["id"])]
+            tables = spec.get("records") or [spec["id"]]  # the width track's spec reads the matrix's records
+            recs = [{**r, "stale": stale_reason(r)} for t in tables for r in load_records(root, t)]
             write_figures(spec, recs, root / spec["figures"])
 
 
