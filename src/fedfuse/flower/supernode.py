@@ -44,17 +44,24 @@ class CappedTime:
         time.sleep(min(seconds, self.cap))
 
 
-def start_worker(flower_args: Sequence[str], poll: float | None = None,
-                 any_app: bool = False) -> subprocess.Popen[bytes]:
-    """Start the warm ClientApp worker of the SuperNode that ``flower_args`` describe (its Runtime API is
-    ``--port``, Flower's default 9094), watching this process: it exits when this process does."""
+def runtime_port(flower_args: Sequence[str], flag: str) -> str:
+    """The Runtime API port of the SuperNode that ``flower_args`` describe (``--port``, Flower's default 9094);
+    ``flag`` (``--worker``, ``--worker-thread``) needs ``--isolation process``, where a worker runs the tasks."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--port", default="9094")
     p.add_argument("--isolation", default="subprocess")
     known, _ = p.parse_known_args(list(flower_args))
     if known.isolation != "process":
-        raise SystemExit("--worker needs --isolation process (the worker runs the ClientApp tasks)")
-    cmd = [sys.executable, "-m", "fedfuse.flower.worker", "--runtime-api-address", f"127.0.0.1:{known.port}",
+        raise SystemExit(f"{flag} needs --isolation process (the worker runs the ClientApp tasks)")
+    return str(known.port)
+
+
+def start_worker(flower_args: Sequence[str], poll: float | None = None,
+                 any_app: bool = False) -> subprocess.Popen[bytes]:
+    """Start the warm ClientApp worker of the SuperNode that ``flower_args`` describe (its Runtime API is
+    ``--port``, Flower's default 9094), watching this process: it exits when this process does."""
+    port = runtime_port(flower_args, "--worker")
+    cmd = [sys.executable, "-m", "fedfuse.flower.worker", "--runtime-api-address", f"127.0.0.1:{port}",
            "--parent-pid", str(os.getpid())]
     if poll is not None:
         cmd += ["--poll", str(poll)]
@@ -73,12 +80,7 @@ def start_worker_thread(flower_args: Sequence[str], poll: float | None = None,
 
     from fedfuse.flower.worker import DEFAULT_POLL, WarmWorker
 
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--port", default="9094")
-    p.add_argument("--isolation", default="subprocess")
-    known, _ = p.parse_known_args(list(flower_args))
-    if known.isolation != "process":
-        raise SystemExit("--worker-thread needs --isolation process (the worker runs the ClientApp tasks)")
+    port = runtime_port(flower_args, "--worker-thread")
     log = logging.getLogger("fedfuse")
     if not log.handlers:
         handler = logging.StreamHandler()
@@ -90,8 +92,8 @@ def start_worker_thread(flower_args: Sequence[str], poll: float | None = None,
         import torch
 
         torch.set_num_threads(int(os.environ.get("FEDFUSE_THREADS", "1")))
-        worker = WarmWorker(f"127.0.0.1:{known.port}", poll=DEFAULT_POLL if poll is None else poll, any_app=any_app)
-        log.info("warm ClientApp worker serving 127.0.0.1:%s in the SuperNode's process (pid %d)", known.port,
+        worker = WarmWorker(f"127.0.0.1:{port}", poll=DEFAULT_POLL if poll is None else poll, any_app=any_app)
+        log.info("warm ClientApp worker serving 127.0.0.1:%s in the SuperNode's process (pid %d)", port,
                  os.getpid())
         worker.serve()
 
