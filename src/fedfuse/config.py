@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedfuse import sections
 from fedfuse.coerce import coerce, coerce_option, parse_threads, plain
 from fedfuse.coerce import parse_value as parse_value
 from fedfuse.configfile import config_file
@@ -34,6 +33,11 @@ from fedfuse.configfile import load_yaml as load_yaml
 from fedfuse.errors import ConfigError, UnknownKeyError, UserError
 from fedfuse.extras import require_extra
 from fedfuse.options import check_value, opt
+from fedfuse.sections import FaultSettings, PrivacySettings, RuntimeSettings, TrainConfig
+from fedfuse.sections import faults as _faults
+from fedfuse.sections import privacy as _privacy
+from fedfuse.sections import runtime as _runtime
+from fedfuse.sections import training as _training
 
 NAMESPACES = ("algorithm_options", "model_options", "partition_options", "dataset_options")
 
@@ -192,24 +196,24 @@ class RunConfig:
 
     # ---- the sections the engine consumes (fedfuse.sections); the flat keys stay the user's interface --------
     @property
-    def training(self) -> sections.TrainConfig:
+    def training(self) -> TrainConfig:
         """The local optimisation of a client step."""
-        return sections.training(self)
+        return _training(self)
 
     @property
-    def faults(self) -> sections.FaultSettings:
+    def faults(self) -> FaultSettings:
         """Injected faults and the server's defences against bad replies."""
-        return sections.faults(self)
+        return _faults(self)
 
     @property
-    def privacy(self) -> sections.PrivacySettings:
+    def privacy(self) -> PrivacySettings:
         """Differential privacy and secure aggregation."""
-        return sections.privacy(self)
+        return _privacy(self)
 
     @property
-    def runtime(self) -> sections.RuntimeSettings:
+    def runtime(self) -> RuntimeSettings:
         """Device, executor, precision and threads."""
-        return sections.runtime(self)
+        return _runtime(self)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
