@@ -91,29 +91,29 @@ class GlobalEvaluation:
     — ``fit``, ``client_program``, ``node_private`` ... — is the wrapped client side's."""
 
     def __init__(self, client: Any) -> None:
-        self.wrapped = client
+        self.inner = client
 
     def __getattr__(self, name: str) -> Any:
-        if name == "wrapped" or name.startswith("__"):  # not set yet (unpickling): no recursion
+        if name == "inner" or name.startswith("__"):  # not set yet (unpickling): no recursion
             raise AttributeError(name)
-        return getattr(self.wrapped, name)
+        return getattr(self.inner, name)
 
     # the client step, as the wrapped client side's own methods (a process pool keyed by the methods' owner keeps
     # one pool for training and evaluation)
     def client_program(self, payload: Message, client_state: Any, data: ClientData) -> Any:
-        return self.wrapped.client_program(payload, client_state, data)
+        return self.inner.client_program(payload, client_state, data)
 
     def fit(self, payload: Message, client_state: Any, data: ClientData, gen: torch.Generator) -> Any:
-        return self.wrapped.fit(payload, client_state, data, gen)
+        return self.inner.fit(payload, client_state, data, gen)
 
     def evaluate(self, payload: Message, client_state: Any, data: ClientData,
                  gen: torch.Generator) -> dict[str, float]:
         """The algorithm's evaluation of its own payload, plus :data:`KEYS` when the payload carries the global
         model (evaluated after it: the algorithm's evaluation sees exactly the payload it would without)."""
         own, model = split_global(payload)
-        out = dict(self.wrapped.evaluate(own, client_state, data, gen))
+        out = dict(self.inner.evaluate(own, client_state, data, gen))
         if model is not None:
-            out.update(evaluate_global(self.wrapped.ctx, model, data))
+            out.update(evaluate_global(self.inner.ctx, model, data))
         return out
 
 

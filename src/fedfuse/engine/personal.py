@@ -246,15 +246,14 @@ def client_side(algo: Any) -> Any:
 
 def outgoing(client: Any, payloads: dict[int, Message]) -> dict[int, Message]:
     """``payloads`` as they travel: without the client's own entries when ``client`` is a :class:`ClientSide` or
-    wraps one (federated evaluation's :class:`~fedfuse.engine.federated_eval.GlobalEvaluation` through ``wrapped``,
-    local DP's :class:`~fedfuse.engine.local_dp.LocalDPClient` through ``inner``)."""
-    inner = client
-    while not isinstance(inner, ClientSide):
-        nxt = getattr(inner, "wrapped", None) or getattr(inner, "inner", None)
-        if nxt is None:
+    wraps one (a client wrapper keeps what it wraps as ``inner``: federated evaluation's
+    :class:`~fedfuse.engine.federated_eval.GlobalEvaluation`, local DP's
+    :class:`~fedfuse.engine.local_dp.LocalDPClient`)."""
+    while not isinstance(client, ClientSide):
+        client = getattr(client, "inner", None)
+        if client is None:
             return payloads
-        inner = nxt
-    return inner.outgoing(payloads)
+    return client.outgoing(payloads)
 
 
 __all__ = ["OWN", "REQUIREMENTS", "ClientSide", "StaysLocal", "check_requirements", "client_side", "join_state",
