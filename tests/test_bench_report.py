@@ -28,7 +28,7 @@ def rec(regime: str, method: str, seed: int, accs: list[float], mb_per_eval: flo
          "seed": seed, "algorithm": method, "commit": "0" * 40, "config_hash": f"{regime}{method}{seed}",
          "behaviour": {"*": 1}, "curve": curve, "costs": costs,
          "metrics": {"personal_accuracy": accs[-1], "personal_accuracy_worst10": accs[-1] / 2,
-                     "wall_seconds": 2.0 * len(accs), "round": len(accs)}}
+                     "wall_seconds": 2.0 * len(accs), "cpu_seconds": 1.5 * len(accs), "round": len(accs)}}
     if personal:
         r["curve_metric"] = "personal_accuracy"
     return r
@@ -72,9 +72,18 @@ def test_cost_to_target_reads_the_cost_at_the_first_evaluation_reaching_it():
     assert rows[("iid", "fedavg")]["GFLOPs to target"] == "2.0 ± 0.0"
     assert rows[("iid", "local")]["MB to target"] == "not reached 3/3"
     assert rows[("iid", "fedavg")]["worst 10 % %"] == "45.5 ± 0.5"
-    assert rows[("iid", "fedavg")]["s/round"] == "2.00 ± 0.00"
+    assert rows[("iid", "fedavg")]["CPU s/round"] == "1.50 ± 0.00"
     # the last 2 evaluations of iid fedavg: 0.8 → 0.90/0.91/0.92
     assert rows[("iid", "fedavg")]["swing (pts)"] == "11.0 ± 1.0"
+
+
+def test_seconds_per_round_is_cpu_time_and_marks_wall_time_of_older_records():
+    recs = [rec("iid", "fedavg", s, [0.5, 0.8, 0.9]) for s in range(2)]
+    assert br.seconds_per_round(recs) == "1.50 ± 0.00"  # 4.5 CPU-s over 3 rounds
+    del recs[1]["metrics"]["cpu_seconds"]  # a record made before runs counted CPU time: the cell falls back
+    assert br.seconds_per_round(recs) == f"2.00 ± 0.00 {br.WALL}"
+    recs[0]["metrics"]["cpu_seconds"] = None  # a resume from a checkpoint without it: unknown, not partial
+    assert br.seconds_per_round(recs[:1]) == f"2.00 {br.WALL}"  # one record: no std
 
 
 def test_friedman_and_posthoc_match_the_hand_computation():

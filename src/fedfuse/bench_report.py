@@ -154,10 +154,26 @@ def cost_rows(spec: dict[str, Any], by: Cells) -> list[dict[str, Any]]:
                 row[head] = (mean_std(got).fmt(unit, 1) if len(got) == len(vals)
                              else f"not reached {len(vals) - len(got)}/{len(vals)}")
             row["swing (pts)"] = mean_std([swing(r, window) for r in recs]).fmt(100.0, 1)
-            row["s/round"] = mean_std([r["metrics"].get("wall_seconds", 0) / max(1, r["metrics"].get("round") or 1)
-                                       for r in recs]).fmt(1.0, 2)
+            row["CPU s/round"] = seconds_per_round(recs)
             rows.append(row)
     return rows
+
+
+WALL = "†"  # a cell whose s/round is wall time: a record made before runs counted their CPU time
+
+
+def seconds_per_round(recs: Sequence[dict[str, Any]]) -> str:
+    """Mean ± std over a cell's records of the run's CPU seconds per round (``cpu_seconds``: the loop process's
+    CPU time, robust to what else the machine runs); a cell with a record without it shows wall seconds, marked
+    :data:`WALL`."""
+    def per_round(r: dict[str, Any], key: str) -> float | None:
+        v = r["metrics"].get(key)
+        return None if v is None else float(v) / max(1, r["metrics"].get("round") or 1)
+
+    cpu = [per_round(r, "cpu_seconds") for r in recs]
+    if all(v is not None for v in cpu):
+        return mean_std(cpu).fmt(1.0, 2)
+    return mean_std([per_round(r, "wall_seconds") or 0.0 for r in recs]).fmt(1.0, 2) + " " + WALL
 
 
 # ---- ranks over regimes ----------------------------------------------------------------------------------------
@@ -340,7 +356,8 @@ def blocks(spec: dict[str, Any], recs: Sequence[dict[str, Any]]) -> list[tuple[s
         ("table", matrix_rows(spec, by)),
         ("p", f"Costs: bytes and client FLOPs until a run's curve first reaches {spec.get('target', 0.9):g} × the "
               "regime's best headline; swing: the largest change between consecutive evaluations in the headline "
-              "window."),
+              f"window; CPU s/round: the run's CPU time per round (one thread); {WALL}: wall time, from records "
+              "made before runs counted CPU time."),
         ("table", cost_rows(spec, by)), ("p", friedman_text(spec, by))]
     fig = spec.get("figures")
     if fig:

@@ -107,7 +107,7 @@ def compare(recorded: dict[str, Any], now: dict[str, Any], keys: Iterable[str] |
         a, b = recorded.get(k), now.get(k)
         if isinstance(a, bool) or isinstance(b, bool):
             continue
-        if isinstance(a, int | float) and isinstance(b, int | float) and not k.startswith(("wall", "seconds")):
+        if isinstance(a, int | float) and isinstance(b, int | float) and not k.startswith(("wall", "seconds", "cpu")):
             rows.append((k, a, b, float(b) - float(a)))
     return rows
 

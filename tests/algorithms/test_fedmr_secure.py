@@ -12,7 +12,7 @@ from fedfuse.algorithms.base import RoundInfo
 from fedfuse.algorithms.fedmr import FedMR
 from fedfuse.config import validate
 from fedfuse.engine.executor import SequentialExecutor
-from fedfuse.engine.loop import Experiment, strip_timing
+from fedfuse.engine.loop import TIMING_KEYS, Experiment, strip_timing
 from fedfuse.fusion.envelopes import (
     ENVELOPE_OVERHEAD,
     envelope_aad,
@@ -189,8 +189,8 @@ def test_secure_fedmr_over_flower_messages_equals_in_process():
     flw = experiment(cfg, executor=FlowerExecutor(grid, cfg, cfg.seed))
     flw.run()
     assert [strip_timing(h) for h in flw.history] == [strip_timing(h) for h in ref.history]
-    totals = {k: v for k, v in flw.summary()["totals"].items() if k != "wall_seconds"}
-    assert totals == {k: v for k, v in ref.summary()["totals"].items() if k != "wall_seconds"}
+    totals = {k: v for k, v in flw.summary()["totals"].items() if k not in TIMING_KEYS}
+    assert totals == {k: v for k, v in ref.summary()["totals"].items() if k not in TIMING_KEYS}
     for a, b in zip(flw.state["slots"], ref.state["slots"], strict=True):
         assert all(torch.equal(a[k], b[k]) for k in b)
     trained = [m for r in range(2) for m in trained_models(ex, r).values()]

@@ -32,7 +32,7 @@ def test_run_writes_all_outputs(tmp_path):
     for key in ("algorithm", "dataset", "rounds_completed", "final", "last", "best", "best_val_loss"):
         assert key in s
     for key in ("global_accuracy", "personal_accuracy", "loss", "bytes_down", "bytes_up", "client_flops",
-                "server_parameters", "wall_seconds"):
+                "server_parameters", "wall_seconds", "cpu_seconds"):
         assert all(key in s[block] for block in ("final", "last", "best", "best_val_loss")), key
     assert (out / "model_best_val_loss.pt").exists() and not (out / "model_best.pt").exists()
     # accounting: FedAvg sends the full model down and up to every sampled client
@@ -89,6 +89,32 @@ def test_resume_is_bit_identical(tmp_path, algorithm):
     sb = json.loads((tmp_path / "b" / "run" / "summary.json").read_text())
     for block in ("final", "last", "best", "best_val_loss"):
         assert strip_timing(sa[block]) == strip_timing(sb[block])
+
+
+def test_cpu_seconds_accumulate_and_are_unknown_after_a_checkpoint_without_them(tmp_path):
+    """Every round record carries the run's CPU seconds so far (what the benchmark's s/round reads); a resume
+    from a checkpoint written before they were counted reports None, not the part after the resume."""
+    from fedfuse.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    def kill(rec):
+        if rec["round"] == 2:
+            raise Killed
+
+    cfg = small_cfg(tmp_path, rounds=4)
+    with pytest.raises(Killed):
+        experiment(cfg, on_round=kill).run()
+    recs = read_metrics(tmp_path / "run")
+    cpu = [r["cpu_seconds"] for r in recs]
+    assert 0 < cpu[0] < cpu[1]
+    ck_path = tmp_path / "run" / "checkpoint.pt"
+    ck = load_checkpoint(ck_path)
+    assert ck["totals"]["cpu_seconds"] == cpu[1]
+    del ck["totals"]["cpu_seconds"]
+    save_checkpoint(ck_path, ck)
+    experiment(cfg).run(resume=True)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["rounds_completed"] == 4 and summary["totals"]["cpu_seconds"] is None
+    assert [r.get("cpu_seconds") for r in read_metrics(tmp_path / "run")][2:] == [None, None]
 
 
 def test_same_seed_same_metrics_and_other_seed_differs(tmp_path):

@@ -40,7 +40,7 @@ def test_no_noise_is_an_infinite_epsilon_reported_as_none(caplog):
     assert "dp_noise=0" in caplog.text and NO_GUARANTEE in caplog.text
     acc.spend_round()
     assert acc.record(None)["dp_epsilon"] is None
-    assert acc.summary(1.0)["dp_warning"].startswith(f"{NO_GUARANTEE}: dp_noise=0")
+    assert acc.summary({"wall_seconds": 1.0})["dp_warning"].startswith(f"{NO_GUARANTEE}: dp_noise=0")
 
 
 def test_without_dp_nothing_is_spent_or_withheld():
@@ -48,7 +48,7 @@ def test_without_dp_nothing_is_spent_or_withheld():
     acc.spend_round()
     acc.count_steps({0: (Message({}, {}, FitStats(steps=4)), None)})
     assert acc.events == [] and acc.local_steps == {}
-    assert acc.record(None) == {} and acc.summary(2.0) == {}
+    assert acc.record(None) == {} and acc.summary({"wall_seconds": 2.0}) == {}
     rec = {"clients": [1, 2], "train_loss": 0.3}
     assert acc.withhold(rec) is rec
 
@@ -75,12 +75,13 @@ def test_the_reader_of_the_outputs_sees_no_client_entry():
     rec = {k: 1 for k in DP_WITHHELD} | {"round": 3, "secagg_survivors": 4, "dp_epsilon": 0.2,
                                          "global_accuracy": 0.5}
     assert acc.withhold(rec) == {"round": 3, "dp_epsilon": 0.2, "global_accuracy": 0.5, "dp_guarantee": True}
-    assert acc.summary(7.5) == {"dp_guarantee": True, "totals": {"wall_seconds": 7.5}}
+    assert acc.summary({"wall_seconds": 7.5}) == {"dp_guarantee": True, "totals": {"wall_seconds": 7.5}}
     debug = PrivacyAccount(ctx(mode="central", noise=1.0, debug_metrics=True), "poisson", "fedavg")
     assert debug.withhold(dict(rec))["clients"] == 1 and debug.withhold(dict(rec))["dp_guarantee"] is False
-    assert "totals" not in debug.summary(7.5) and "dp_debug_metrics" in debug.summary(7.5)["dp_warning"]
+    assert "totals" not in debug.summary({"wall_seconds": 7.5}) and \
+        "dp_debug_metrics" in debug.summary({"wall_seconds": 7.5})["dp_warning"]
     research = PrivacyAccount(ctx(mode="central", noise=1.0, reproducible=True), "poisson", "fedavg")
-    assert "dp_reproducible" in research.summary(1.0)["dp_warning"]
+    assert "dp_reproducible" in research.summary({"wall_seconds": 1.0})["dp_warning"]
 
 
 def test_central_dp_refuses_a_sampling_it_cannot_account():

@@ -157,7 +157,7 @@ class Experiment:
         self.state = ck["state"]
         self.client_states = ck["client_states"]
         self.start_round = int(ck["round"])
-        self.totals = Totals(**ck["totals"])
+        self.totals = Totals(**{"cpu_seconds": math.nan, **ck["totals"]})  # a checkpoint from before cpu_seconds
         self.best = ck["best"]
         self.history = ck["history"]
         if ck.get("lr") is not None:  # halved by on_divergence=rollback
@@ -215,12 +215,14 @@ class Experiment:
 
             bar = tqdm(total=R, initial=self.start_round, desc=f"{self.cfg.algorithm}", unit="round")
         for r in range(self.start_round, R):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with use_precision(self.precision, self.runtime.memory_format, self.runtime.fp32_matmul):
                 rec = self._guarded_round(r)
             self.totals.wall_seconds += time.perf_counter() - t0
+            self.totals.cpu_seconds += time.process_time() - c0
             rec["seconds"] = time.perf_counter() - t0
             rec["wall_seconds"] = self.totals.wall_seconds
+            rec["cpu_seconds"] = self.totals.cpu_seconds
             rec = clean(rec)
             self.history.append(rec)
             if "val_loss" in rec:
@@ -485,7 +487,8 @@ class Experiment:
             self.cfg, self.fed.task, self.fed.num_clients, self.history, self.best, self.totals,
             # what was asked for, what trained the clients and why a request was re-routed (engine/routing.py)
             executor=executor_summary(self.runtime.executor, self.executor.routing(), self.executor.describe()),
-            precision=self.precision, threads=self.threads, **self.privacy.summary(self.totals.wall_seconds))
+            precision=self.precision, threads=self.threads, **self.privacy.summary(
+                clean({"wall_seconds": self.totals.wall_seconds, "cpu_seconds": self.totals.cpu_seconds})))
 
     def _finish(self, summary: dict[str, Any]) -> None:
         if not self.store.enabled:

@@ -116,9 +116,9 @@ class PrivacyAccount:
         rec["dp_guarantee"] = dp.guarantee
         return rec
 
-    def summary(self, wall_seconds: float) -> dict[str, Any]:
+    def summary(self, timing: dict[str, float]) -> dict[str, Any]:
         """Central DP: whether the run may claim its (ε, δ) and, when it may not, why; the run totals that count
-        clients are withheld like the round records' (only ``wall_seconds`` stays)."""
+        clients are withheld like the round records' (only the ``timing`` totals, wall and CPU seconds, stay)."""
         dp = self.ctx.dp
         if not dp.central:
             return {}
@@ -131,7 +131,7 @@ class PrivacyAccount:
         elif dp.noise <= 0:
             out["dp_warning"] = f"{NO_GUARANTEE}: dp_noise=0 clips the updates but adds no noise (ε = ∞)"
         if not dp.debug_metrics:
-            out["totals"] = {"wall_seconds": wall_seconds}
+            out["totals"] = dict(timing)
         return out
 
     # ---- checkpoints -----------------------------------------------------------------------------------------

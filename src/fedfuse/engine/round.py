@@ -27,6 +27,7 @@ class Totals:
     bytes_peer: int = 0
     client_flops: float = 0.0
     wall_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the loop process's CPU time, all threads (NaN: resumed from a checkpoint without it)
     dropped: int = 0  # sampled clients that never replied
     late: int = 0  # replies that missed the deadline
     quarantined: int = 0  # replies rejected by the update checks

@@ -13,7 +13,7 @@ from fedfuse.config import RunConfig
 from fedfuse.engine.round import Totals
 from fedfuse.stats import best_round, final_mean, final_window, is_evaluation_metric, primary_metric
 
-TIMING_KEYS = ("seconds", "wall_seconds")
+TIMING_KEYS = ("seconds", "wall_seconds", "cpu_seconds")
 
 
 def run_summary(cfg: RunConfig, task: str, clients: int, history: Sequence[dict[str, Any]],
@@ -38,7 +38,7 @@ def run_summary(cfg: RunConfig, task: str, clients: int, history: Sequence[dict[
         "last": _block(last),
         "best": {"metric": metric, **_block(best_round(evaluated, metric) or last)},
         "best_val_loss": _block(best or last),
-        "totals": dataclasses.asdict(totals),
+        "totals": clean(dataclasses.asdict(totals)),
         "wall_seconds": totals.wall_seconds,
         **extra,
     }
