@@ -86,6 +86,14 @@ def test_seconds_per_round_is_cpu_time_and_marks_wall_time_of_older_records():
     assert br.seconds_per_round(recs[:1]) == f"2.00 {br.WALL}"  # one record: no std
 
 
+def test_matrix_cost_sums_cpu_hours_and_keeps_wall_hours_apart():
+    recs = toy()  # 18 records of 3 rounds: 4.5 CPU-s and 6 wall-s each
+    del recs[0]["metrics"]["cpu_seconds"]
+    text = br.matrix_cost(br.cells(SPEC, recs))
+    assert text.startswith("Cost of this matrix: 18 runs, 0.02 CPU-hours over the 17 that counted")
+    assert f"0.00 wall-hours over the 1 made before ({br.WALL})" in text  # 6 s
+
+
 def test_friedman_and_posthoc_match_the_hand_computation():
     pytest.importorskip("scikit_posthocs")
     from scipy.stats import studentized_range

@@ -176,6 +176,21 @@ def seconds_per_round(recs: Sequence[dict[str, Any]]) -> str:
     return mean_std([per_round(r, "wall_seconds") or 0.0 for r in recs]).fmt(1.0, 2) + " " + WALL
 
 
+def matrix_cost(by: Cells) -> str:
+    """What running the matrix cost, summed over its records: CPU hours (``cpu_seconds``) and, for records made
+    before runs counted CPU time, wall hours."""
+    recs = [r for seeds in by.values() for r in seeds.values()]
+    cpu = [r["metrics"].get("cpu_seconds") for r in recs]
+    known = [float(v) for v in cpu if v is not None]
+    wall = [float(r["metrics"].get("wall_seconds") or 0.0) for r, c in zip(recs, cpu, strict=True) if c is None]
+    text = f"Cost of this matrix: {len(recs)} runs"
+    if known:
+        text += f", {sum(known) / 3600:.2f} CPU-hours over the {len(known)} that counted their CPU time"
+    if wall:
+        text += f", {sum(wall) / 3600:.2f} wall-hours over the {len(wall)} made before ({WALL})"
+    return text + " (each run's rounds, training and evaluation; data loading and start-up not included)."
+
+
 # ---- ranks over regimes ----------------------------------------------------------------------------------------
 def rank_matrix(spec: dict[str, Any], by: Cells) -> tuple[list[str], list[str], list[list[float]]]:
     """(regimes, methods present in every regime, regimes × methods mean headlines)."""
@@ -358,7 +373,7 @@ def blocks(spec: dict[str, Any], recs: Sequence[dict[str, Any]]) -> list[tuple[s
               "regime's best headline; swing: the largest change between consecutive evaluations in the headline "
               f"window; CPU s/round: the run's CPU time per round (one thread); {WALL}: wall time, from records "
               "made before runs counted CPU time."),
-        ("table", cost_rows(spec, by)), ("p", friedman_text(spec, by))]
+        ("table", cost_rows(spec, by)), ("p", matrix_cost(by)), ("p", friedman_text(spec, by))]
     fig = spec.get("figures")
     if fig:
         rel = Path(fig).relative_to("docs") if fig.startswith("docs/") else Path(fig)
