@@ -28,6 +28,8 @@ from fedfuse.models import build_model
 MODELS = [
     ("mlp", (20,), {"widths": [12, 10]}, "classification"),
     ("cnn", (1, 8, 8), {"channels": [6, 8], "hidden": 16}, "classification"),
+    ("cnn-cifar", (3, 12, 12), {"channels": [6, 8], "hidden": [12, 10]}, "classification"),
+    ("cnn-femnist", (1, 12, 12), {"channels": [6, 8], "hidden": 16}, "classification"),
     ("resnet18", (3, 8, 8), {"width_mult": 0.0625}, "classification"),
     ("resnet18", (3, 8, 8), {"width_mult": 0.0625, "norm": "bn-static"}, "classification"),
     ("transformer", (6,), {"vocab_size": 30, "d_model": 8, "n_heads": 2, "d_ff": 12, "dropout": 0.0}, "lm"),

@@ -95,7 +95,7 @@ def slice_spec(model: nn.Module) -> SliceSpec:
     declare = getattr(model, "unit_groups", None)
     if declare is None:
         raise UnsupportedModel(f"width slicing needs a model that declares its unit groups (a unit_groups() method, "
-                               f"see fedfuse.structure); {type(model).__name__} does not (fedfuse's MLP, CNN, ResNet "
+                               f"see fedfuse.structure); {type(model).__name__} does not (fedfuse's MLP, CNNs, ResNet "
                                "and TransformerModel do)")
     spec = declare()
     if not isinstance(spec, UnitGroups):

@@ -3,6 +3,7 @@ authors' FEMNIST / Fashion-MNIST CNN."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +39,25 @@ def _two_conv_pool_out(image: tuple[int, int, int], name: str, padding: int | No
     if min(oh, ow) < 1:
         raise UserError(f"input {image} is too small for {name} with padding={padding}")
     return padding, oh, ow
+
+
+def _conv_fc_groups(model: nn.Module, hidden: Sequence[str]) -> UnitGroups:
+    """The unit groups of two convolutions followed by the fully connected ``hidden`` layers and the head ``fc``:
+    conv1 and conv2 filters and each hidden layer's neurons, one group each (a conv2 filter feeds the H·W
+    inputs of the first hidden layer that its feature map flattens to); the last hidden layer is the feature."""
+    conv2, first = model.conv2, getattr(model, hidden[0])
+    b = UnitGroupBuilder(model.state_dict())
+    b.group("conv1", model.conv1.out_channels)
+    b.group("conv2", conv2.out_channels)
+    for name in hidden:
+        b.group(name, getattr(model, name).out_features)
+    b.layer("conv1", axis("conv1"), None)
+    b.layer("conv2", axis("conv2"), axis("conv1"))
+    b.layer(hidden[0], axis(hidden[0]), axis("conv2", 1, first.in_features // conv2.out_channels))
+    for prev, name in itertools.pairwise(hidden):
+        b.layer(name, axis(name), axis(prev))
+    b.layer("fc", None, axis(hidden[-1]))
+    return b.build(hidden[-1])
 
 
 class CNN(FedModel):
@@ -78,15 +98,7 @@ class CNN(FedModel):
 
     def unit_groups(self) -> UnitGroups:
         """Width slicing: conv1 and conv2 filters, fc1 neurons (a conv2 filter feeds H·W inputs of fc1)."""
-        c1, c2, hid = self.conv1.out_channels, self.conv2.out_channels, self.fc1.out_features
-        b = UnitGroupBuilder(self.state_dict())
-        for name, size in (("conv1", c1), ("conv2", c2), ("fc1", hid)):
-            b.group(name, size)
-        b.layer("conv1", axis("conv1"), None)
-        b.layer("conv2", axis("conv2"), axis("conv1"))
-        b.layer("fc1", axis("fc1"), axis("conv2", 1, self.fc1.in_features // c2))
-        b.layer("fc", None, axis("fc1"))
-        return b.build("fc1")
+        return _conv_fc_groups(self, ("fc1",))
 
     @staticmethod
     def width_options(sizes: Sequence[int]) -> dict | None:
@@ -129,6 +141,10 @@ class CifarCNN(FedModel):
         x = F.relu(self.fc1(x.flatten(1)))
         return F.relu(self.fc2(x))
 
+    def unit_groups(self) -> UnitGroups:
+        """Width slicing: conv1 and conv2 filters, fc1 and fc2 neurons (a conv2 filter feeds H·W inputs of fc1)."""
+        return _conv_fc_groups(self, ("fc1", "fc2"))
+
     @staticmethod
     def width_options(sizes: Sequence[int]) -> dict | None:
         """``model_options`` for conv widths ``sizes[:2]`` and hidden widths ``sizes[2:]`` (None: not 4 sizes)."""
@@ -170,3 +186,9 @@ class FemnistCNN(FedModel):
         x = F.relu(F.max_pool2d(self.conv1(x), 2))
         x = F.relu(F.max_pool2d(self.conv2(x), 2))
         return F.relu(self.fc1(x.flatten(1)))
+
+    def unit_groups(self) -> UnitGroups:
+        """Width slicing: conv1 and conv2 filters, fc1 neurons (a conv2 filter feeds H·W inputs of fc1)."""
+        return _conv_fc_groups(self, ("fc1",))
+
+    width_options = staticmethod(CNN.width_options)  # the same options: two conv widths and one hidden width
