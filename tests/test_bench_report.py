@@ -28,7 +28,9 @@ def rec(regime: str, method: str, seed: int, accs: list[float], mb_per_eval: flo
          "seed": seed, "algorithm": method, "commit": "0" * 40, "config_hash": f"{regime}{method}{seed}",
          "behaviour": {"*": 1}, "curve": curve, "costs": costs,
          "metrics": {"personal_accuracy": accs[-1], "personal_accuracy_worst10": accs[-1] / 2,
-                     "wall_seconds": 2.0 * len(accs), "cpu_seconds": 1.5 * len(accs), "round": len(accs)}}
+                     "wall_seconds": 2.0 * len(accs), "cpu_seconds": 1.5 * len(accs), "round": len(accs),
+                     "bytes_down": mb_per_eval * 1e6 * len(accs), "bytes_up": mb_per_eval * 1e6 * len(accs),
+                     "bytes_peer": 0}}
     if personal:
         r["curve_metric"] = "personal_accuracy"
     return r
@@ -116,7 +118,19 @@ def test_guide_names_the_significant_winner_else_the_baseline_and_cites_cells():
     assert lines[0].endswith("[iid/fedprox, iid/fedavg].") or lines[0].endswith("[iid/fedavg].")
     assert lines[1].startswith("If your clients look like strong label skew, start with fedprox, because it beat "
                                "fedavg by +11.0 points")
-    assert lines[1].endswith("[dir0.1/fedprox, dir0.1/fedavg].")
+    assert lines[1].endswith(", at 1.0× fedavg's bytes and 1.0× its CPU time [dir0.1/fedprox, dir0.1/fedavg].")
+
+
+def test_cost_ratio_compares_bytes_and_cpu_time_with_the_baseline():
+    recs = toy()
+    for r in recs:
+        if r["cell"]["method"] == "fedprox":
+            r["metrics"].update(bytes_down=6e6, cpu_seconds=9.0)  # fedavg: 3 MB down + 3 up, 4.5 CPU-s
+    by = br.cells(SPEC, recs)
+    assert br.cost_ratio(by, ("iid", "fedprox"), ("iid", "fedavg")) == ", at 1.5× fedavg's bytes and 2.0× its CPU time"
+    del recs[0]["metrics"]["cpu_seconds"]  # iid fedavg seed 0: wall time for the pair, marked
+    by = br.cells(SPEC, recs)
+    assert br.cost_ratio(by, ("iid", "fedprox"), ("iid", "fedavg")).endswith(f"1.0× its wall time {br.WALL}")
 
 
 def test_figures_are_written_only_from_records(tmp_path):

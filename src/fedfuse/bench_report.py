@@ -233,6 +233,33 @@ def _is_personal(by: Cells, key: tuple[str, str]) -> bool:
     return any(r.get("curve_metric") == "personal_accuracy" for r in by.get(key, {}).values())
 
 
+def _mean_metric(by: Cells, key: tuple[str, str], *names: str) -> float | None:
+    """The mean over a cell's records of the sum of metrics ``names`` (None when a record lacks one)."""
+    vals = []
+    for r in by.get(key, {}).values():
+        got = [r["metrics"].get(n) for n in names]
+        if any(v is None for v in got):
+            return None
+        vals.append(sum(float(v) for v in got))
+    return sum(vals) / len(vals) if vals else None
+
+
+def cost_ratio(by: Cells, cell: tuple[str, str], base: tuple[str, str]) -> str:
+    """", at 1.0× fedavg's bytes and 1.3× its CPU time": what a cell's runs cost relative to the baseline's
+    (total bytes down + up + peer; CPU seconds, or wall seconds when a record lacks them, marked †)."""
+    parts = []
+    nb, bb = (_mean_metric(by, k, "bytes_down", "bytes_up", "bytes_peer") for k in (cell, base))
+    if nb is not None and bb:
+        parts.append(f"{nb / bb:.1f}× {base[1]}'s bytes")
+    nc, bc = (_mean_metric(by, k, "cpu_seconds") for k in (cell, base))
+    mark = ""
+    if nc is None or not bc:
+        nc, bc, mark = (*(_mean_metric(by, k, "wall_seconds") for k in (cell, base)), f" {WALL}")
+    if nc is not None and bc:
+        parts.append(f"{nc / bc:.1f}× its {'wall' if mark else 'CPU'} time{mark}")
+    return ", at " + " and ".join(parts) if parts else ""
+
+
 def guide(spec: dict[str, Any], by: Cells) -> list[str]:
     """One sentence per regime, "if your clients look like X, start with Y, because Z", each citing its cells
     as ``[regime/method]``: Y is the method with the best mean headline when its paired test against the
@@ -256,7 +283,7 @@ def guide(spec: dict[str, Any], by: Cells) -> list[str]:
         if p == p and p < 0.05 and diff > 0:
             out.append(f"If your clients look like {what}, start with {best}, because it beat {base} by "
                        f"{100 * diff:+.1f} points{pers} ({100 * v:.1f} vs {100 * fed:.1f} %, paired t over {n} "
-                       f"seeds, p = {p:.2g}) [{g}/{best}, {g}/{base}].")
+                       f"seeds, p = {p:.2g}){cost_ratio(by, (g, best), (g, base))} [{g}/{best}, {g}/{base}].")
         else:
             why = (f"p = {p:.2g}" if p == p else
                    f"no test: {n} paired seeds" + (", the same difference on each" if n >= 3 else ""))
