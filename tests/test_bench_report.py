@@ -88,6 +88,21 @@ def test_seconds_per_round_is_cpu_time_and_marks_wall_time_of_older_records():
     assert br.seconds_per_round(recs[:1]) == f"2.00 {br.WALL}"  # one record: no std
 
 
+def test_swing_summary_names_the_methods_that_swing_with_their_cell():
+    # the last two evaluations: dir0.1 fedavg 0.5 -> 0.60/0.62/0.64 (12 points on average, its larger regime),
+    # iid fedprox 0.8 -> 0.92/0.91/0.90 (11), iid local 0.4 -> 0.5 (10)
+    text = br.swing_summary(SPEC, br.cells(SPEC, toy()))
+    assert "fedavg 12.0 [dir0.1/fedavg]; fedprox 11.0 [iid/fedprox]; local 10.0 [iid/local]." in text
+    rows = {(r["regime"], r["method"]): r["swing (pts)"] for r in br.cost_rows(SPEC, br.cells(SPEC, toy()))}
+    for m in ("fedavg", "fedprox", "local"):
+        best = max((float(rows[(g, m)].split(" ± ")[0]), g) for g in ("iid", "dir0.1"))
+        assert f"{m} {best[0]:.1f} [{best[1]}/{m}]" in text
+    assert text.startswith("Swing, the largest mean over seeds in any regime: ")
+    assert "Below" not in text  # every toy method swings by more than a point
+    assert "Below 20 point in every regime: fedavg, fedprox, local." in br.swing_summary(
+        SPEC, br.cells(SPEC, toy()), points=20)
+
+
 def test_matrix_cost_sums_cpu_hours_and_keeps_wall_hours_apart():
     recs = toy()  # 18 records of 3 rounds: 4.5 CPU-s and 6 wall-s each
     del recs[0]["metrics"]["cpu_seconds"]

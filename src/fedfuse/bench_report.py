@@ -176,6 +176,26 @@ def seconds_per_round(recs: Sequence[dict[str, Any]]) -> str:
     return mean_std([per_round(r, "wall_seconds") or 0.0 for r in recs]).fmt(1.0, 2) + " " + WALL
 
 
+def swing_summary(spec: dict[str, Any], by: Cells, points: float = 1.0) -> str:
+    """Which methods swing: each method's largest mean swing over the regimes (mean over seeds of
+    :func:`swing`), the methods at or above ``points`` percentage points first, largest first, each citing its
+    cell."""
+    regimes, methods = axes(spec, by)
+    window = int(spec.get("window", 5))
+    worst = []
+    for m in methods:
+        per = [(100 * sum(v) / len(v), g) for g in regimes
+               if (v := [x for r in by.get((g, m), {}).values() if (x := swing(r, window)) is not None])]
+        if per:
+            worst.append((*max(per), m))
+    worst.sort(reverse=True)
+    big = [f"{m} {v:.1f} [{g}/{m}]" for v, g, m in worst if v >= points]
+    small = [m for v, _, m in worst if v < points]
+    text = (f"Swing, the largest mean over seeds in any regime: {'; '.join(big)}." if big
+            else f"No method swings by {points:g} point or more in any regime.")
+    return text + (f" Below {points:g} point in every regime: {', '.join(sorted(small))}." if small else "")
+
+
 def matrix_cost(by: Cells) -> str:
     """What running the matrix cost, summed over its records: CPU hours (``cpu_seconds``) and, for records made
     before runs counted CPU time, wall hours."""
@@ -400,7 +420,8 @@ def blocks(spec: dict[str, Any], recs: Sequence[dict[str, Any]]) -> list[tuple[s
               "regime's best headline; swing: the largest change between consecutive evaluations in the headline "
               f"window; CPU s/round: the run's CPU time per round (one thread); {WALL}: wall time, from records "
               "made before runs counted CPU time."),
-        ("table", cost_rows(spec, by)), ("p", matrix_cost(by)), ("p", friedman_text(spec, by))]
+        ("table", cost_rows(spec, by)), ("p", swing_summary(spec, by)), ("p", matrix_cost(by)),
+        ("p", friedman_text(spec, by))]
     fig = spec.get("figures")
     if fig:
         rel = Path(fig).relative_to("docs") if fig.startswith("docs/") else Path(fig)
