@@ -1,10 +1,11 @@
 """The benchmark planner: one config per cell, the same model and client data for every method of a regime,
-stable cache hashes, methods from the registry, the committed table specs, and ``fedfuse bench --quick`` end to
-end."""
+stable cache hashes, methods from the registry, the committed table specs, ``fedfuse bench --quick`` end to end,
+and benchmarks/swing_study.py reading the matrix's own runs."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from fedfuse import benchmark as b
 from fedfuse.algorithms import ALGORITHMS
 from fedfuse.cached_runs import run_dir_name
 from fedfuse.config import config_hash
+from fedfuse.reproduce.common import data_root
 from fedfuse.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,3 +147,37 @@ def test_a_scales_exclusion_applies_to_the_default_plan_only(capsys):
     assert "fedma" not in b.tables(args(regimes="iid"))[0].rows
     assert "fedma left out of the mnist matrix: its matching costs" in capsys.readouterr().out
     assert list(b.tables(args(regimes="iid", methods="fedavg,fedma"))[0].rows) == ["fedavg", "fedma"]
+
+
+
+def _study_module():
+    spec = importlib.util.spec_from_file_location("swing_study", ROOT / "benchmarks" / "swing_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_label_distance_is_the_total_variation_of_the_pooled_histograms(tmp_path):
+    study = _study_module()
+    (tmp_path / "partition.json").write_text(json.dumps({"label_histograms": [[10, 0, 0], [0, 10, 10], [5, 5, 0]]}))
+    # federation [15, 15, 10]/40; clients 0 and 2 pool [15, 5, 0]/20: TV = ½ (|0.75−0.375| + |0.25−0.375| + 0.25)
+    assert study.label_distance(tmp_path, [0, 2]) == 0.5 * (0.375 + 0.125 + 0.25)
+    assert study.label_distance(tmp_path, [0, 1, 2]) == 0.0
+
+
+def test_the_study_reuses_the_matrix_runs_and_adds_the_controls(tmp_path):
+    study = _study_module()
+    args = argparse.Namespace(scale="quick", regime="dir0.1", methods="fedavg", seeds="0", out=str(tmp_path),
+                              data_dir=str(data_root(argparse.Namespace(data_dir=None))))
+    rows = study.study(args)
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and rows[0]["n"] >= 1
+    # one of them is the run `fedfuse bench --quick` plans for that cell and seed
+    table = next(t for t in b.tables(argparse.Namespace(quick=True, regimes="dir0.1", methods="fedavg",
+                                                        data_dir=args.data_dir, threads=1))
+                 if t.id == "digits-dir0.1")
+    cfg = table.config("fedavg")
+    cfg.seed = 0
+    assert run_dir_name(cfg) in runs
+    study.study(args)  # a second study runs nothing new
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs
