@@ -136,6 +136,25 @@ def test_guide_names_the_significant_winner_else_the_baseline_and_cites_cells():
     assert lines[1].endswith(", at 1.0× fedavg's bytes and 1.0× its CPU time [dir0.1/fedprox, dir0.1/fedavg].")
 
 
+def test_the_personalised_guide_compares_per_client_accuracy_with_the_baseline_s():
+    recs = toy()
+    for r in recs:  # local's per-client accuracy beats fedavg's in dir0.1 by 0.20, 0.25, 0.30 points
+        if (r["cell"]["regime"], r["cell"]["method"]) == ("dir0.1", "local"):
+            r["metrics"]["personal_accuracy"] = 0.8 + 0.07 * r["seed"]
+    lines = br.personal_guide(SPEC, br.cells(SPEC, recs))
+    # iid: fedavg 0.90/0.91/0.92 = fedprox 0.92/0.91/0.90 on the mean; fedavg comes first in the spec's order
+    assert lines[0] == ("If your clients look like IID data and each keeps the model it is served, start with "
+                        "fedavg: it has the highest per-client accuracy (91.0 %) [iid/fedavg].")
+    assert lines[1].startswith("If your clients look like strong label skew and each keeps the model it is served, "
+                               "start with local, because its per-client accuracy beat fedavg's by +25.0 points "
+                               "(87.0 vs 62.0 %, paired t over 3 seeds, p = ")
+    assert lines[1].endswith("[dir0.1/local, dir0.1/fedavg].")
+    for r in recs:  # one seed against: no longer significant
+        if (r["cell"]["regime"], r["cell"]["method"], r["seed"]) == ("dir0.1", "local", 0):
+            r["metrics"]["personal_accuracy"] = 0.1
+    assert "start with fedavg: the best per-client mean" in br.personal_guide(SPEC, br.cells(SPEC, recs))[1]
+
+
 def test_cost_ratio_compares_bytes_and_cpu_time_with_the_baseline():
     recs = toy()
     for r in recs:

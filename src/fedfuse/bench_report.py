@@ -313,6 +313,42 @@ def guide(spec: dict[str, Any], by: Cells) -> list[str]:
     return out
 
 
+def personal_guide(spec: dict[str, Any], by: Cells) -> list[str]:
+    """The guide on the personalised footing, one sentence per regime: when each client keeps the model it is
+    served, the method with the best mean per-client accuracy on the clients' own test data
+    (``personal_accuracy``, every method has one) if its paired test against the baseline's is significant, else
+    the baseline; each sentence cites its cells."""
+    regimes, methods = axes(spec, by)
+    base = spec.get("baseline", "fedavg")
+    words = spec.get("regime_text", {})
+    out = []
+    for g in regimes:
+        per = {m: {s: float(v) for s, r in by.get((g, m), {}).items()
+                   if (v := r["metrics"].get("personal_accuracy")) is not None} for m in methods}
+        per = {m: v for m, v in per.items() if v}
+        if not per:
+            continue
+        best = max(per, key=lambda m: sum(per[m].values()) / len(per[m]))
+        v = sum(per[best].values()) / len(per[best])
+        lead = f"If your clients look like {words.get(g, g)} and each keeps the model it is served"
+        if best == base or base not in per:
+            out.append(f"{lead}, start with {best}: it has the highest per-client accuracy ({100 * v:.1f} %) "
+                       f"[{g}/{best}].")
+            continue
+        seeds = sorted(set(per[best]) & set(per[base]))
+        t = paired_test([per[best][s] for s in seeds], [per[base][s] for s in seeds])
+        fed = sum(per[base].values()) / len(per[base])
+        if t.p_value == t.p_value and t.p_value < 0.05 and t.diff > 0:
+            out.append(f"{lead}, start with {best}, because its per-client accuracy beat {base}'s by "
+                       f"{100 * t.diff:+.1f} points ({100 * v:.1f} vs {100 * fed:.1f} %, paired t over {t.n} seeds, "
+                       f"p = {t.p_value:.2g}){cost_ratio(by, (g, best), (g, base))} [{g}/{best}, {g}/{base}].")
+        else:
+            out.append(f"{lead}, start with {base}: the best per-client mean, {best} ({100 * v:.1f} vs "
+                       f"{100 * fed:.1f} %), is not significantly better (p = {t.p_value:.2g}) "
+                       f"[{g}/{best}, {g}/{base}].")
+    return out
+
+
 # ---- figures ---------------------------------------------------------------------------------------------------
 def figure_names(spec: dict[str, Any], by: Cells) -> dict[str, str]:
     """Figure key → file name (below ``spec["figures"]``) of the figures :func:`write_figures` draws from these
@@ -426,7 +462,7 @@ def blocks(spec: dict[str, Any], recs: Sequence[dict[str, Any]]) -> list[tuple[s
     if fig:
         rel = Path(fig).relative_to("docs") if fig.startswith("docs/") else Path(fig)
         out += [("img", (str(rel / v), k)) for k, v in figure_names(spec, by).items()]
-    out += [("li", s) for s in guide(spec, by)]
+    out += [("li", s) for s in guide(spec, by)] + [("li", s) for s in personal_guide(spec, by)]
     return out
 
 
