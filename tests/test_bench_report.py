@@ -129,11 +129,22 @@ def test_friedman_and_posthoc_match_the_hand_computation():
 
 def test_guide_names_the_significant_winner_else_the_baseline_and_cites_cells():
     lines = br.guide(SPEC, br.cells(SPEC, toy()))
-    assert lines[0].startswith("If your clients look like IID data, start with fedavg: the best mean, ")
+    assert lines[0].startswith("If your clients look like IID data and you deploy one global model, start with "
+                               "fedavg: the best mean, ")
     assert lines[0].endswith("[iid/fedprox, iid/fedavg].") or lines[0].endswith("[iid/fedavg].")
-    assert lines[1].startswith("If your clients look like strong label skew, start with fedprox, because it beat "
-                               "fedavg by +11.0 points")
+    assert lines[1].startswith("If your clients look like strong label skew and you deploy one global model, start "
+                               "with fedprox, because it beat fedavg by +11.0 points")
+    assert not any("local" in x for x in lines)  # no global model: the personalised guide's
     assert lines[1].endswith(", at 1.0× fedavg's bytes and 1.0× its CPU time [dir0.1/fedprox, dir0.1/fedavg].")
+
+
+def test_the_global_guide_leaves_out_methods_without_a_global_model():
+    recs = [r for r in toy() if r["cell"]["regime"] == "dir0.1"]
+    for r in recs:  # local far ahead, on its own clients' data: not a candidate for one global model
+        if r["cell"]["method"] == "local":
+            r["curve"] = [[i, 0.99] for i, _ in r["curve"]]
+    (line,) = br.guide(SPEC, br.cells(SPEC, recs))
+    assert "start with fedprox" in line and "local" not in line
 
 
 def test_the_personalised_guide_compares_per_client_accuracy_with_the_baseline_s():

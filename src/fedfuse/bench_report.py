@@ -281,34 +281,34 @@ def cost_ratio(by: Cells, cell: tuple[str, str], base: tuple[str, str]) -> str:
 
 
 def guide(spec: dict[str, Any], by: Cells) -> list[str]:
-    """One sentence per regime, "if your clients look like X, start with Y, because Z", each citing its cells
-    as ``[regime/method]``: Y is the method with the best mean headline when its paired test against the
-    baseline is significant, else the baseline."""
+    """One sentence per regime for a deployment of one global model, "if your clients look like X, start with Y,
+    because Z", each citing its cells as ``[regime/method]``: Y is the method with a global model with the best
+    mean headline when its paired test against the baseline is significant, else the baseline (the methods
+    without a global model are :func:`personal_guide`'s)."""
     regimes, methods = axes(spec, by)
     window, base = int(spec.get("window", 5)), spec.get("baseline", "fedavg")
     words = spec.get("regime_text", {})
     out = []
     for g in regimes:
-        best, v = best_in(by, g, methods, window)
+        best, v = best_in(by, g, [m for m in methods if not _is_personal(by, (g, m))], window)
         if not best:
             continue
-        what = words.get(g, g)
-        pers = " (personalised accuracy: it has no global model)" if _is_personal(by, (g, best)) else ""
+        what = f"{words.get(g, g)} and you deploy one global model"
         if best == base or (g, base) not in by:
             out.append(f"If your clients look like {what}, start with {best}: it has the highest mean "
-                       f"({100 * v:.1f} %){pers} [{g}/{best}].")
+                       f"({100 * v:.1f} %) [{g}/{best}].")
             continue
         diff, p, n = versus(by, g, best, base, window)
         fed = mean_of(by, (g, base), window)
         if p == p and p < 0.05 and diff > 0:
             out.append(f"If your clients look like {what}, start with {best}, because it beat {base} by "
-                       f"{100 * diff:+.1f} points{pers} ({100 * v:.1f} vs {100 * fed:.1f} %, paired t over {n} "
+                       f"{100 * diff:+.1f} points ({100 * v:.1f} vs {100 * fed:.1f} %, paired t over {n} "
                        f"seeds, p = {p:.2g}){cost_ratio(by, (g, best), (g, base))} [{g}/{best}, {g}/{base}].")
         else:
             why = (f"p = {p:.2g}" if p == p else
                    f"no test: {n} paired seeds" + (", the same difference on each" if n >= 3 else ""))
             out.append(f"If your clients look like {what}, start with {base}: the best mean, {best} "
-                       f"({100 * v:.1f} vs {100 * fed:.1f} %){pers}, is not significantly better ({why}) "
+                       f"({100 * v:.1f} vs {100 * fed:.1f} %), is not significantly better ({why}) "
                        f"[{g}/{best}, {g}/{base}].")
     return out
 
