@@ -75,6 +75,19 @@ def test_batchnorm_is_refused_with_the_reason() -> None:
                                            rounds=1, dp="local", out=None)))
 
 
+def _wrapped_and_by_hand(exp, info):
+    """(payload, reply, state, stats): client 0's payload in round ``info``, its reply through the engine's wrapped
+    step, and DP-SGD's state and stats by hand from the same payload, data and seeds (noise 1.1, clip 1.0)."""
+    algo, data = exp.algo, exp.fed.blinded().clients[0]
+    payload = algo.configure_fit(exp.state, info, [0])[0]
+    torch.manual_seed(5)
+    reply, _ = exp.client.fit(payload, None, data, torch.Generator().manual_seed(7))
+    torch.manual_seed(5)
+    state, stats = train_dp_sgd(algo.ctx.load(payload.tensors, payload.meta), data.train, algo.ctx.train,
+                                torch.Generator().manual_seed(7), noise=1.1, clip=1.0)
+    return payload, reply, state, stats
+
+
 def test_a_local_dp_run_reports_opacus_epsilon(tmp_path) -> None:
     cfg = apply(RunConfig(), dict(dataset="digits", partition="iid", model="mlp", clients=6, clients_per_round=3,
                                   rounds=3, batch_size=16, lr=0.1, seed=2, out=str(tmp_path / "run"), plots=False,
@@ -106,7 +119,7 @@ def test_fedmr_uploads_dp_sgd_models(tmp_path) -> None:
     """dp=local on FedMR (a family that needs individual models on the server): the client step is Opacus
     DP-SGD — the reply equals train_dp_sgd's model for the same seeds — and the run reports each client's ε."""
     from fedfuse.engine.context import RoundInfo
-    from fedfuse.engine.local_dp import LocalDPClient, train_dp_sgd
+    from fedfuse.engine.local_dp import LocalDPClient
 
     cfg = apply(RunConfig(), dict(algorithm="fedmr", dataset="digits", partition="iid", model="mlp", clients=6,
                                   clients_per_round=3, rounds=2, batch_size=16, lr=0.1, seed=2, plots=False,
@@ -118,12 +131,7 @@ def test_fedmr_uploads_dp_sgd_models(tmp_path) -> None:
     assert 0 < recs[0]["dp_epsilon"] <= recs[-1]["dp_epsilon"] < float("inf") and recs[-1]["dp_clients"] >= 3
     algo, data, client = exp.algo, exp.fed.blinded().clients[0], exp.client
     assert isinstance(client, LocalDPClient) and client.inner is algo  # the engine wraps the algorithm's step
-    payload = algo.configure_fit(exp.state, RoundInfo(index=2, total=3), [0])[0]
-    torch.manual_seed(5)
-    reply, _ = client.fit(payload, None, data, torch.Generator().manual_seed(7))
-    torch.manual_seed(5)
-    state, stats = train_dp_sgd(algo.ctx.load(payload.tensors, payload.meta), data.train, algo.ctx.train,
-                                torch.Generator().manual_seed(7), noise=1.1, clip=1.0)
+    payload, reply, state, stats = _wrapped_and_by_hand(exp, RoundInfo(index=2, total=3))
     assert set(reply.tensors) == set(state) and all(torch.equal(reply.tensors[k], v) for k, v in state.items())
     assert reply.stats is not None and reply.stats.steps == stats.steps > 0
     assert client.client_program(payload, None, data) is None  # every executor calls fit (DP-SGD)
@@ -201,14 +209,9 @@ def test_a_server_optimiser_admits_local_dp_by_its_plain_client_step(tmp_path, a
     exp.run()
     rec = json.loads((tmp_path / algorithm / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 < rec["dp_epsilon"] < float("inf")
-    client, algo, data = exp.client, exp.algo, exp.fed.blinded().clients[0]
+    client, data = exp.client, exp.fed.blinded().clients[0]
     assert isinstance(client, LocalDPClient) and client.client_program(None, None, data) is None
-    payload = algo.configure_fit(exp.state, RoundInfo(index=1, total=2), [0])[0]
-    torch.manual_seed(5)
-    reply, _ = client.fit(payload, None, data, torch.Generator().manual_seed(7))
-    torch.manual_seed(5)
-    state, _ = train_dp_sgd(algo.ctx.load(payload.tensors, payload.meta), data.train, algo.ctx.train,
-                            torch.Generator().manual_seed(7), noise=1.1, clip=1.0)
+    _, reply, state, _ = _wrapped_and_by_hand(exp, RoundInfo(index=1, total=2))
     assert all(torch.equal(reply.tensors[k], v) for k, v in state.items())
 
 
