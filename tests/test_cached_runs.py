@@ -31,3 +31,41 @@ def test_progress_says_k_of_n_runs_and_the_time_left():
     assert p.line("fedprox", 0) == "  done: fedprox seed 0 (run 2 of 4; 1 min 0 s elapsed, about 1 min 0 s left)"
     assert p.line("fedavg", 1) == "  done: fedavg seed 1 (run 3 of 4; 2 min 30 s elapsed, about 50 s left)"
     assert p.line("fedprox", 1) == "  done: fedprox seed 1 (run 4 of 4; 1 h 5 min elapsed)"
+
+
+def _plan(lrs):
+    """One run per lr; the run of lr 0.2 diverges (every client's reply NaN, no update checks)."""
+    bad = dict(check_updates=False, corrupt="nan", corrupt_clients=[0, 1, 2, 3])
+    return [(f"lr{lr}", make_config(algorithm="fedavg", lr=lr, **SMALL, **(bad if lr == 0.2 else {})))
+            for lr in lrs]
+
+
+def test_a_diverged_run_does_not_stop_the_others_and_is_reported_when_it_stops(tmp_path, capsys):
+    """A divergence is the outcome of one configuration: the plan's other runs finish and stay in the store
+    (the second invocation loads them), the diverged one is named on its progress line and in the error."""
+    import pytest
+
+    from fedfuse.cached_runs import run_serial, split_stored
+    from fedfuse.errors import DivergenceError
+
+    todo = split_stored(_plan([0.05, 0.2, 0.1]), tmp_path, rerun=False)[0]
+    with pytest.raises(DivergenceError, match=r"1 of 3 runs diverged .*lr0.2 seed 0: the run diverged in round 1"):
+        run_serial(todo, False, [], [], verbose=False)
+    err = capsys.readouterr().err
+    assert "failed: lr0.2 seed 0 (run 2 of 3" in err and "done:" not in err  # only the failure is printed
+    left, done = split_stored(_plan([0.05, 0.2, 0.1]), tmp_path, rerun=False)
+    assert sorted(done) == [0, 2] and [label for _, label, _, _ in left] == ["lr0.2"]
+
+
+def test_parallel_runs_report_a_divergence_and_finish_the_rest(tmp_path, capsys):
+    import pytest
+
+    from fedfuse.cached_runs import run_parallel, split_stored
+    from fedfuse.errors import DivergenceError
+
+    todo = split_stored(_plan([0.2, 0.05, 0.1]), tmp_path, rerun=False)[0]
+    with pytest.raises(DivergenceError, match="1 of 3 runs diverged"):
+        run_parallel(todo, 2, [], [], verbose=True)
+    err = capsys.readouterr().err
+    assert err.count("done: ") == 2 and "failed: lr0.2 seed 0" in err
+    assert sorted(split_stored(_plan([0.2, 0.05, 0.1]), tmp_path, rerun=False)[1]) == [1, 2]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.config import ConfigError, RunConfig, config_hash
+from fedfuse.errors import DivergenceError
 from fedfuse.result import Result, load
 from fedfuse.runfiles import CHECKPOINT, CONFIG, SUMMARY
 
@@ -29,12 +30,34 @@ class Progress:
         self.total, self.done, self._clock = total, 0, clock
         self.t0 = clock()
 
-    def line(self, label: str, seed: int) -> str:
+    def line(self, label: str, seed: int, failed: str | None = None) -> str:
+        """The line of a finished run; ``failed``: why it stopped (a diverged run counts as finished)."""
         self.done += 1
         elapsed = self._clock() - self.t0
         left = elapsed / self.done * (self.total - self.done)
         eta = f", about {_duration(left)} left" if self.done < self.total else ""
-        return f"  done: {label} seed {seed} (run {self.done} of {self.total}; {_duration(elapsed)} elapsed{eta})"
+        what = "failed" if failed else "done"
+        return (f"  {what}: {label} seed {seed} (run {self.done} of {self.total}; {_duration(elapsed)} elapsed{eta})"
+                + (f": {failed}" if failed else ""))
+
+
+class Failures:
+    """The runs of a plan that diverged.  A divergence is an outcome of one configuration, not of the plan: the
+    other runs go on (and stay in the store), and :meth:`raise_if_any` reports every diverged run at the end.
+    Any other error stops the plan at once."""
+
+    def __init__(self) -> None:
+        self.diverged: list[str] = []
+
+    def add(self, label: str, seed: int, err: DivergenceError) -> str:
+        """Note the divergence of run (label, seed); returns why, for its progress line."""
+        self.diverged.append(f"{label} seed {seed}: {err}")
+        return str(err)
+
+    def raise_if_any(self, total: int) -> None:
+        if self.diverged:
+            raise DivergenceError(f"{len(self.diverged)} of {total} runs diverged (every other run finished and "
+                                  "is kept): " + "; ".join(self.diverged))
 
 
 def _duration(seconds: float) -> str:
@@ -78,20 +101,27 @@ def _load_cached(run_dir: Path) -> Result:
 
 def run_serial(todo: list[Job], progress: bool, log: list[str], callbacks: list[Any],
                verbose: bool) -> dict[int, Result]:
-    """Run ``todo`` in this process; consecutive runs with the same federation share it."""
+    """Run ``todo`` in this process; consecutive runs with the same federation share it.  A run that diverges
+    does not stop the others (:class:`Failures`)."""
     from fedfuse.config import resolve_device
     from fedfuse.engine.assemble import build_federation
 
     out: dict[int, Result] = {}
     fed_key, fed = None, None  # runs are ordered seed-major: consecutive runs share one federation
-    counter = Progress(len(todo))
+    counter, failures = Progress(len(todo)), Failures()
     for i, label, cfg, resume in todo:
         if _federation_key(cfg) != fed_key:
             fed = None  # free the previous one first
             fed_key, fed = _federation_key(cfg), build_federation(cfg, resolve_device(cfg.device))
-        out[i] = _run_job(cfg, resume, progress, log, callbacks, fed=fed)
-        if verbose:
-            print(counter.line(label, cfg.seed), file=sys.stderr)
+        why = None
+        try:
+            out[i] = _run_job(cfg, resume, progress, log, callbacks, fed=fed)
+        except DivergenceError as e:
+            why = failures.add(label, cfg.seed, e)
+        line = counter.line(label, cfg.seed, why)
+        if verbose or why:
+            print(line, file=sys.stderr)
+    failures.raise_if_any(len(todo))
     return out
 
 
@@ -165,6 +195,8 @@ def _worker(args: tuple[dict[str, Any], bool, list[str], list[Any]]) -> Result:
 
 def run_parallel(todo: list[Job], jobs: int, log: list[str],
                  callbacks: list[Any], verbose: bool) -> dict[int, Result]:
+    """Run ``todo`` in ``jobs`` worker processes (the metrics are those of a serial run).  A run that diverges is
+    reported when it stops and does not stop the others; any other error cancels the runs not yet started."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -180,10 +212,20 @@ def run_parallel(todo: list[Job], jobs: int, log: list[str],
     with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx) as pool:
         futs = {pool.submit(_worker, (cfg.to_dict(), resume, log, callbacks)): (i, label, cfg.seed)
                 for i, label, cfg, resume in todo}
-        counter = Progress(len(todo))
+        counter, failures = Progress(len(todo)), Failures()
         for fut in as_completed(futs):
             i, label, seed = futs[fut]
-            out[i] = fut.result()
-            if verbose:
-                print(counter.line(label, seed), file=sys.stderr)
+            why = None
+            try:
+                out[i] = fut.result()
+            except DivergenceError as e:
+                why = failures.add(label, seed, e)
+            except BaseException:
+                for f in futs:
+                    f.cancel()
+                raise
+            line = counter.line(label, seed, why)
+            if verbose or why:
+                print(line, file=sys.stderr)
+    failures.raise_if_any(len(todo))
     return out
