@@ -80,7 +80,7 @@ class Scale:
 _FEDMA_COST = (("fedma", "its matching costs ~30x FedAvg's round at this scale (docs/benchmark.md, Cost); "
                          "run it with --methods fedma"),)
 #: Measured on this scale's matrix: each of its 3 seeds had client updates quarantined from round 2 or 3 on,
-#: stayed at chance and stopped in round 56-60 with every update non-finite; at lr 0.05 it stays at chance too, at
+#: stayed at chance and diverged in round 57-61 with every update non-finite; at lr 0.05 it stays at chance too, at
 #: its authors' lr 0.01 it trains (docs/benchmark.md, FEMNIST): each slot starts α = 4 round-updates from the mean.
 _FEDMUT_FEMNIST = ("fedmut", "it diverges at this scale's shared lr 0.2 (every seed, from round 2; it trains at "
                              "lr 0.01: docs/benchmark.md); run it with --methods fedmut")
