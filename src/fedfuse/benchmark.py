@@ -84,8 +84,8 @@ _FEDMA_COST = (("fedma", "its matching costs ~30x FedAvg's round at this scale (
 #: its authors' lr 0.01 it trains (docs/benchmark.md, FEMNIST): each slot starts α = 4 round-updates from the mean.
 _FEDMUT_FEMNIST = ("fedmut", "it diverges at this scale's shared lr 0.2 (every seed, from round 2; it trains at "
                              "lr 0.01: docs/benchmark.md); run it with --methods fedmut")
-#: Measured on this scale's matrix (dir0.1): seed 0 trained, seeds 1 and 2 diverged in rounds 18 and 44 with every
-#: update non-finite (docs/benchmark.md, CIFAR-10).
+#: Measured on this scale's matrix (dir0.1): seed 0 trained, seeds 1 and 2 diverged in rounds 18 and 44 with most
+#: updates non-finite (docs/benchmark.md, CIFAR-10).
 _FEDMUT_CIFAR = ("fedmut", "it diverged in 2 of 3 seeds of dir0.1 at this scale's shared lr 0.05 (docs/benchmark.md); "
                            "run it with --methods fedmut")
 _SGD = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0, "batch_size": 32, "local_epochs": 2,
