@@ -40,6 +40,12 @@ class Progress:
         return (f"  {what}: {label} seed {seed} (run {self.done} of {self.total}; {_duration(elapsed)} elapsed{eta})"
                 + (f": {failed}" if failed else ""))
 
+    def report(self, label: str, seed: int, verbose: bool, failed: str | None = None) -> None:
+        """Count a finished run; print its line when ``verbose``, a failed run's always."""
+        line = self.line(label, seed, failed)
+        if verbose or failed:
+            print(line, file=sys.stderr)
+
 
 class Failures:
     """The runs of a plan that diverged.  A divergence is an outcome of one configuration, not of the plan: the
@@ -118,9 +124,7 @@ def run_serial(todo: list[Job], progress: bool, log: list[str], callbacks: list[
             out[i] = _run_job(cfg, resume, progress, log, callbacks, fed=fed)
         except DivergenceError as e:
             why = failures.add(label, cfg.seed, e)
-        line = counter.line(label, cfg.seed, why)
-        if verbose or why:
-            print(line, file=sys.stderr)
+        counter.report(label, cfg.seed, verbose, why)
     failures.raise_if_any(len(todo))
     return out
 
@@ -224,8 +228,6 @@ def run_parallel(todo: list[Job], jobs: int, log: list[str],
                 for f in futs:
                     f.cancel()
                 raise
-            line = counter.line(label, seed, why)
-            if verbose or why:
-                print(line, file=sys.stderr)
+            counter.report(label, seed, verbose, why)
     failures.raise_if_any(len(todo))
     return out
