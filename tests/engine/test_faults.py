@@ -57,7 +57,7 @@ def _identical(a, b) -> bool:
     return a == b or (a != a and b != b)  # NaN diagnostics compare equal
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedmerge", "fedmr", "fedma", "msfusion"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedmerge", "fedmr", "fedma", "msfusion", "scaffold"])
 def test_bad_update_leaves_global_model_as_without_that_client(fed, algorithm):
     opts = {"algorithm_options": {"d": 2}} if algorithm == "fedmerge" else {}
     clean = _run(fed, algorithm=algorithm, **opts).state
@@ -71,6 +71,15 @@ def test_bad_update_leaves_global_model_as_without_that_client(fed, algorithm):
         assert all("1" in h["quarantined"] for h in exp.history), (algorithm, mode, exp.history[0]["quarantined"])
         assert exp.totals.quarantined >= 2
 
+
+
+def test_a_quarantined_client_keeps_its_own_state(fed):
+    """What the quarantine does not promise (docs/reliability.md §3): the server refuses the reply, but the client
+    keeps the state it computed (SCAFFOLD's c_i): the server cannot undo it."""
+    exp = _run(fed, algorithm="scaffold", corrupt="nan", corrupt_clients=[1])
+    assert all("1" in h["quarantined"] for h in exp.history)
+    ci = exp.client_states[1]["c"]
+    assert any(v.abs().sum() > 0 for v in ci.values())  # the client updated c_i although its reply was refused
 
 def _msg(**tensors) -> Message:
     return Message({k: torch.as_tensor(v, dtype=torch.float32) for k, v in tensors.items()},
