@@ -265,6 +265,31 @@ def test_verify_compares_the_recorded_curve(tmp_path):
     assert not ok and dict((k, d) for k, _, _, d in rows)[verification.CURVE_DIFF] is None
 
 
+def test_verify_compares_the_recorded_costs_and_the_metrics_its_spec_reads(tmp_path, monkeypatch):
+    """The benchmark's "to target" columns read a record's ``costs`` (cumulative bytes and FLOPs per evaluation)
+    and a table may read any final metric (the learning-rate table: ``val_accuracy``): ``verify`` compares both,
+    so a tampered byte count or validation accuracy is caught; the costs' seconds are time and never compared."""
+    rec = make_record(_tiny_run(tmp_path, 0), "tiny", {"method": "fedavg"}, commit="0" * 40)
+    ok, rows = verification.verify(rec, tol=0.0)
+    assert ok and {k: d for k, _, _, d in rows}[verification.COSTS_DIFF] == 0.0
+    slow = {**rec, "costs": [[r, b, f, s + 99.0] for r, b, f, s in rec["costs"]]}
+    assert verification.verify(slow, tol=0.0)[0]
+    more = {**rec, "costs": [[r, b + 4096, f, s] for r, b, f, s in rec["costs"]]}
+    ok, rows = verification.verify(more, tol=0.0)
+    assert not ok and {k: d for k, _, _, d in rows}[verification.COSTS_DIFF] == -4096
+    assert verification.assess(more).outcome == "differs"
+    # a metric only the table's spec reads: checked once the spec says so
+    off = {**rec, "metrics": {**rec["metrics"], "val_accuracy": rec["metrics"]["val_accuracy"] + 0.5}}
+    assert verification.verify(off, tol=0.0)[0]  # no spec for table "tiny": val_accuracy is not a table metric
+    spec = {"id": "tiny", "rows": ["method"], "columns": [{"header": "v", "metric": "val_accuracy", "agg": "mean"}]}
+    (tmp_path / "results" / "tables").mkdir(parents=True)
+    (tmp_path / "results" / "tables" / "tiny.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(verification, "repo_root", lambda: tmp_path)
+    assert verification.spec_metrics(off) == {"val_accuracy"}
+    ok, rows = verification.verify(off, tol=0.0)
+    assert not ok and {k: d for k, _, _, d in rows}["val_accuracy"] == pytest.approx(-0.5)
+
+
 def test_cli_results_render_check_and_list(tmp_path, capsys):
     from fedfuse.cli import main
 
@@ -495,3 +520,25 @@ def test_cli_results_render_says_what_it_checked(tmp_path, capsys):
                                                          "1 document rewritten")
     assert main(["results", "--root", str(root), "render", "--check"]) == 0
     assert capsys.readouterr().out.strip() == "checked 1 table (2 rows) in 1 document, from 2 records: all match"
+
+
+def test_best_within_bolds_the_best_row_of_each_group():
+    """``best_within`` bolds, per group of rows sharing those row keys, the row with the best mean (highest, or
+    lowest with ``higher_is_better: false``); ties are all bold; a row without values is never bold."""
+    col = {"header": "acc", "metric": "global_accuracy", "agg": "mean_std", "scale": 100, "digits": 1,
+           "best_within": ["method"]}
+    spec = {"id": "t", "rows": ["method", "mu"], "order": {"method": ["a", "b"]},
+            "columns": [{"header": "method", "key": "method"}, {"header": "mu", "key": "mu"}, col]}
+
+    def rec(method, seed, acc, mu):
+        return {**_rec(method, seed, acc), "cell": {"method": method, "mu": mu}}
+
+    recs = [rec("a", 0, 0.6, 0.1), rec("a", 1, 0.8, 0.1),      # a, 0.1: 70.0 ± 14.1
+            rec("a", 0, 0.75, 0.2),                            # a, 0.2: 75.0, a's best
+            rec("b", 0, 0.5, 0.1), rec("b", 0, 0.5, 0.2),      # b: a tie, both bold
+            {**rec("b", 0, 0.9, 0.3), "metrics": {}}]          # b, 0.3: no value
+    rows = render_table(spec, recs).splitlines()[2:]
+    assert rows == ["| a | 0.1 | 70.0 ± 14.1 |", "| a | 0.2 | **75.0** |",
+                    "| b | 0.1 | **50.0** |", "| b | 0.2 | **50.0** |", "| b | 0.3 | — |"]
+    low = {**spec, "columns": [*spec["columns"][:2], {**col, "higher_is_better": False}]}
+    assert render_table(low, recs[:3]).splitlines()[2] == "| a | 0.1 | **70.0 ± 14.1** |"

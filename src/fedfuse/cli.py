@@ -487,10 +487,11 @@ def _verify_one(args: argparse.Namespace, root: Path) -> int:
             said = "unchecked" if ok is None else "equal" if ok else "DIFFERS"
             print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  {said}")
     else:
-        wanted = [r for r in res.rows if verify.is_table_metric(r[0])]
-        for name, a, b, d in (res.rows if args.all_metrics else wanted):
+        shown = res.rows if args.all_metrics else [r for r in res.rows if verify.is_table_metric(r[0], rec)]
+        width = max([28, *(len(r[0]) for r in shown)])
+        for name, a, b, d in shown:
             diff = "—" if d is None else f"{d:+.3g}"
-            print(f"  {name:28s} recorded {a!s:>22}  now {b!s:>22}  difference {diff}")
+            print(f"  {name:{width}s} recorded {a!s:>22}  now {b!s:>22}  difference {diff}")
     print(res.message)
     return res.exit_status
 

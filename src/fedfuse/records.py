@@ -302,13 +302,31 @@ def render_table(spec: dict[str, Any], recs: list[dict[str, Any]], root: Path | 
         return render_claims(spec, root or repo_root())
     cols = spec["columns"]
     lines = ["| " + " | ".join(c["header"] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for key, rs in _groups(spec, recs):
+    groups = _groups(spec, recs)
+    best = {i: _best_keys(c, spec, groups) for i, c in enumerate(cols) if "best_within" in c}
+    for key, rs in groups:
         cells = [_cell_text(c, key, spec, rs) for c in cols]
+        cells = [f"**{t}**" if key in best.get(i, ()) else t for i, t in enumerate(cells)]
         reasons = sorted({s for r in rs if (s := stale_reason(r))})
         if reasons:
             cells[0] = f"{cells[0]} {STALE} ({'; '.join(reasons)})"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _best_keys(col: dict[str, Any], spec: dict[str, Any],
+               groups: list[tuple[tuple, list[dict[str, Any]]]]) -> set[tuple]:
+    """The rows whose mean value of ``col`` is the best among the rows that share their values of the row keys
+    ``col["best_within"]`` (e.g. ``["scale"]``: the best learning rate of each scale); highest unless
+    ``col["higher_is_better"]`` is false; ties all count. Rendered bold."""
+    at = [spec["rows"].index(k) for k in col["best_within"]]
+    sign = 1.0 if col.get("higher_is_better", True) else -1.0
+    means: dict[tuple, dict[tuple, float]] = {}
+    for key, rs in groups:
+        ms = mean_std(_column_values(col, rs))
+        if ms.n:
+            means.setdefault(tuple(key[i] for i in at), {})[key] = sign * ms.mean
+    return {k for part in means.values() for k, v in part.items() if v == max(part.values())}
 
 
 def _natural(key: tuple) -> tuple:

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedfuse.records import made_on, record_curve, scalar_metrics, stability_metrics
+from fedfuse.records import costs, load_spec, made_on, record_curve, repo_root, scalar_metrics, stability_metrics
 from fedfuse.result import last_evaluation
 
 #: exit status of ``fedfuse results verify`` per outcome of :func:`assess` (2: refused, usage error)
@@ -69,7 +69,7 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
     exp = experiment(cfg, fed=fed, progress=False)
     summary = exp.run()
     return {**scalar_metrics(last_evaluation(summary)), **stability_metrics(exp.history),
-            "curve": record_curve(exp.history)[0]}
+            "curve": record_curve(exp.history)[0], "costs": costs(exp.history)}
 
 
 def check_base_digest(rec: dict[str, Any]) -> None:
@@ -86,6 +86,25 @@ def check_base_digest(rec: dict[str, Any]) -> None:
 
 #: The row of :func:`verify`'s comparison that covers the per-round curve (tables read points and means of it).
 CURVE_DIFF = "curve (largest difference over its rounds)"
+
+
+#: The row that covers the recorded costs: bytes and client FLOPs at every evaluation (the benchmark's "to target"
+#: columns read them; their seconds are time, never compared).
+COSTS_DIFF = "costs (bytes, FLOPs at every evaluation)"
+
+
+def _costs_row(recorded: list[list[Any]], now: list[list[Any]]) -> tuple[str, Any, Any, float | None]:
+    """(COSTS_DIFF, "N rounds" recorded, "N rounds" now, the largest |now − recorded| of the cumulative bytes and
+    client FLOPs over the evaluated rounds, signed); None when the evaluated rounds differ."""
+    a = {int(c[0]): c[1:3] for c in recorded}
+    b = {int(c[0]): c[1:3] for c in now}
+    if set(a) != set(b):
+        return COSTS_DIFF, f"{len(a)} rounds", f"{len(b)} rounds", None
+    diffs = [float(y) - float(x) for r in a for x, y in zip(a[r], b[r], strict=True)
+             if x is not None and y is not None]
+    if any((x is None) != (y is None) for r in a for x, y in zip(a[r], b[r], strict=True)):
+        return COSTS_DIFF, f"{len(a)} rounds", f"{len(b)} rounds", None
+    return COSTS_DIFF, f"{len(a)} rounds", f"{len(b)} rounds", max(diffs, key=abs, default=0.0)
 
 
 def _curve_row(recorded: list[list[Any]], now: list[list[Any]]) -> tuple[str, Any, Any, float | None]:
@@ -117,21 +136,40 @@ TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy", "personal
                  "personal_rouge1")
 
 
-def is_table_metric(name: str) -> bool:
-    """Metrics the tables use: accuracies, perplexities, ROUGE-1 and the stability means."""
-    return name in TABLE_METRICS or name == CURVE_DIFF or name.startswith(("global_accuracy_", "last10_mean",
-                                                                          "best10_mean"))
+def spec_metrics(rec: dict[str, Any]) -> frozenset[str]:
+    """The final metrics ``rec``'s own table spec reads (a column's or paired spec's ``metric``, ``metric_of``
+    and ``metrics``: e.g. the validation accuracy of the learning-rate table); none when the repository holds no
+    spec for its table."""
+    try:
+        spec = load_spec(repo_root(), rec["table"])
+    except (FileNotFoundError, KeyError):
+        return frozenset()
+    names: set[str] = set()
+    for part in (spec, *spec.get("columns", [])):
+        names.update(n for n in (part.get("metric"), *part.get("metric_of", {}).values(), *part.get("metrics", []))
+                     if isinstance(n, str))
+    return frozenset(names)
+
+
+def is_table_metric(name: str, rec: dict[str, Any] | None = None) -> bool:
+    """Metrics the tables use: accuracies, perplexities, ROUGE-1 and the stability means, and every metric the
+    table spec of ``rec`` reads (:func:`spec_metrics`)."""
+    return (name in TABLE_METRICS or name in (CURVE_DIFF, COSTS_DIFF)
+            or name.startswith(("global_accuracy_", "last10_mean", "best10_mean"))
+            or (rec is not None and name in spec_metrics(rec)))
 
 
 def verify(rec: dict[str, Any], data_dir: str | None = None, tol: float = 0.0,
            out: str | None = None) -> tuple[bool, list[tuple[str, Any, Any, float | None]]]:
     """Re-run ``rec`` and compare: (every table metric within ``tol``, the comparison rows)."""
     now = rerun(rec, data_dir, out)
-    curve = now.pop("curve")
+    curve, spent = now.pop("curve"), now.pop("costs")
     rows = compare(rec["metrics"], now)
     if rec.get("curve"):
         rows.append(_curve_row(rec["curve"], curve))
-    table = [r for r in rows if is_table_metric(r[0])]
+    if rec.get("costs"):
+        rows.append(_costs_row(rec["costs"], spent))
+    table = [r for r in rows if is_table_metric(r[0], rec)]
     ok = all(d is not None and abs(d) <= tol for _, _, _, d in table)
     return ok, rows
 
@@ -221,7 +259,7 @@ def assess(rec: dict[str, Any], data_dir: str | None = None, tol: float = 0.0, o
         bad = ", ".join(c for c, _, _, ok in checks if ok is False)
         return Outcome("differs", f"NOT verified: {why}, and what can be checked differs: {bad}", checks)
     ok, rows = verify(rec, data_dir, tol, out)
-    diffs = [d for name, _, _, d in rows if is_table_metric(name)]
+    diffs = [d for name, _, _, d in rows if is_table_metric(name, rec)]
     largest = max((d for d in diffs if d is not None), key=abs, default=0.0)  # signed: now − recorded
     if all(d == 0 for d in diffs):
         return Outcome("bit for bit", "reproduced bit for bit", rows)
