@@ -70,6 +70,27 @@ def test_cache_hashes_are_stable_and_name_the_cell():
                                                             .config("fedavg"))
 
 
+def test_lr_replaces_only_the_shared_rate_and_caches_apart():
+    """``--lr`` changes every method's local rate and nothing else of a cell, so its runs get their own cache
+    entries; a rate that is not positive is refused."""
+    def configs(**kw):
+        return {label: t.config(label).to_dict() for t in b.tables(args(regimes="dir0.1", methods="fedavg,scaffold",
+                                                                         **kw)) for label in t.rows}
+
+    base, fast = configs(), configs(lr=0.2)
+    assert base["fedavg"]["lr"] == b.SCALES["mnist"].training["lr"] and fast["fedavg"]["lr"] == 0.2
+    for label in base:
+        assert fast[label]["lr"] == 0.2
+        rest = {k: v for k, v in fast[label].items() if k != "lr"}
+        assert rest == {k: v for k, v in base[label].items() if k != "lr"}
+    assert b.tables(args(lr=0.2))[0].title != b.tables(args())[0].title  # the matrix says which rate it ran
+    t0, t1 = b.tables(args(regimes="dir0.1", methods="fedavg"))[0], b.tables(args(regimes="dir0.1", methods="fedavg",
+                                                                                  lr=0.2))[0]
+    assert run_dir_name(t0.config("fedavg")) != run_dir_name(t1.config("fedavg"))
+    with pytest.raises(SystemExit, match="--lr"):
+        b.tables(args(lr=0.0))
+
+
 def test_unregistered_methods_are_left_out_with_a_note_and_unknown_ones_rejected(capsys, monkeypatch):
     """A planned method no algorithm is registered under (here: fedbn and moon taken out of the registry) is left
     out with a note; a name the protocol does not plan is an error."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,8 +160,14 @@ def _names(text: str) -> list[str]:
 
 
 def resolve(args: Any) -> tuple[Scale, list[str]]:
-    """The scale of ``--quick``/``--scale`` and its regimes narrowed by ``--regimes``."""
+    """The scale of ``--quick``/``--scale`` (its shared local rate replaced by ``--lr``) and its regimes narrowed
+    by ``--regimes``."""
     scale = SCALES["quick" if getattr(args, "quick", False) else getattr(args, "scale", "mnist")]
+    lr = getattr(args, "lr", None)
+    if lr is not None:
+        if not float(lr) > 0:
+            raise SystemExit(f"--lr: must be positive, got {lr}")
+        scale = dataclasses.replace(scale, training={**scale.training, "lr": float(lr)})
     regimes = _names(getattr(args, "regimes", ""))
     bad = [r for r in regimes if r not in scale.regimes]
     if bad:
@@ -193,7 +200,8 @@ def tables(args: Any) -> list[Table]:
             base = {k: v for k, v in base.items() if k not in ("algorithm", "algorithm_options")}
             rows = {m: {"algorithm": m, "algorithm_options": {}} for m in methods}
             title = (f"{scale.dataset} {regime} ({REGIMES[regime][3]}), {track} track: {scale.model}, "
-                     f"{scale.clients} clients ({scale.per_round} per round), {scale.rounds} rounds; headline = "
+                     f"{scale.clients} clients ({scale.per_round} per round), {scale.rounds} rounds, local lr "
+                     f"{scale.training['lr']:g}; headline = "
                      f"mean of the last {scale.window} evaluations")
             out.append(Table(table_id(scale, regime, track), title, base, rows, last=scale.window))
     return out
@@ -206,6 +214,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regimes", default="", help="comma list among " + ", ".join(REGIMES) + " (default: the scale's)")
     p.add_argument("--methods", default="",
                    help="comma list (default: every registered method of both tracks): " + ", ".join((*SINGLE, *WIDTH)))
+    p.add_argument("--lr", type=float, default=None,
+                   help="every method's local learning rate instead of the scale's shared one (its runs are cached "
+                        "apart: another config); record them into another table")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per run")
     p.add_argument("--jobs", type=int, default=1, help="run up to N runs at once (metrics identical to serial)")
 
