@@ -146,6 +146,12 @@ def test_quick_runs_end_to_end_resumes_from_its_cache_and_records(tmp_path, caps
     assert all(r["costs"] and "personal_accuracy_worst10" in r["metrics"] for r in recs)
     ok, rows = verify(recs[0])  # a recorded cell re-runs to the same numbers, worst-10 % clients included
     assert ok and "personal_accuracy_worst10" in [r[0] for r in rows]
+    # --lr at the scale's own rate is the same config (all cached); its records name the rate in their cell
+    assert main([*argv, "--lr", "0.05", "--record", "bench-digits-lr", "--root", str(root)]) == 0
+    assert capsys.readouterr().err.count("6 runs: 6 cached, 0 to run") == 2
+    lr = [json.loads(p.read_text()) for p in sorted((root / "results" / "records" / "bench-digits-lr").glob("*"))]
+    assert len(lr) == 12 and all(r["cell"]["lr"] == "0.05" for r in lr)
+    assert {r["config_hash"] for r in lr} == {r["config_hash"] for r in recs}
 
 
 def test_a_method_the_scales_model_cannot_serve_is_left_out_with_its_reason(capsys):

@@ -336,7 +336,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rc = run(benchmark.FAMILY, args, reuse=not args.fresh, default_out=default_out)
     out = Path(args.out or default_out)
     table = args.record or f"bench-{benchmark.SCALES[name].dataset}"
-    recs = _bench_records(out, table)
+    recs = _bench_records(out, table, {} if args.lr is None else {"lr": f"{args.lr:g}"})
     sections = []
     for track in ("single", "width"):
         spec = {**benchmark.spec(name, track), "id": table + ("-width" if track == "width" else ""),
@@ -356,9 +356,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return rc
 
 
-def _bench_records(out: Path, table: str) -> list[dict[str, Any]]:
+def _bench_records(out: Path, table: str, extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """A record (:func:`fedfuse.records.make_record`) of every run of a bench output (``OUT/results.json``);
-    cell = ``{dataset, regime, track, method}`` from the bench table id ``DATASET-REGIME[-width]``."""
+    cell = ``{dataset, regime, track, method}`` from the bench table id ``DATASET-REGIME[-width]``, and ``extra``
+    (``--lr``: ``{"lr": "0.2"}``, so runs of one cell at several rates are rows of one table)."""
     from fedfuse.records import make_record
 
     recs = []
@@ -367,7 +368,7 @@ def _bench_records(out: Path, table: str) -> list[dict[str, Any]]:
         track = "width" if rest.endswith("-width") else "single"
         regime = rest.removesuffix("-width")
         for method, runs in tab["runs"].items():
-            cell = {"dataset": dataset, "regime": regime, "track": track, "method": method}
+            cell = {"dataset": dataset, "regime": regime, "track": track, "method": method, **(extra or {})}
             recs += [make_record(r["dir"], table, cell) for r in runs]
     return recs
 
