@@ -32,10 +32,12 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
+from fedfuse import records
 from fedfuse.bench_report import swing
 from fedfuse.benchmark import SCALES, cell_config
 from fedfuse.cached_runs import run_cached, run_dir_name
 from fedfuse.config import RunConfig, apply, validate
+from fedfuse.stats import mean_std
 
 
 def curve(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
@@ -72,6 +74,10 @@ def study(args: argparse.Namespace) -> list[dict[str, Any]]:
             cfg = {**cell_config(scale, args.regime, method, args.data_dir), "seed": seed}
             matrix_dir = run(cfg, store)
             full_dir = run({**cfg, "clients_per_round": scale.clients}, store)
+            if args.record:
+                for d, per in ((matrix_dir, scale.per_round), (full_dir, scale.clients)):
+                    cell = {"regime": args.regime, "method": method, "clients_per_round": str(per)}
+                    records.write_record(records.repo_root(), records.make_record(d, args.record, cell))
             metric, evaluated = curve(matrix_dir)
             swings.append(swing({"curve": [[r["round"], r[metric]] for r in evaluated]}, scale.window))
             _, full = curve(full_dir)
@@ -81,8 +87,8 @@ def study(args: argparse.Namespace) -> list[dict[str, Any]]:
                 moves.append(abs(now[metric] - prev[metric]))
                 dists.append(label_distance(matrix_dir, now["clients"]))
         rho, p = stats.spearmanr(moves, dists)
-        rows.append({"method": method, "metric": metric, "swing": (np.mean(swings), np.std(swings)),
-                     "swing_full": (np.mean(full_swings), np.std(full_swings)), "rho": rho, "p": p,
+        rows.append({"method": method, "metric": metric, "swing": mean_std(swings),
+                     "swing_full": mean_std(full_swings), "rho": rho, "p": p,
                      "n": len(moves)})
     return rows
 
@@ -95,6 +101,8 @@ def main() -> None:
     p.add_argument("--regime", default="dir0.1")
     p.add_argument("--methods", default="fedavg")
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--record", default=None, metavar="TABLE",
+                   help="record both runs of every method and seed into TABLE (cell regime, method, clients_per_round)")
     a = p.parse_args()
     import torch
 
@@ -106,8 +114,8 @@ def main() -> None:
           "label distance of the round's clients (matrix runs, evaluations after the first quarter)\n")
     print("| method | metric | swing, matrix | swing, every client | ρ | p | n |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['metric']} | {100 * r['swing'][0]:.1f} ± {100 * r['swing'][1]:.1f} | "
-              f"{100 * r['swing_full'][0]:.1f} ± {100 * r['swing_full'][1]:.1f} | {r['rho']:.2f} | "
+        print(f"| {r['method']} | {r['metric']} | {r['swing'].fmt(100, 1)} | {r['swing_full'].fmt(100, 1)} | "
+              f"{r['rho']:.2f} | "
               f"{r['p']:.2g} | {r['n']} |")
 
 

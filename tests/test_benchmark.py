@@ -192,10 +192,10 @@ def test_label_distance_is_the_total_variation_of_the_pooled_histograms(tmp_path
     assert study.label_distance(tmp_path, [0, 1, 2]) == 0.0
 
 
-def test_the_study_reuses_the_matrix_runs_and_adds_the_controls(tmp_path):
+def test_the_study_reuses_the_matrix_runs_and_adds_the_controls(tmp_path, monkeypatch):
     study = _study_module()
     args = argparse.Namespace(scale="quick", regime="dir0.1", methods="fedavg", seeds="0", out=str(tmp_path),
-                              data_dir=str(data_root(argparse.Namespace(data_dir=None))))
+                              data_dir=str(data_root(argparse.Namespace(data_dir=None))), record=None)
     rows = study.study(args)
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert len(runs) == 2 and rows[0]["n"] >= 1
@@ -208,3 +208,13 @@ def test_the_study_reuses_the_matrix_runs_and_adds_the_controls(tmp_path):
     assert run_dir_name(cfg) in runs
     study.study(args)  # a second study runs nothing new
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == runs
+    # --record: both runs become records, whose rendered swing is the study's
+    from fedfuse import records
+
+    monkeypatch.setattr(records, "repo_root", lambda: tmp_path)
+    (tmp_path / "results" / "tables").mkdir(parents=True)
+    rows = study.study(argparse.Namespace(**{**vars(args), "record": "swing"}))
+    recs = records.load_records(tmp_path, "swing")
+    assert sorted(r["cell"]["clients_per_round"] for r in recs) == ["10", "5"]
+    matrix = next(r for r in recs if r["cell"]["clients_per_round"] == str(b.SCALES["quick"].per_round))
+    assert records.curve_value(matrix, {"swing": b.SCALES["quick"].window}) == rows[0]["swing"].mean

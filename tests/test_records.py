@@ -101,6 +101,11 @@ def test_curve_columns_by_hand():
     row = render_table(spec, recs).splitlines()[2]
     # r8: seeds 0, 1 (0.2, 0.4): 30.0 ± 14.1; last 2: 30.0 / 55.0 / 20.0 (seed 2: its one point), mean 35.00 ± 18.03
     assert row == "| a | 30.0 ± 14.1 | 30.0 / 55.0 / 20.0 | 35.00 ± 18.03 |"
+    # swing over the last 3 evaluated points of seed 1 (0.4, 0.5, 0.6): 0.1; seed 0 (0.1, 0.2, 0.4): 0.2;
+    # seed 2 has one point: no swing
+    assert records.curve_value(recs[1], {"swing": 3}) == pytest.approx(0.1)
+    assert records.curve_value(recs[0], {"swing": 3}) == pytest.approx(0.2)
+    assert records.curve_value(recs[2], {"swing": 3}) is None
 
 
 def test_paired_table_by_hand():

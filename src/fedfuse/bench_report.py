@@ -13,13 +13,13 @@ any (this module reads record dicts only and imports nothing of :mod:`fedfuse.re
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fedfuse.stats import friedman, mean_ranks, mean_std, paired_test, pareto_front, ranks
+from fedfuse.stats import swing as stats_swing
 from fedfuse.tables import markdown
 
 Cells = dict[tuple[str, str], dict[int, dict[str, Any]]]
@@ -120,8 +120,7 @@ def _target_cost(rec: dict[str, Any], target: float, column: int) -> float | Non
 def swing(rec: dict[str, Any], window: int) -> float | None:
     """The largest change between consecutive evaluations within a record's headline window: how far the
     evaluated model moves from one evaluation to the next (None with fewer than 2 evaluations)."""
-    pts = _points(rec)[-max(2, window):]
-    return max(abs(b - a) for a, b in itertools.pairwise(pts)) if len(pts) > 1 else None
+    return stats_swing(_points(rec), window)
 
 
 def best_in(by: Cells, regime: str, methods: Sequence[str], window: int) -> tuple[str, float]:

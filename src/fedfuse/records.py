@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.result import last_evaluation
-from fedfuse.stats import mean_std, paired_test, stability
+from fedfuse.stats import mean_std, paired_test, stability, swing
 
 #: Behaviour versions: bumped by every commit that changes what an algorithm ("*": the engine, data, models)
 #: computes.  The history: msfusion 2 = the assembled full model from the current round's sub-models only
@@ -239,11 +239,14 @@ def _groups(spec: dict[str, Any], recs: list[dict[str, Any]]) -> list[tuple[tupl
 
 def curve_value(rec: dict[str, Any], at: dict[str, Any]) -> float | None:
     """A value of a record's per-round curve (``rec["curve"]``: [round, accuracy] of every evaluation): at
-    ``{"round": r}`` its value at round r, at ``{"last": n}`` the mean of its last n evaluations; None when the
-    curve has no such point."""
+    ``{"round": r}`` its value at round r, at ``{"last": n}`` the mean of its last n evaluations, at
+    ``{"swing": n}`` the largest change between consecutive evaluations among its last n (:func:`stats.swing`);
+    None when the curve has no such point."""
     pts = [(int(r), float(a)) for r, a in rec.get("curve", []) if a is not None]
     if "round" in at:
         return next((a for r, a in pts if r == int(at["round"])), None)
+    if "swing" in at:
+        return swing([a for _, a in pts], int(at["swing"]))
     last = pts[-int(at["last"]):]
     return sum(a for _, a in last) / len(last) if last else None
 

@@ -7,6 +7,7 @@ CLI, the Python API and the reproductions agree.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -287,6 +288,13 @@ def stability(history: Sequence[dict[str, Any]], metric: str = "global_accuracy"
 
 
 # ---- many methods over many problems (the benchmark matrix) --------------------------------------------------
+def swing(values: Sequence[float], window: int) -> float | None:
+    """The largest change between consecutive values among the last ``window`` (at least 2): how far an evaluated
+    model moves from one evaluation to the next inside a headline window (None with fewer than 2 values)."""
+    pts = list(values)[-max(2, window):]
+    return max(abs(b - a) for a, b in itertools.pairwise(pts)) if len(pts) > 1 else None
+
+
 def ranks(matrix: Sequence[Sequence[float]], higher_is_better: bool = True) -> list[list[float]]:
     """Per row (a problem) the rank of every column (a method): 1 = best, ties share their average rank."""
     from scipy.stats import rankdata
