@@ -67,6 +67,30 @@ def test_matrix_marks_significant_differences_and_personalised_curves():
     assert [rows[m]["mean rank"] for m in ("fedavg", "fedprox", "local")] == ["1.75", "1.25", "3.00"]
 
 
+def test_a_cell_with_a_diverged_run_says_so_and_is_not_ranked_chosen_or_flattered():
+    """dir0.1 fedprox seed 1 diverged: its cell shows the mean of the two runs that finished with "(1 of 3
+    diverged)", no significance mark, no rank (a method is ranked where every run finished), and the guides
+    do not choose it, though its surviving runs would lead."""
+    recs = toy()
+    for r in recs:
+        if r["cell"]["regime"] == "dir0.1" and r["cell"]["method"] == "fedprox":
+            r["curve"] = [[i, 0.99] for i, _ in r["curve"]]
+            r["metrics"]["personal_accuracy"] = 0.99
+            if r["seed"] == 1:
+                r["diverged"] = {"round": 3, "why": "8 of 10 client updates were non-finite", "lr": 0.2}
+                r["curve"], r["metrics"] = r["curve"][:2], {"round": 2, "cpu_seconds": 3.0}
+    by = br.cells(SPEC, recs)
+    assert br.diverged(by, ("dir0.1", "fedprox")) == 1 and math.isnan(br.mean_of(by, ("dir0.1", "fedprox"), 2))
+    rows = {r["method"]: r for r in br.matrix_rows(SPEC, by)}
+    assert rows["fedprox"]["dir0.1"] == "99.0 ± 0.0 (1 of 3 diverged)"
+    assert rows["fedprox"]["mean rank"] == "—" and rows["fedavg"]["mean rank"] != "—"
+    assert all("fedprox" not in line for line in br.guide(SPEC, by)[1:])
+    assert all("start with fedprox" not in line for line in br.personal_guide(SPEC, by))
+    assert "fedprox" not in br.rank_matrix(SPEC, by)[1]
+    assert br.swing(next(r for r in recs if r.get("diverged")), 2) is None
+    assert "19 runs" not in br.matrix_cost(by) and "over the 18 that counted" in br.matrix_cost(by)
+
+
 def test_cost_to_target_reads_the_cost_at_the_first_evaluation_reaching_it():
     rows = {(r["regime"], r["method"]): r for r in br.cost_rows(SPEC, br.cells(SPEC, toy()))}
     # iid best headline: fedavg/fedprox 0.855 → target 0.7695, first reached at round 2 = 2 MB on every seed

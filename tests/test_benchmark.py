@@ -154,6 +154,31 @@ def test_quick_runs_end_to_end_resumes_from_its_cache_and_records(tmp_path, caps
     assert {r["config_hash"] for r in lr} == {r["config_hash"] for r in recs}
 
 
+def test_a_diverged_run_is_a_cell_outcome_run_once_and_recorded(tmp_path, capsys, monkeypatch):
+    """fedfuse bench goes on past a run that diverges (every client's reply NaN here): the matrix shows the cell
+    as diverged, a second invocation loads the outcome instead of running it again, and --record writes it."""
+    import dataclasses
+
+    from fedfuse.cli import main
+
+    quick = b.SCALES["quick"]
+    bad = {**quick.training, "corrupt": "nan", "corrupt_clients": list(range(quick.clients)), "check_updates": False}
+    monkeypatch.setitem(b.SCALES, "quick", dataclasses.replace(quick, training=bad))
+    out, root = tmp_path / "out", tmp_path / "repo"
+    (root / "results" / "tables").mkdir(parents=True)
+    argv = ["bench", "--quick", "--methods", "fedavg", "--regimes", "iid", "--out", str(out), "--no-progress",
+            "--record", "bench-digits", "--root", str(root)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("failed: fedavg seed") == 2 and "the run diverged in round 1" in err
+    assert "| fedavg | — (2 of 2 diverged) |" in (out / "matrix.md").read_text()
+    recs = [json.loads(p.read_text()) for p in sorted((root / "results" / "records" / "bench-digits").glob("*"))]
+    assert len(recs) == 2 and all(r["diverged"]["round"] == 1 for r in recs)
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "2 runs: 2 cached, 0 to run" in err and err.count("diverged (stored): fedavg seed") == 2
+
+
 def test_a_method_the_scales_model_cannot_serve_is_left_out_with_its_reason(capsys):
     """FedBN declares it needs BatchNorm layers; the MNIST scale's MLP has none, so FedBN (whose rule would then
     average everything, i.e. be FedAvg) is left out of that matrix with the reason, and the other methods stay."""

@@ -42,7 +42,8 @@ def _plan(lrs):
 
 def test_a_diverged_run_does_not_stop_the_others_and_is_reported_when_it_stops(tmp_path, capsys):
     """A divergence is the outcome of one configuration: the plan's other runs finish and stay in the store
-    (the second invocation loads them), the diverged one is named on its progress line and in the error."""
+    (the second invocation loads them), the diverged one is named on its progress line and in the error, and
+    its outcome (diverged.json) is stored too: loaded, never re-run."""
     import pytest
 
     from fedfuse.cached_runs import run_serial, split_stored
@@ -54,7 +55,10 @@ def test_a_diverged_run_does_not_stop_the_others_and_is_reported_when_it_stops(t
     err = capsys.readouterr().err
     assert "failed: lr0.2 seed 0 (run 2 of 3" in err and "done:" not in err  # only the failure is printed
     left, done = split_stored(_plan([0.05, 0.2, 0.1]), tmp_path, rerun=False)
-    assert sorted(done) == [0, 2] and [label for _, label, _, _ in left] == ["lr0.2"]
+    assert sorted(done) == [0, 1, 2] and left == []
+    assert done[1].diverged["round"] == 1 and done[1].final() is None and done[1].summary == {}
+    assert done[0].diverged is None and done[0].final() is not None
+    assert split_stored(_plan([0.05, 0.2, 0.1]), tmp_path, rerun=True)[0][1][1] == "lr0.2"  # --fresh re-runs it
 
 
 def test_parallel_runs_report_a_divergence_and_finish_the_rest(tmp_path, capsys):
@@ -68,4 +72,52 @@ def test_parallel_runs_report_a_divergence_and_finish_the_rest(tmp_path, capsys)
         run_parallel(todo, 2, [], [], verbose=True)
     err = capsys.readouterr().err
     assert err.count("done: ") == 2 and "failed: lr0.2 seed 0" in err
-    assert sorted(split_stored(_plan([0.2, 0.05, 0.1]), tmp_path, rerun=False)[1]) == [1, 2]
+    assert sorted(split_stored(_plan([0.2, 0.05, 0.1]), tmp_path, rerun=False)[1]) == [0, 1, 2]
+
+
+def test_a_sweep_raises_every_divergence_fresh_or_stored_unless_told_they_are_outcomes(tmp_path, capsys):
+    """``Sweep.execute`` names each diverged run at the end, also when it was loaded from the store (the same
+    error on every invocation); with ``diverged_ok`` the diverged run is a result with no final value."""
+    import pytest
+
+    from fedfuse.errors import DivergenceError
+    from fedfuse.sweep import Point, Sweep
+
+    def sweep():
+        return Sweep([Point(label, cfg) for label, cfg in _plan([0.05, 0.2])], [0])
+
+    for _ in range(2):  # fresh, then stored
+        with pytest.raises(DivergenceError, match=r"1 of 2 runs diverged .*lr0.2 seed 0: the run diverged in round 1"):
+            sweep().execute(store=tmp_path, verbose=True)
+    assert "diverged (stored): lr0.2 seed 0: the run diverged in round 1" in capsys.readouterr().err
+    got = sweep().execute(store=tmp_path, diverged_ok=True)
+    bad, good = got.results["lr0.2"][0], got.results["lr0.05"][0]
+    assert bad.cached and bad.diverged["round"] == 1 and bad.diverged["lr"] == 0.2 and bad.final() is None
+    assert "diverged in round 1" in repr(bad) and good.final() is not None
+    in_memory = Sweep([Point(label, cfg) for label, cfg in _plan([0.2])], [0]).execute(diverged_ok=True)
+    assert "diverged in round 1" in in_memory.results["lr0.2"][0].diverged["why"]
+
+
+def test_a_resumed_or_restarted_run_clears_an_earlier_divergence(tmp_path):
+    """diverged.json is the outcome of the attempt that wrote it: a summary outranks it, and a run resumed in
+    its directory removes it."""
+    from fedfuse.cached_runs import run_cached
+    from fedfuse.runfiles import DIVERGED
+
+    cfg = make_config(out=str(tmp_path / "r"), algorithm="fedavg", **SMALL)
+    (tmp_path / "r").mkdir()
+    run_cached(cfg)
+    (tmp_path / "r" / DIVERGED).write_text('{"round": 1, "why": "x", "lr": 0.1}')
+    assert run_cached(cfg).diverged is None  # the summary wins: a finished run
+    (tmp_path / "r" / "summary.json").unlink()
+    import pytest
+
+    from fedfuse.errors import DivergenceError
+
+    with pytest.raises(DivergenceError, match="diverged in round 1: x"):
+        run_cached(cfg)  # a stored divergence is an outcome: not resumed
+    from fedfuse.runner import execute
+
+    again = execute(cfg, resume=True)  # resumed by hand from its last checkpoint: it goes on, and finishes
+    assert again.diverged is None and not (tmp_path / "r" / DIVERGED).exists()
+    assert (tmp_path / "r" / "summary.json").exists()

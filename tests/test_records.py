@@ -547,3 +547,43 @@ def test_best_within_bolds_the_best_row_of_each_group():
                     "| b | 0.1 | **50.0** |", "| b | 0.2 | **50.0** |", "| b | 0.3 | — |"]
     low = {**spec, "columns": [*spec["columns"][:2], {**col, "higher_is_better": False}]}
     assert render_table(low, recs[:3]).splitlines()[2] == "| a | 0.1 | **70.0 ± 14.1** |"
+
+
+def _diverged_run(tmp_path):
+    """A run that diverges in round 1 (every client's reply NaN, no update checks): its directory holds
+    diverged.json and no summary."""
+    from fedfuse.config import RunConfig, apply
+    from fedfuse.errors import DivergenceError
+    from fedfuse.runner import experiment
+
+    cfg = apply(RunConfig(), dict(algorithm="fedavg", dataset="digits", model="mlp", clients=4, clients_per_round=2,
+                                  rounds=3, eval_every=1, seed=0, plots=False, threads=1, check_updates=False,
+                                  corrupt="nan", corrupt_clients=[0, 1, 2, 3], out=str(tmp_path / "bad")))
+    with pytest.raises(DivergenceError):
+        experiment(cfg, progress=False).run()
+    return tmp_path / "bad"
+
+
+def test_a_diverged_run_is_recorded_rendered_and_verified_as_an_outcome(tmp_path):
+    """A diverged run's record holds the round and why, no final metrics; a table shows the seed as diverged
+    and leaves it out of the mean; verify re-runs it to the same divergence, and catches a record that claims
+    another fate (another round, or a finish)."""
+    rec = make_record(_diverged_run(tmp_path), "tiny", {"method": "fedavg"}, commit="0" * 40)
+    assert rec["diverged"]["round"] == 1 and "non-finite" in rec["diverged"]["why"]
+    assert rec["metrics"] == {"round": 0}  # no final metrics: what it spent (no round finished here)
+    assert records.curve_value(rec, {"last": 5}) is None
+    good = {**_rec("fedavg", 0, 0.5), "curve": [[1, 0.5]]}
+    spec = {"id": "t", "rows": ["method"],
+            "columns": [{"header": "m", "key": "method"},
+                        {"header": "acc", "curve": {"last": 1}, "agg": "mean_std", "scale": 100, "digits": 1},
+                        {"header": "per seed", "curve": {"last": 1}, "agg": "per_seed", "scale": 100, "digits": 1}]}
+    row = render_table(spec, [good, {**rec, "seed": 1}]).splitlines()[2]
+    assert row == "| fedavg | 50.0 (1 of 2 diverged) | 50.0 / diverged r1 |"
+    res = verification.assess(rec)
+    assert res.outcome == "bit for bit", res.message
+    assert {k: d for k, _, _, d in res.rows}[verification.DIVERGED_ROW] == 0.0
+    later = {**rec, "diverged": {**rec["diverged"], "round": 2}}
+    assert verification.assess(later).outcome == "differs"
+    finished = {k: v for k, v in rec.items() if k != "diverged"}
+    out = verification.assess(finished)
+    assert out.outcome == "differs" and out.message == "NOT reproduced: recorded finished, re-run diverged in round 1"

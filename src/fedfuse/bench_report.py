@@ -33,7 +33,10 @@ def _points(rec: dict[str, Any]) -> list[float]:
 
 # ---- the cells -----------------------------------------------------------------------------------------------
 def headline(rec: dict[str, Any], window: int) -> float | None:
-    """A record's headline: the mean of the last ``window`` evaluations of its curve (None without one)."""
+    """A record's headline: the mean of the last ``window`` evaluations of its curve (None without one, and for
+    a run that diverged: it has no end)."""
+    if rec.get("diverged"):
+        return None
     last = _points(rec)[-max(1, window):]
     return sum(last) / len(last) if last else None
 
@@ -57,7 +60,16 @@ def axes(spec: dict[str, Any], by: Cells) -> tuple[list[str], list[str]]:
     return (_order({k[0] for k in by}, spec.get("regimes", [])), _order({k[1] for k in by}, spec.get("methods", [])))
 
 
+def diverged(by: Cells, key: tuple[str, str]) -> int:
+    """How many of a cell's runs diverged."""
+    return sum(1 for r in by.get(key, {}).values() if r.get("diverged"))
+
+
 def mean_of(by: Cells, key: tuple[str, str], window: int) -> float:
+    """A cell's mean headline over seeds; NaN when one of its runs diverged (such a cell is not ranked, chosen
+    or plotted: the mean of the runs that survived would flatter it)."""
+    if diverged(by, key):
+        return float("nan")
     vals = [headline(r, window) for r in by.get(key, {}).values()]
     return mean_std(vals).mean
 
@@ -66,7 +78,8 @@ def versus(by: Cells, regime: str, method: str, baseline: str, window: int) -> t
     """(mean difference, paired-t p, seeds) of ``method`` minus ``baseline`` in ``regime`` over their common
     seeds."""
     a, b = by.get((regime, method), {}), by.get((regime, baseline), {})
-    seeds = sorted(set(a) & set(b))
+    seeds = sorted(s for s in set(a) & set(b) if headline(a[s], window) is not None
+                   and headline(b[s], window) is not None)
     t = paired_test([headline(a[s], window) for s in seeds], [headline(b[s], window) for s in seeds])
     return t.diff, t.p_value, t.n
 
@@ -83,7 +96,7 @@ def matrix_rows(spec: dict[str, Any], by: Cells) -> list[dict[str, Any]]:
     baseline, ᵖ for a curve of personalised accuracy (no global model), ⚠ for stale records, and the mean rank."""
     regimes, methods = axes(spec, by)
     window, base = int(spec.get("window", 5)), spec.get("baseline", "fedavg")
-    complete = [m for m in methods if all((g, m) in by for g in regimes)]
+    complete = [m for m in methods if all((g, m) in by and not diverged(by, (g, m)) for g in regimes)]
     mr = dict(zip(complete, mean_ranks([[mean_of(by, (g, m), window) for m in complete] for g in regimes])))
     rows = []
     for m in methods:
@@ -94,9 +107,11 @@ def matrix_rows(spec: dict[str, Any], by: Cells) -> list[dict[str, Any]]:
                 row[g] = "—"
                 continue
             text = mean_std([headline(r, window) for r in recs]).fmt(100.0, 1)
-            if m != base:
+            if m != base and not diverged(by, (g, m)):
                 text += mark(*versus(by, g, m, base, window)[:2])
-            if any(r.get("curve_metric") == "personal_accuracy" for r in recs):
+            if diverged(by, (g, m)):
+                text += f" ({diverged(by, (g, m))} of {len(recs)} diverged)"
+            if any(r.get("curve_metric") == "personal_accuracy" for r in recs if not r.get("diverged")):
                 text += " ᵖ"
             if any(r.get("stale") for r in recs):
                 text += f" {STALE}"
@@ -120,7 +135,7 @@ def _target_cost(rec: dict[str, Any], target: float, column: int) -> float | Non
 def swing(rec: dict[str, Any], window: int) -> float | None:
     """The largest change between consecutive evaluations within a record's headline window: how far the
     evaluated model moves from one evaluation to the next (None with fewer than 2 evaluations)."""
-    return stats_swing(_points(rec), window)
+    return None if rec.get("diverged") else stats_swing(_points(rec), window)
 
 
 def best_in(by: Cells, regime: str, methods: Sequence[str], window: int) -> tuple[str, float]:
@@ -215,7 +230,7 @@ def rank_matrix(spec: dict[str, Any], by: Cells) -> tuple[list[str], list[str], 
     """(regimes, methods present in every regime, regimes × methods mean headlines)."""
     regimes, methods = axes(spec, by)
     window = int(spec.get("window", 5))
-    complete = [m for m in methods if all((g, m) in by for g in regimes)]
+    complete = [m for m in methods if all((g, m) in by and not diverged(by, (g, m)) for g in regimes)]
     return regimes, complete, [[mean_of(by, (g, m), window) for m in complete] for g in regimes]
 
 
@@ -323,7 +338,8 @@ def personal_guide(spec: dict[str, Any], by: Cells) -> list[str]:
     out = []
     for g in regimes:
         per = {m: {s: float(v) for s, r in by.get((g, m), {}).items()
-                   if (v := r["metrics"].get("personal_accuracy")) is not None} for m in methods}
+                   if (v := r["metrics"].get("personal_accuracy")) is not None}
+               for m in methods if not diverged(by, (g, m))}
         per = {m: v for m, v in per.items() if v}
         if not per:
             continue
@@ -398,7 +414,7 @@ def write_figures(spec: dict[str, Any], recs: Sequence[dict[str, Any]], where: P
         pts, labels = [], []
         for m in axes(spec, by)[1]:
             recs_m = list(by.get((g, m), {}).values())
-            if recs_m:
+            if recs_m and not diverged(by, (g, m)):
                 total = mean_std([(r.get("costs") or [[0, 0]])[-1][1] for r in recs_m]).mean
                 pts.append((total / 1e6, mean_of(by, (g, m), window) * 100))
                 labels.append(m)

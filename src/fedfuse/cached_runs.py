@@ -1,5 +1,6 @@
 """Runs executed against a *store* of run directories, each named by its config's hash: a finished run is
-loaded instead of run again, an interrupted one resumes from its checkpoint; many runs go serially (sharing a
+loaded instead of run again (a run that diverged is finished too: its outcome, ``diverged.json``, is loaded and
+reported again, never re-run), an interrupted one resumes from its checkpoint; many runs go serially (sharing a
 federation between consecutive runs) or in worker processes.  :meth:`fedfuse.sweep.Sweep.execute` and
 ``fedfuse reproduce --reuse`` use it."""
 
@@ -17,7 +18,7 @@ from typing import Any
 from fedfuse.config import ConfigError, RunConfig, config_hash
 from fedfuse.errors import DivergenceError
 from fedfuse.result import Result, load
-from fedfuse.runfiles import CHECKPOINT, CONFIG, SUMMARY
+from fedfuse.runfiles import CHECKPOINT, CONFIG, DIVERGED, SUMMARY
 
 Job = tuple[int, str, RunConfig, bool]  # (index in the plan, label, config, resume)
 
@@ -55,7 +56,7 @@ class Failures:
     def __init__(self) -> None:
         self.diverged: list[str] = []
 
-    def add(self, label: str, seed: int, err: DivergenceError) -> str:
+    def add(self, label: str, seed: int, err: DivergenceError | str) -> str:
         """Note the divergence of run (label, seed); returns why, for its progress line."""
         self.diverged.append(f"{label} seed {seed}: {err}")
         return str(err)
@@ -92,7 +93,7 @@ def split_stored(plan: list[tuple[str, RunConfig]], store_dir: Path | None,
         if rerun and status != "empty":
             shutil.rmtree(run_dir)
             status = "empty"
-        if status == "done":
+        if status in ("done", "diverged"):
             done[i] = _load_cached(run_dir)
         else:
             todo.append((i, label, cfg, status == "partial"))
@@ -105,10 +106,25 @@ def _load_cached(run_dir: Path) -> Result:
     return res
 
 
+def divergence_text(res: Result) -> str:
+    """What stopped a diverged run, as the engine said it (``the run diverged in round R: why``)."""
+    d = res.diverged or {}
+    return str(d.get("why")) if d.get("round") is None else f"the run diverged in round {d['round']}: {d.get('why')}"
+
+
+def _diverged_result(cfg: RunConfig, err: DivergenceError) -> Result:
+    """The outcome of a run that diverged: its directory read back (``diverged.json``), or, for a run that
+    writes nothing, a result holding only the engine's message."""
+    if cfg.out and (Path(cfg.out) / DIVERGED).exists():
+        return load(cfg.out)
+    return Result(cfg, [], {}, None, diverged={"round": None, "why": str(err), "lr": cfg.lr})
+
+
 def run_serial(todo: list[Job], progress: bool, log: list[str], callbacks: list[Any],
-               verbose: bool) -> dict[int, Result]:
+               verbose: bool, raise_diverged: bool = True) -> dict[int, Result]:
     """Run ``todo`` in this process; consecutive runs with the same federation share it.  A run that diverges
-    does not stop the others (:class:`Failures`)."""
+    does not stop the others (:class:`Failures`); its outcome is returned with them, and raised at the end when
+    ``raise_diverged``."""
     from fedfuse.config import resolve_device
     from fedfuse.engine.assemble import build_federation
 
@@ -124,8 +140,10 @@ def run_serial(todo: list[Job], progress: bool, log: list[str], callbacks: list[
             out[i] = _run_job(cfg, resume, progress, log, callbacks, fed=fed)
         except DivergenceError as e:
             why = failures.add(label, cfg.seed, e)
+            out[i] = _diverged_result(cfg, e)
         counter.report(label, cfg.seed, verbose, why)
-    failures.raise_if_any(len(todo))
+    if raise_diverged:
+        failures.raise_if_any(len(todo))
     return out
 
 
@@ -152,11 +170,14 @@ def run_cached(cfg: RunConfig, *, progress: bool = False, fed: Any = None) -> Re
     status = _status(run_dir, cfg, strict=False)
     if status == "done":
         return _load_cached(run_dir)
+    if status == "diverged":
+        raise DivergenceError(divergence_text(load(run_dir)))
     return _run_job(cfg, status == "partial", progress, [], [], fed=fed)
 
 
 def _status(run_dir: Path, cfg: RunConfig, strict: bool = True) -> str:
-    """``done`` (finished, same config), ``partial`` (a checkpoint to resume), ``empty`` (nothing usable).
+    """``done`` (finished, same config), ``diverged`` (stopped by a divergence: a finished outcome), ``partial``
+    (a checkpoint to resume), ``empty`` (nothing usable).
 
     A directory holding another configuration is an error when ``strict`` (store directories are named by
     their hash), otherwise ``empty``."""
@@ -172,6 +193,8 @@ def _status(run_dir: Path, cfg: RunConfig, strict: bool = True) -> str:
         raise ConfigError(f"{run_dir} holds a different configuration than its name says; delete it")
     if (run_dir / SUMMARY).exists():
         return "done"
+    if (run_dir / DIVERGED).exists():
+        return "diverged"
     return "partial" if (run_dir / CHECKPOINT).exists() else "empty"
 
 
@@ -198,9 +221,10 @@ def _worker(args: tuple[dict[str, Any], bool, list[str], list[Any]]) -> Result:
 
 
 def run_parallel(todo: list[Job], jobs: int, log: list[str],
-                 callbacks: list[Any], verbose: bool) -> dict[int, Result]:
+                 callbacks: list[Any], verbose: bool, raise_diverged: bool = True) -> dict[int, Result]:
     """Run ``todo`` in ``jobs`` worker processes (the metrics are those of a serial run).  A run that diverges is
-    reported when it stops and does not stop the others; any other error cancels the runs not yet started."""
+    reported when it stops and does not stop the others (its outcome is returned, and raised at the end when
+    ``raise_diverged``); any other error cancels the runs not yet started."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -214,20 +238,23 @@ def run_parallel(todo: list[Job], jobs: int, log: list[str],
         ctx = mp.get_context("spawn")
     out: dict[int, Result] = {}
     with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx) as pool:
-        futs = {pool.submit(_worker, (cfg.to_dict(), resume, log, callbacks)): (i, label, cfg.seed)
+        futs = {pool.submit(_worker, (cfg.to_dict(), resume, log, callbacks)): (i, label, cfg)
                 for i, label, cfg, resume in todo}
         counter, failures = Progress(len(todo)), Failures()
         for fut in as_completed(futs):
-            i, label, seed = futs[fut]
+            i, label, cfg = futs[fut]
+            seed = cfg.seed
             why = None
             try:
                 out[i] = fut.result()
             except DivergenceError as e:
                 why = failures.add(label, seed, e)
+                out[i] = _diverged_result(cfg, e)
             except BaseException:
                 for f in futs:
                     f.cancel()
                 raise
             counter.report(label, seed, verbose, why)
-    failures.raise_if_any(len(todo))
+    if raise_diverged:
+        failures.raise_if_any(len(todo))
     return out

@@ -143,7 +143,7 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
     res = load(run_dir)
     cfg = res.config
     hist = res.history
-    if not res.summary:
+    if not res.summary and not res.diverged:
         raise ValueError(f"{run_dir}: the run has not finished (no summary.json)")
     algo = cfg.algorithm
     curve, curve_metric = record_curve(hist)
@@ -161,12 +161,21 @@ def make_record(run_dir: str | Path, table: str, cell: dict[str, Any], commit: s
         "config_hash": config_hash(cfg),
         "config": d,
         "federation": federation,
-        "metrics": {**scalar_metrics(last_evaluation(res.summary)), **stability_metrics(hist)},
+        # a diverged run has no end: no final metrics (what it spent only), its curve up to the round before
+        "metrics": _spent(hist) if res.diverged else {**scalar_metrics(last_evaluation(res.summary)),
+                                                       **stability_metrics(hist)},
         "curve": curve,
         "costs": costs(hist),
         "made_on": made_on(),
         **({} if curve_metric == "global_accuracy" else {"curve_metric": curve_metric}),
+        **({"diverged": {k: res.diverged.get(k) for k in ("round", "why", "lr")}} if res.diverged else {}),
     }
+
+
+def _spent(hist: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What a run that diverged spent before it stopped: its rounds done and their CPU and wall seconds."""
+    last = hist[-1] if hist else {}
+    return {"round": last.get("round", 0), **{k: last[k] for k in ("cpu_seconds", "wall_seconds") if k in last}}
 
 
 def record_curve(hist: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], str]:
@@ -241,10 +250,12 @@ def curve_value(rec: dict[str, Any], at: dict[str, Any]) -> float | None:
     """A value of a record's per-round curve (``rec["curve"]``: [round, accuracy] of every evaluation): at
     ``{"round": r}`` its value at round r, at ``{"last": n}`` the mean of its last n evaluations, at
     ``{"swing": n}`` the largest change between consecutive evaluations among its last n (:func:`stats.swing`);
-    None when the curve has no such point."""
+    None when the curve has no such point (a diverged run has no last points: it has no end)."""
     pts = [(int(r), float(a)) for r, a in rec.get("curve", []) if a is not None]
     if "round" in at:
         return next((a for r, a in pts if r == int(at["round"])), None)
+    if rec.get("diverged"):
+        return None  # its curve stops before its end: its last points do not stand for the run
     if "swing" in at:
         return swing([a for _, a in pts], int(at["swing"]))
     last = pts[-int(at["last"]):]
@@ -281,13 +292,17 @@ def _cell_text(col: dict[str, Any], key: tuple, spec: dict[str, Any], recs: list
     if agg == "key":
         v = key[spec["rows"].index(col["key"])]
         return "—" if v is None else str(v)
+    diverged = [r for r in recs if r.get("diverged")] if vals else []
+    note = f" ({len(diverged)} of {len(recs)} diverged)" if diverged else ""
     if agg == "mean_std":
-        return mean_std(vals).fmt(scale, digits)
+        return mean_std(vals).fmt(scale, digits) + note
     if agg == "per_seed":
-        return " / ".join(_num(v, scale, digits) for v in vals)
+        return " / ".join(f"diverged r{r['diverged']['round']}" if v is None and r.get("diverged")
+                          else _num(v, scale, digits) for v, r in zip(vals, recs, strict=True))
     if agg == "mean":
         ms = mean_std(vals)
-        return "—" if ms.n == 0 else (f"{ms.mean * scale:,.0f}" if digits == 0 else f"{ms.mean * scale:.{digits}f}")
+        return ("—" if ms.n == 0 else (f"{ms.mean * scale:,.0f}" if digits == 0 else f"{ms.mean * scale:.{digits}f}")
+                ) + note
     if agg == "seeds":
         return ",".join(str(r["seed"]) for r in recs)
     if agg == "within":

@@ -18,6 +18,7 @@ from fedfuse.runfiles import (
     CHECKPOINT,
     CONFIG,
     CURVES,
+    DIVERGED,
     METRICS,
     MODEL_BEST_VAL_LOSS,
     MODEL_FINAL,
@@ -50,6 +51,9 @@ class Result:
     summary: dict[str, Any]
     out: Path | None = None
     cached: bool = field(default=False, compare=False)
+    #: a run that diverged: ``{"round", "why", "lr"}`` (``diverged.json``); its history ends the round before, it
+    #: has no summary and no final value
+    diverged: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.history = with_bytes(self.history)
@@ -87,8 +91,8 @@ class Result:
 
     def final(self, key: str = "global_accuracy", last: int = FINAL_WINDOW) -> float | None:
         """The final value of ``key``: its mean over the last ``last`` evaluations, or over the later half of a
-        shorter run's (:func:`fedfuse.stats.final_window`)."""
-        return final_mean(self.history, key, last)
+        shorter run's (:func:`fedfuse.stats.final_window`); None for a run that diverged (it has no end)."""
+        return None if self.diverged else final_mean(self.history, key, last)
 
     def best(self, key: str = "global_accuracy") -> float | None:
         """Best value of ``key`` over all evaluations (highest; lowest for a loss or perplexity)."""
@@ -132,6 +136,8 @@ class Result:
             parts.append(f"final global acc {100 * acc:.2f}%")
         if pers is not None:
             parts.append(f"final personal acc {100 * pers:.2f}%")
+        if self.diverged:
+            parts.append(f"diverged in round {self.diverged['round']}")
         if self.out:
             parts.append(f"in {self.out}")
         return f"Result({', '.join(parts)})"
@@ -139,7 +145,7 @@ class Result:
 
 def load(run_dir: str | Path) -> Result:
     """The :class:`Result` of a run directory written by ``fedfuse run`` or :func:`run` (``config.yaml`` and
-    ``metrics.jsonl``; ``summary.json`` when the run finished)."""
+    ``metrics.jsonl``; ``summary.json`` when the run finished, ``diverged.json`` when it diverged)."""
     d = Path(run_dir)
     if not (d / CONFIG).exists() or not (d / METRICS).exists():
         raise FileNotFoundError(f"{d}: not a run directory (needs config.yaml and metrics.jsonl)")
@@ -154,7 +160,8 @@ def load(run_dir: str | Path) -> Result:
                 break
             raise
     summary = json.loads((d / SUMMARY).read_text()) if (d / SUMMARY).exists() else {}
-    return Result(cfg, history, summary, d)
+    diverged = json.loads((d / DIVERGED).read_text()) if not summary and (d / DIVERGED).exists() else None
+    return Result(cfg, history, summary, d, diverged=diverged)
 
 
 def is_run_dir(path: str | Path) -> bool:

@@ -242,11 +242,14 @@ class ResultTable:
 
 def _measured_metric(runs: list[Result], metric: str) -> str:
     """``metric``, ``auto`` resolved (``global_accuracy`` when every run has a global model, else
-    ``personal_accuracy``); raises when no run measured it, naming the closest measured metrics."""
+    ``personal_accuracy``); raises when no run measured it, naming the closest measured metrics.  Runs that
+    diverged have no final value and decide nothing (a table of only diverged runs reads ``metric`` as given,
+    ``auto`` as ``global_accuracy``)."""
+    finished = [r for r in runs if not r.diverged]
     if metric == "auto":
-        metric = "global_accuracy" if all(r.final("global_accuracy") is not None for r in runs) \
+        metric = "global_accuracy" if all(r.final("global_accuracy") is not None for r in finished) \
             else "personal_accuracy"
-    if any(h.get(metric) is not None for r in runs for h in r.history):
+    if not finished or any(h.get(metric) is not None for r in runs for h in r.history):
         return metric
     from fedfuse.names import did_you_mean
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+#: how a run that diverged stopped (round, why, lr): a finished outcome, not an interruption
+DIVERGED = "diverged.json"
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_TMP = CHECKPOINT + ".tmp"
 MODEL_FINAL = "model_final.pt"
@@ -36,6 +38,8 @@ FILES: dict[str, tuple[str, str]] = {
                                            "checkpoint's history)"),
     SUMMARY: ("the run's final, last, best and best_val_loss blocks, totals, executor", "engine.store.RunStore."
                                                                                         "write_summary"),
+    DIVERGED: ("the round a run diverged in, why, and its lr (the run stopped there; its metrics.jsonl ends the "
+               "round before)", "engine.store.RunStore.mark_diverged"),
     CHECKPOINT: ("everything a resumed run needs to continue bit-identically", "engine.store.RunStore."
                                                                                "save_checkpoint (atomic)"),
     CHECKPOINT_TMP: ("a checkpoint being written (renamed over checkpoint.pt)", "engine.store.RunStore."
@@ -57,4 +61,4 @@ FILES: dict[str, tuple[str, str]] = {
 #: the files that make a directory a run's (:mod:`fedfuse.rundir` refuses to write a fresh run over them)
 RUN_FILES = (CHECKPOINT, METRICS, SUMMARY, CONFIG)
 #: what ``--overwrite`` removes of an earlier run (its other files are replaced when the new run writes them)
-REPLACED = (*RUN_FILES, CHECKPOINT_TMP, MODEL_BEST_VAL_LOSS, MODEL_BEST_OLD, MODEL_FINAL, LOG)
+REPLACED = (*RUN_FILES, DIVERGED, CHECKPOINT_TMP, MODEL_BEST_VAL_LOSS, MODEL_BEST_OLD, MODEL_FINAL, LOG)

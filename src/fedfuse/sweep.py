@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfuse.cached_runs import run_parallel, run_serial, split_stored
+from fedfuse.cached_runs import divergence_text, run_parallel, run_serial, split_stored
 from fedfuse.config import (
     ConfigError,
     ConfigLike,
@@ -32,6 +32,7 @@ from fedfuse.config import (
     parse_value,
     validate,
 )
+from fedfuse.errors import DivergenceError
 from fedfuse.result import Result, is_run_dir, load
 from fedfuse.result_table import ResultTable
 from fedfuse.runfiles import METRICS
@@ -152,8 +153,12 @@ class Sweep:
     # ---- execution ---------------------------------------------------------------------------------------
     def execute(self, *, out: str | Path | None = None, store: str | Path | None = None, jobs: int = 1,
                 rerun: bool = False, progress: bool = False, log: Sequence[str] = (),
-                callbacks: Sequence[Callback] = (), verbose: bool = False) -> Sweep:
+                callbacks: Sequence[Callback] = (), verbose: bool = False, diverged_ok: bool = False) -> Sweep:
         """Run every missing run; returns ``self`` with :attr:`results` filled (label → results in seed order).
+
+        A run that diverged is an outcome, kept in the store and never re-run (``rerun`` aside): every other run
+        goes on, and at the end a :class:`~fedfuse.errors.DivergenceError` names each diverged run (fresh or
+        stored) unless ``diverged_ok``, which returns them as results with ``diverged`` set and no final value.
 
         ``store``: where runs live (default ``out/runs``; in memory when both are None).  ``out``: where
         ``sweep.json`` (the list of runs, read by ``fedfuse report``) is written.  A missing extra that any run
@@ -172,15 +177,25 @@ class Sweep:
         if verbose:
             print(f"{len(plan)} runs: {len(done)} cached, {len(todo)} to run"
                   + (f" in {jobs} processes" if parallel else ""), file=sys.stderr)
+        stored_diverged = [i for i, r in done.items() if r.diverged]
+        if verbose:
+            for i in stored_diverged:
+                print(f"  diverged (stored): {plan[i][0]} seed {plan[i][1].seed}: {divergence_text(done[i])}",
+                      file=sys.stderr)
         if parallel:
-            done.update(run_parallel(todo, jobs, list(log), list(callbacks), verbose))
+            done.update(run_parallel(todo, jobs, list(log), list(callbacks), verbose, raise_diverged=False))
         else:
-            done.update(run_serial(todo, progress, list(log), list(callbacks), verbose))
+            done.update(run_serial(todo, progress, list(log), list(callbacks), verbose, raise_diverged=False))
         self.results = {p.label: [] for p in self.points}
         for i, (label, _) in enumerate(plan):
             self.results[label].append(done[i])
         if self.out:
             self._write_index(self.out, plan, done)
+        diverged = [f"{label} seed {cfg.seed}: {divergence_text(done[i])}" for i, (label, cfg) in enumerate(plan)
+                    if done[i].diverged]
+        if diverged and not diverged_ok:
+            raise DivergenceError(f"{len(diverged)} of {len(plan)} runs diverged (every other run finished and is "
+                                  "kept): " + "; ".join(diverged))
         return self
 
     def _write_index(self, out: Path, plan: list[tuple[str, RunConfig]], done: Mapping[int, Result]) -> None:

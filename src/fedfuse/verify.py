@@ -34,8 +34,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedfuse.errors import DivergenceError
 from fedfuse.records import costs, load_spec, made_on, record_curve, repo_root, scalar_metrics, stability_metrics
-from fedfuse.result import last_evaluation
+from fedfuse.result import last_evaluation, load
 
 #: exit status of ``fedfuse results verify`` per outcome of :func:`assess` (2: refused, usage error)
 EXIT: dict[str, int] = {"bit for bit": 0, "within tolerance": 0, "differs": 1, "not re-runnable": 3,
@@ -67,7 +68,11 @@ def rerun(rec: dict[str, Any], data_dir: str | None = None, out: str | None = No
 
         fed = truncated(federation_for(cfg), int(spec["seqs"]), int(spec["test"]))
     exp = experiment(cfg, fed=fed, progress=False)
-    summary = exp.run()
+    try:
+        summary = exp.run()
+    except DivergenceError:  # an outcome a record can hold: the round it stopped in, and the curve up to it
+        d = load(out).diverged or {}
+        return {DIVERGED_ROW: d.get("round"), "curve": record_curve(exp.history)[0], "costs": costs(exp.history)}
     return {**scalar_metrics(last_evaluation(summary)), **stability_metrics(exp.history),
             "curve": record_curve(exp.history)[0], "costs": costs(exp.history)}
 
@@ -83,6 +88,10 @@ def check_base_digest(rec: dict[str, Any]) -> None:
         raise SystemExit(f"fedfuse results verify: the record names the LoRA base {base!r} but not its weights "
                          "digest (federation.base_state_sha256): refused to re-run it on an unchecked base")
 
+
+#: The row of :func:`verify`'s comparison for a run that diverged: the round it diverged in, recorded and now
+#: (now ``finished`` when the re-run did not diverge).
+DIVERGED_ROW = "diverged in round"
 
 #: The row of :func:`verify`'s comparison that covers the per-round curve (tables read points and means of it).
 CURVE_DIFF = "curve (largest difference over its rounds)"
@@ -154,7 +163,7 @@ def spec_metrics(rec: dict[str, Any]) -> frozenset[str]:
 def is_table_metric(name: str, rec: dict[str, Any] | None = None) -> bool:
     """Metrics the tables use: accuracies, perplexities, ROUGE-1 and the stability means, and every metric the
     table spec of ``rec`` reads (:func:`spec_metrics`)."""
-    return (name in TABLE_METRICS or name in (CURVE_DIFF, COSTS_DIFF)
+    return (name in TABLE_METRICS or name in (CURVE_DIFF, COSTS_DIFF, DIVERGED_ROW)
             or name.startswith(("global_accuracy_", "last10_mean", "best10_mean"))
             or (rec is not None and name in spec_metrics(rec)))
 
@@ -165,6 +174,11 @@ def verify(rec: dict[str, Any], data_dir: str | None = None, tol: float = 0.0,
     now = rerun(rec, data_dir, out)
     curve, spent = now.pop("curve"), now.pop("costs")
     rows = compare(rec["metrics"], now)
+    if rec.get("diverged") or DIVERGED_ROW in now:
+        was, got = (rec.get("diverged") or {}).get("round"), now.get(DIVERGED_ROW)
+        same = was is not None and got is not None
+        rows.append((DIVERGED_ROW, was if was is not None else "finished", got if got is not None else "finished",
+                     float(got) - float(was) if same else None))
     if rec.get("curve"):
         rows.append(_curve_row(rec["curve"], curve))
     if rec.get("costs"):
@@ -229,6 +243,10 @@ def kernels_differ(rec: dict[str, Any], here: dict[str, Any] | None = None) -> s
     return f"the record was made with other float kernels ({'; '.join(differ)})" if differ else None
 
 
+def _fate(v: Any) -> str:
+    return "finished" if v == "finished" else f"diverged in round {v}"
+
+
 @dataclass
 class Outcome:
     """What :func:`assess` found: the outcome (a key of :data:`EXIT`), its one-line explanation and the rows it
@@ -266,6 +284,9 @@ def assess(rec: dict[str, Any], data_dir: str | None = None, tol: float = 0.0, o
     if ok:
         return Outcome("within tolerance", f"reproduced within tolerance {tol:g}, not bit for bit (largest "
                        f"difference {largest:+.3g})", rows)
+    fate = next((r for r in rows if r[0] == DIVERGED_ROW and r[3] is None), None)
+    if fate is not None:  # one diverged, the other did not
+        return Outcome("differs", f"NOT reproduced: recorded {_fate(fate[1])}, re-run {_fate(fate[2])}", rows)
     if any(d is None for d in diffs):  # which rounds are evaluated does not depend on how floats round
         return Outcome("differs", "NOT reproduced: the evaluated rounds differ", rows)
     what = f"largest table-metric difference {largest:+.3g}"

@@ -154,6 +154,7 @@ class Experiment:
     def _resume(self) -> None:
         ck = self.store.load_checkpoint(self.device)
         check_resume(ck.get("config") or {}, self.cfg, int(ck["round"]), str(self.store.path(CHECKPOINT)))
+        self.store.clear_diverged()
         self.state = ck["state"]
         self.client_states = ck["client_states"]
         self.start_round = int(ck["round"])
@@ -258,6 +259,7 @@ class Experiment:
                 return rec
             lr = self.ctx.train.lr
             if saved is None or attempt == MAX_ROLLBACKS:
+                self.store.mark_diverged(r + 1, why, lr)
                 raise DivergenceError(self._divergence_message(r, why, lr))
             self.state, self.client_states, self.totals, sampler_state, self.late_box = saved
             self.sampler.load_state_dict(sampler_state)

@@ -18,7 +18,7 @@ import torch
 
 from fedfuse.configfile import AsDict, dump_yaml
 from fedfuse.engine.checkpoint import checkpoint_round, load_checkpoint, save_checkpoint
-from fedfuse.runfiles import CHECKPOINT, CONFIG, METRICS, MODEL_BEST_VAL_LOSS, MODEL_FINAL, SUMMARY
+from fedfuse.runfiles import CHECKPOINT, CONFIG, DIVERGED, METRICS, MODEL_BEST_VAL_LOSS, MODEL_FINAL, SUMMARY
 from fedfuse.types import TensorDict
 
 #: which global model :meth:`RunStore.save_model` writes, by the name the run knows it by
@@ -50,6 +50,7 @@ class RunStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.write_config(cfg)
         self.path(METRICS).write_text("")
+        self.clear_diverged()
 
     def write_config(self, cfg: AsDict) -> None:
         """``config.yaml``: every key of ``cfg``, in field order."""
@@ -92,6 +93,16 @@ class RunStore:
         """``summary.json``."""
         if self.dir is not None:
             self.path(SUMMARY).write_text(json.dumps(summary, indent=2))
+
+    def mark_diverged(self, round_: int, why: str, lr: float) -> None:
+        """``diverged.json``: the run stopped in round ``round_`` (1-based) because of ``why``."""
+        if self.dir is not None:
+            self.path(DIVERGED).write_text(json.dumps({"round": round_, "why": why, "lr": lr}))
+
+    def clear_diverged(self) -> None:
+        """A resumed run goes on: whatever stopped an earlier attempt is no longer its outcome."""
+        if self.dir is not None:
+            self.path(DIVERGED).unlink(missing_ok=True)
 
     def write_json(self, name: str, obj: Any) -> None:
         """Another JSON file of the run (``partition.json``, ``flower_calls.json``: :data:`fedfuse.runfiles.FILES`

@@ -96,13 +96,17 @@ class Family:
     #: optional extras every run of the family needs (:mod:`fedfuse.extras`), checked before its tables are built
     #: (building them may read corpora; running them may pretrain a base first)
     extras: tuple[str, ...] = ()
+    #: a run that diverges is one of the family's outcomes (the benchmark matrix shows it in its cell) rather than
+    #: an error that ends the command
+    diverged_ok: bool = False
 
 
 # ---- running ---------------------------------------------------------------------------------------------------
 def execute(table: Table, seeds: Sequence[int], store: Path, *, reuse: bool, fresh: set[str], progress: bool = False,
-            jobs: int = 1, out: Path | None = None) -> Sweep:
+            jobs: int = 1, out: Path | None = None, diverged_ok: bool = False) -> Sweep:
     """Run ``table``'s runs into ``store``.  Without ``reuse`` a run directory left by an earlier invocation is
-    deleted first (``fresh`` holds the ones this invocation made: tables may share runs)."""
+    deleted first (``fresh`` holds the ones this invocation made: tables may share runs).  ``diverged_ok``: a run
+    that diverges is a result (:meth:`Sweep.execute`)."""
     sweep = table.plan(seeds)
     for _, cfg in sweep.configs():
         name = run_dir_name(cfg)
@@ -110,7 +114,8 @@ def execute(table: Table, seeds: Sequence[int], store: Path, *, reuse: bool, fre
             shutil.rmtree(store / name)
         fresh.add(name)
     if table.federation is None:
-        return sweep.execute(out=out, store=store, jobs=jobs, progress=progress, verbose=True)
+        return sweep.execute(out=out, store=store, jobs=jobs, progress=progress, verbose=True,
+                             diverged_ok=diverged_ok)
     # Sweep.execute builds each run's federation from its config; these runs bring their own (same store)
     sweep.results = {p.label: [] for p in sweep.points}
     plan = sweep.configs()
@@ -208,7 +213,7 @@ def run(family: Family, args: Any, *, reuse: bool, default_out: str, name: str =
     t0, blocks = time.perf_counter(), []
     for table in tables:
         sweep = execute(table, seeds, out / "runs", reuse=reuse, fresh=fresh, progress=progress, jobs=jobs,
-                        out=out / table.id)
+                        out=out / table.id, diverged_ok=family.diverged_ok)
         rt = sweep.table(metric=table.metric, last=table.last)
         rt.write(out / table.id, plots=bool(getattr(args, "plots", True)))
         done[table.id] = rt
@@ -222,7 +227,9 @@ def run(family: Family, args: Any, *, reuse: bool, default_out: str, name: str =
     (out / "results.json").write_text(json.dumps(
         {tid: {"metric": rt.metric, "last": rt.last, "runs": {label: [{"seed": r.seed, "final": r.final(rt.metric,
                                                                                                          rt.last),
-                                                                        "dir": str(r.out) if r.out else None}
+                                                                        "dir": str(r.out) if r.out else None,
+                                                                        **({"diverged": r.diverged["round"]}
+                                                                           if r.diverged else {})}
                                                                        for r in rs]
                                                               for label, rs in rt.results.items()}}
          for tid, rt in done.items()}, indent=2, default=str))
