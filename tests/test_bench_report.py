@@ -88,6 +88,8 @@ def test_a_cell_with_a_diverged_run_says_so_and_is_not_ranked_chosen_or_flattere
     assert all("start with fedprox" not in line for line in br.personal_guide(SPEC, by))
     assert "fedprox" not in br.rank_matrix(SPEC, by)[1]
     assert br.swing(next(r for r in recs if r.get("diverged")), 2) is None
+    costs = {(r["regime"], r["method"]) for r in br.cost_rows(SPEC, by)}
+    assert ("dir0.1", "fedprox (1 of 3 diverged)") in costs and ("iid", "fedprox") in costs
     assert "19 runs" not in br.matrix_cost(by) and "over the 18 that counted" in br.matrix_cost(by)
 
 

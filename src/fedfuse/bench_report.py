@@ -159,7 +159,8 @@ def cost_rows(spec: dict[str, Any], by: Cells) -> list[dict[str, Any]]:
             recs = list(by.get((g, m), {}).values())
             if not recs:
                 continue
-            row: dict[str, Any] = {"regime": g, "method": m}
+            gone = diverged(by, (g, m))
+            row: dict[str, Any] = {"regime": g, "method": m + (f" ({gone} of {len(recs)} diverged)" if gone else "")}
             for key, head in (("personal_accuracy", "personalised %"), ("personal_accuracy_worst10", "worst 10 % %")):
                 row[head] = mean_std([r["metrics"].get(key) for r in recs]).fmt(100.0, 1)
             for col, head, unit in ((1, "MB to target", 1e-6), (2, "GFLOPs to target", 1e-9)):

@@ -80,15 +80,6 @@ class Scale:
 #: "Cost"), ~10 CPU-hours for its 18 runs: more than the rest of the matrix.  It is run on request (--methods).
 _FEDMA_COST = (("fedma", "its matching costs ~30x FedAvg's round at this scale (docs/benchmark.md, Cost); "
                          "run it with --methods fedma"),)
-#: Measured on this scale's matrix: each of its 3 seeds had client updates quarantined from round 2 or 3 on,
-#: stayed at chance and diverged in round 57-61 with every update non-finite; at lr 0.05 it stays at chance too, at
-#: its authors' lr 0.01 it trains (docs/benchmark.md, FEMNIST): each slot starts α = 4 round-updates from the mean.
-_FEDMUT_FEMNIST = ("fedmut", "it diverges at this scale's shared lr 0.2 (every seed, from round 2; it trains at "
-                             "lr 0.01: docs/benchmark.md); run it with --methods fedmut")
-#: Measured on this scale's matrix (dir0.1): seed 0 trained, seeds 1 and 2 diverged in rounds 18 and 44 with most
-#: updates non-finite (docs/benchmark.md, CIFAR-10).
-_FEDMUT_CIFAR = ("fedmut", "it diverged in 2 of 3 seeds of dir0.1 at this scale's shared lr 0.05 (docs/benchmark.md); "
-                           "run it with --methods fedmut")
 _SGD = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0, "batch_size": 32, "local_epochs": 2,
         "val_fraction": 0.1}
 _IMAGE_REGIMES = ("iid", "dir0.5", "dir0.1", "shards2", "clusters", "rotated")
@@ -101,9 +92,9 @@ SCALES: dict[str, Scale] = {
                    {"train_limit": 10000, "test_limit": 2000}, left_out=_FEDMA_COST),
     "cifar10": Scale("cifar10", "cnn-cifar", ("dir0.5", "dir0.1"), 50, 10, 100, 5, {**_SGD, "lr": 0.05},
                      {"train_limit": 10000, "test_limit": 2000}, input_shape=(3, 32, 32),
-                     left_out=(*_FEDMA_COST, _FEDMUT_CIFAR)),
+                     left_out=_FEDMA_COST),
     "femnist": Scale("femnist", "cnn-femnist", ("natural",), 105, 10, 100, 5, {**_SGD, "lr": 0.2}, {},
-                     num_classes=62, left_out=(*_FEDMA_COST, _FEDMUT_FEMNIST)),
+                     num_classes=62, left_out=_FEDMA_COST),
     "quick": Scale("digits", "mlp", ("iid", "dir0.1"), 10, 5, 4, 2, {**_SGD, "local_epochs": 1}, {},
                    methods=("fedavg", "scaffold", "local"), seeds=2, window=2, input_shape=(1, 8, 8)),
 }

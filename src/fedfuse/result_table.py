@@ -161,8 +161,11 @@ class ResultTable:
         from fedfuse.tables import markdown
 
         better = "lower is better, " if self.lower else ""
-        counts = [len(evaluations(r.history, self.metric)) for rs in self.results.values() for r in rs]
-        note = (f"\n\n{final_note(self.last, counts)}; metric {self.metric} ({better}best = the "
+        counts = [len(evaluations(r.history, self.metric)) for rs in self.results.values() for r in rs
+                  if not r.diverged]
+        diverged = sum(1 for rs in self.results.values() for r in rs if r.diverged)
+        gone = f" ({diverged} run{'s' if diverged != 1 else ''} diverged: no final value, —)" if diverged else ""
+        note = (f"\n\n{final_note(self.last, counts)}{gone}; metric {self.metric} ({better}best = the "
                 f"{'lowest' if self.lower else 'highest'} evaluation); mean ± std over seeds "
                 f"(n = seeds); target = {self._target_text()}; "
                 f"paired {'t-test' if self.test == 't' else 'Wilcoxon signed-rank test'} over shared seeds "
