@@ -587,3 +587,25 @@ def test_a_diverged_run_is_recorded_rendered_and_verified_as_an_outcome(tmp_path
     finished = {k: v for k, v in rec.items() if k != "diverged"}
     out = verification.assess(finished)
     assert out.outcome == "differs" and out.message == "NOT reproduced: recorded finished, re-run diverged in round 1"
+
+
+def test_paired_and_best_rows_leave_diverged_runs_out():
+    """A paired comparison pairs only the seeds where neither run diverged (and says how many did); a row with a
+    diverged run is never bolded as the best, even when its surviving runs lead."""
+    def rec(method, seed, acc, gone=False):
+        r = {**_rec(method, seed, acc), "cell": {"method": method, "mu": 0.5}}
+        return {**r, "metrics": {}, "diverged": {"round": 3, "why": "x", "lr": 0.2}} if gone else r
+
+    recs = [rec("a", 0, 0.9), rec("a", 1, 0.8), rec("a", 2, 0.7, gone=True),
+            rec("b", 0, 0.5), rec("b", 1, 0.6), rec("b", 2, 0.55)]
+    paired = {"id": "p", "kind": "paired", "by": "method", "group": ["mu"], "pairs": [["a", "b"]],
+              "metric": "global_accuracy", "scale": 100, "digits": 1}
+    row = render_table(paired, recs).splitlines()[2]
+    # seeds 0 and 1: differences 0.4 and 0.2, mean +30.0
+    assert row.startswith("| 0.5 | a vs b (1 of 6 runs diverged: paired over the rest) | +30.0 |")
+    spec = {"id": "t", "rows": ["method"], "columns": [
+        {"header": "m", "key": "method"},
+        {"header": "acc", "metric": "global_accuracy", "agg": "mean_std", "scale": 100, "digits": 1,
+         "best_within": []}]}
+    rows = render_table(spec, recs).splitlines()[2:]
+    assert rows == ["| a | 85.0 ± 7.1 (1 of 3 diverged) |", "| b | **55.0 ± 5.0** |"]

@@ -336,11 +336,14 @@ def _best_keys(col: dict[str, Any], spec: dict[str, Any],
                groups: list[tuple[tuple, list[dict[str, Any]]]]) -> set[tuple]:
     """The rows whose mean value of ``col`` is the best among the rows that share their values of the row keys
     ``col["best_within"]`` (e.g. ``["scale"]``: the best learning rate of each scale); highest unless
-    ``col["higher_is_better"]`` is false; ties all count. Rendered bold."""
+    ``col["higher_is_better"]`` is false; ties all count; a row with a diverged run is never the best. Rendered
+    bold."""
     at = [spec["rows"].index(k) for k in col["best_within"]]
     sign = 1.0 if col.get("higher_is_better", True) else -1.0
     means: dict[tuple, dict[tuple, float]] = {}
     for key, rs in groups:
+        if any(r.get("diverged") for r in rs):
+            continue  # the runs that survived would flatter the row
         ms = mean_std(_column_values(col, rs))
         if ms.n:
             means.setdefault(tuple(key[i] for i in at), {})[key] = sign * ms.mean
@@ -371,15 +374,20 @@ def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
         for a, b in spec["pairs"]:
             if a not in methods or b not in methods:
                 continue
-            seeds = sorted(set(methods[a]) & set(methods[b]))
+            common = sorted(set(methods[a]) & set(methods[b]))
+            gone = sum(1 for s in common for m in (a, b) if methods[m][s].get("diverged"))
+            seeds = [s for s in common if not any(methods[m][s].get("diverged") for m in (a, b))]
             va = [record_value(spec, methods[a][s]) for s in seeds]
             vb = [record_value(spec, methods[b][s]) for s in seeds]
             t = paired_test(va, vb)
             holds = ("yes" if sign * t.diff > 0 else "no") + ("" if t.significant() else " (n.s.)")
-            stale = any(stale_reason(methods[m][s]) for m in (a, b) for s in seeds)
+            stale = any(stale_reason(methods[m][s]) for m in (a, b) for s in common)
             p = "—" if t.p_value != t.p_value else f"{t.p_value:.3g}"
             diff = f"{scale * t.diff:+.{digits}f}" if t.n else "—"
-            label = f"{a} vs {b}" + (f" {STALE}" if stale else "")
+            if not t.n:
+                holds = "—"
+            label = (f"{a} vs {b}" + (f" {STALE}" if stale else "")
+                     + (f" ({gone} of {2 * len(common)} runs diverged: paired over the rest)" if gone else ""))
             out.append("| " + " | ".join([*map(str, gkey), label, diff, p, holds]) + " |")
     return "\n".join(out)
 
