@@ -360,8 +360,6 @@ def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     """Paired comparisons over the same seeds: for each group of ``spec["group"]`` and each (a, b) in
     ``spec["pairs"]`` (values of ``spec["by"]``), the mean difference of ``metric`` (per method:
     :func:`metric_for`), the paired t-test's p and whether "a better than b" holds (``higher_is_better``)."""
-    scale, digits = float(spec.get("scale", 1.0)), int(spec.get("digits", 2))
-    sign = 1.0 if spec.get("higher_is_better", True) else -1.0
     group = spec.get("group", [])
     out = ["| " + " | ".join([*group, "comparison", "difference", "p (paired t)", "holds"]) + " |",
            "|" + "|".join("---" for _ in range(len(group) + 4)) + "|"]
@@ -372,24 +370,27 @@ def render_paired(spec: dict[str, Any], recs: list[dict[str, Any]]) -> str:
     for gkey in sorted(by, key=_natural):
         methods = by[gkey]
         for a, b in spec["pairs"]:
-            if a not in methods or b not in methods:
-                continue
-            common = sorted(set(methods[a]) & set(methods[b]))
-            gone = sum(1 for s in common for m in (a, b) if methods[m][s].get("diverged"))
-            seeds = [s for s in common if not any(methods[m][s].get("diverged") for m in (a, b))]
-            va = [record_value(spec, methods[a][s]) for s in seeds]
-            vb = [record_value(spec, methods[b][s]) for s in seeds]
-            t = paired_test(va, vb)
-            holds = ("yes" if sign * t.diff > 0 else "no") + ("" if t.significant() else " (n.s.)")
-            stale = any(stale_reason(methods[m][s]) for m in (a, b) for s in common)
-            p = "—" if t.p_value != t.p_value else f"{t.p_value:.3g}"
-            diff = f"{scale * t.diff:+.{digits}f}" if t.n else "—"
-            if not t.n:
-                holds = "—"
-            label = (f"{a} vs {b}" + (f" {STALE}" if stale else "")
-                     + (f" ({gone} of {2 * len(common)} runs diverged: paired over the rest)" if gone else ""))
-            out.append("| " + " | ".join([*map(str, gkey), label, diff, p, holds]) + " |")
+            if a in methods and b in methods:
+                out.append("| " + " | ".join([*map(str, gkey), *_paired_cells(spec, methods[a], methods[b], a, b)])
+                           + " |")
     return "\n".join(out)
+
+
+def _paired_cells(spec: dict[str, Any], ra: dict[int, dict[str, Any]], rb: dict[int, dict[str, Any]], a: Any,
+                  b: Any) -> list[str]:
+    """(comparison, difference, p, holds) of ``a`` vs ``b`` over the seeds both ran and neither diverged."""
+    scale, digits = float(spec.get("scale", 1.0)), int(spec.get("digits", 2))
+    sign = 1.0 if spec.get("higher_is_better", True) else -1.0
+    common = sorted(set(ra) & set(rb))
+    gone = sum(1 for s in common for r in (ra, rb) if r[s].get("diverged"))
+    seeds = [s for s in common if not (ra[s].get("diverged") or rb[s].get("diverged"))]
+    t = paired_test([record_value(spec, ra[s]) for s in seeds], [record_value(spec, rb[s]) for s in seeds])
+    holds = ("yes" if sign * t.diff > 0 else "no") + ("" if t.significant() else " (n.s.)") if t.n else "—"
+    stale = any(stale_reason(r[s]) for r in (ra, rb) for s in common)
+    label = (f"{a} vs {b}" + (f" {STALE}" if stale else "")
+             + (f" ({gone} of {2 * len(common)} runs diverged: paired over the rest)" if gone else ""))
+    p = "—" if t.p_value != t.p_value else f"{t.p_value:.3g}"
+    return [label, f"{scale * t.diff:+.{digits}f}" if t.n else "—", p, holds]
 
 
 TYPED = "✎"
