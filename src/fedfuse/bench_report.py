@@ -107,10 +107,11 @@ def matrix_rows(spec: dict[str, Any], by: Cells) -> list[dict[str, Any]]:
                 row[g] = "—"
                 continue
             text = mean_std([headline(r, window) for r in recs]).fmt(100.0, 1)
-            if m != base and not diverged(by, (g, m)):
+            gone = diverged(by, (g, m))
+            if m != base and not gone:
                 text += mark(*versus(by, g, m, base, window)[:2])
-            if diverged(by, (g, m)):
-                text += f" ({diverged(by, (g, m))} of {len(recs)} diverged)"
+            if gone:
+                text += f" ({gone} of {len(recs)} diverged)"
             if any(r.get("curve_metric") == "personal_accuracy" for r in recs if not r.get("diverged")):
                 text += " ᵖ"
             if any(r.get("stale") for r in recs):

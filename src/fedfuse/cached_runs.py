@@ -56,7 +56,7 @@ class Failures:
     def __init__(self) -> None:
         self.diverged: list[str] = []
 
-    def add(self, label: str, seed: int, err: DivergenceError | str) -> str:
+    def add(self, label: str, seed: int, err: DivergenceError) -> str:
         """Note the divergence of run (label, seed); returns why, for its progress line."""
         self.diverged.append(f"{label} seed {seed}: {err}")
         return str(err)

@@ -27,11 +27,13 @@ that built it.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fedfuse.errors import DivergenceError
@@ -148,10 +150,15 @@ TABLE_METRICS = ("global_accuracy", "perplexity", "personal_accuracy", "personal
 def spec_metrics(rec: dict[str, Any]) -> frozenset[str]:
     """The final metrics ``rec``'s own table spec reads (a column's or paired spec's ``metric``, ``metric_of``
     and ``metrics``: e.g. the validation accuracy of the learning-rate table); none when the repository holds no
-    spec for its table."""
+    spec for its table.  Read once per (repository, table): every compared row asks."""
+    return _spec_metrics(str(repo_root()), str(rec.get("table")))
+
+
+@functools.lru_cache(maxsize=64)
+def _spec_metrics(root: str, table: str) -> frozenset[str]:
     try:
-        spec = load_spec(repo_root(), rec["table"])
-    except (FileNotFoundError, KeyError):
+        spec = load_spec(Path(root), table)
+    except FileNotFoundError:
         return frozenset()
     names: set[str] = set()
     for part in (spec, *spec.get("columns", [])):
